@@ -1,0 +1,79 @@
+"""One recurrence for the linear-attention family, with three backends and patch features.
+
+    S_t = (I - k_t a_t^T) Diag(exp g_t) S_{t-1} + write_scale_t k_t x_t^T + u_t y_t^T
+    o_t = scale * S_t^T q_t
+
+States are (B, H, K, V), key dimension first. Each model family is a choice of (g, a, x); see docs/kernels.md.
+No __version__ here on purpose: Hugging Face publishes another import package named `kernels`.
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple, Optional
+
+import torch
+
+from kernels._validate import compute_dtype, validate
+from kernels.chunked import recurrence_chunked
+from kernels.erase import ERASE_ARMS, erase_eigenvalue, erase_vector, project_out
+from kernels.reference import recurrence_reference
+
+BACKENDS = ("auto", "reference", "chunked", "triton")
+
+__all__ = [
+    "BACKENDS", "ERASE_ARMS", "RecurrenceOutput", "erase_eigenvalue", "erase_vector", "project_out",
+    "recurrence", "resolve_backend",
+]
+
+
+class RecurrenceOutput(NamedTuple):
+    o: torch.Tensor                       # (B, T, H, V), q's dtype
+    final_state: Optional[torch.Tensor]   # (B, H, K, V), float32 (float64 for float64 inputs)
+    states: Optional[torch.Tensor]        # (B, P, H, K, V) at the capture positions, or None
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """"auto" means triton on CUDA and chunked elsewhere; RECURSCOPE_BACKEND overrides "auto"."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        env = os.environ.get("RECURSCOPE_BACKEND", "").strip()
+        if env:
+            if env not in BACKENDS:
+                raise ValueError(f"RECURSCOPE_BACKEND must be one of {BACKENDS}, got {env!r}")
+            backend = env
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "chunked"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before kernels.triton_recurrent is "
+            "imported; use backend='chunked' on a CPU"
+        )
+    return backend
+
+
+def recurrence(
+    q, k, x, g, a=None, *, scale=None, initial_state=None, write_scale=None, extra_write=None,
+    capture=None, output_final_state: bool = True, backend: str = "auto",
+) -> RecurrenceOutput:
+    """Runs the recurrence over (B, T, H, ·) inputs; see the module docstring for the math.
+
+    write_scale (B, T, H) multiplies the k x^T term (0 blocks a write; decay and erase still act).
+    extra_write (u, y) adds u_t y_t^T at every step. capture: sorted positions whose S_t (after step t)
+    is returned in `states`. initial_state continues a previous run, which is what stepping means.
+    """
+    dims, positions = validate(q, k, x, g, a, initial_state, write_scale, extra_write, capture)
+    chosen = resolve_backend(backend, q.device)
+    scale = dims.K ** -0.5 if scale is None else float(scale)
+    dtype = compute_dtype(q)
+    kwargs = dict(scale=scale, initial_state=initial_state, write_scale=write_scale,
+                  extra_write=extra_write, capture=positions)
+    if chosen == "reference":
+        o, S, states = recurrence_reference(q, k, x, g, a, dtype=dtype, **kwargs)
+    elif chosen == "chunked":
+        o, S, states = recurrence_chunked(q, k, x, g, a, dtype=dtype, **kwargs)
+    else:
+        from kernels.triton_recurrent import recurrence_triton
+
+        o, S, states = recurrence_triton(q, k, x, g, a, output_final_state=output_final_state, **kwargs)
+    return RecurrenceOutput(o, S if output_final_state else None, states)
