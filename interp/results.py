@@ -1,0 +1,439 @@
+"""Result directories for recurscope runs: a manifest that pins what was run (model, checkpoint hash, arguments,
+seeds, sources, package versions), an append-only row log that survives being killed, and table/figure outputs.
+
+Row-log format (``<out>/<name>.jsonl``): UTF-8 text, one JSON object per line. Each ``append`` writes its rows, one
+per line, followed by one commit line ``{"__batch_end__": <number of rows in the batch>}``, in a single write that is
+flushed and fsynced. A reader keeps only rows followed by their commit line, so a batch is all-or-nothing: a crash
+mid-write leaves at most an uncommitted tail (possibly a torn last line), which readers ignore and the next append
+truncates before writing. Floats NaN/inf are written as Python's json writes them (NaN, Infinity).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import pandas as pd
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+COMMIT_KEY = "__batch_end__"
+# Bytes that start a commit line. json escapes quotes and newlines inside strings and rows may not use the key, so
+# this sequence occurs in the file only where a commit line begins (a commit line never starts the file).
+_COMMIT_PREFIX = b'\n{"' + COMMIT_KEY.encode() + b'": '
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npz", ".npy", ".gguf", ".h5", ".msgpack")
+TRACKED_PACKAGES = ("torch", "triton", "transformers", "transformer_lens", "nnsight", "flash-linear-attention",
+                    "numpy", "pandas", "scipy", "pyarrow", "matplotlib", "recurscope")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_CHUNK = 1 << 20
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Checkpoint hash and environment
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _weight_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise ValueError(f"checkpoint_path must be an existing file or directory, got {str(path)!r} (not found)")
+    files = sorted((p for p in path.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)),
+                   key=lambda p: p.relative_to(path).as_posix())
+    if not files:
+        raise ValueError(f"checkpoint_path {str(path)!r} holds no weight files (expected names ending in "
+                         f"{', '.join(WEIGHT_SUFFIXES)}); point it at the checkpoint directory or weight file")
+    return files
+
+
+def checkpoint_hash(path) -> str:
+    """Content hash of a checkpoint's weight files: sha256 over the files in sorted relative-path order, each
+    framed by its relative path and byte length so that different splits of the same bytes differ. A single file
+    is hashed the same way under its own name. Returns ``"sha256:<hex>"``."""
+    root = Path(path)
+    files = _weight_files(root)
+    digest = hashlib.sha256()
+    for f in files:
+        rel = f.name if root.is_file() else f.relative_to(root).as_posix()
+        digest.update(f"{rel}\0{f.stat().st_size}\0".encode())
+        with open(f, "rb") as handle:
+            for chunk in iter(lambda: handle.read(_CHUNK), b""):
+                digest.update(chunk)
+    return "sha256:" + digest.hexdigest()
+
+
+def package_versions(packages: Sequence[str] = TRACKED_PACKAGES) -> dict[str, Optional[str]]:
+    """Installed versions via importlib.metadata (no imports); a package that is not installed maps to None."""
+    out: dict[str, Optional[str]] = {}
+    for name in packages:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _platform_info() -> dict:
+    return {"python": platform.python_version(), "implementation": platform.python_implementation(),
+            "system": platform.system(), "release": platform.release(), "machine": platform.machine(),
+            "platform": platform.platform()}
+
+
+def _to_jsonable(obj: Any) -> Any:
+    """json ``default`` hook: paths, numpy/torch scalars and arrays, sets."""
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj, key=repr)
+    if hasattr(obj, "tolist"):  # numpy scalars/arrays, torch tensors
+        return obj.tolist()
+    if isinstance(obj, (_dt.datetime, _dt.date)):
+        return obj.isoformat()
+    raise TypeError(f"value of type {type(obj).__name__} is not JSON serialisable")
+
+
+def _normalise(name: str, value: Any) -> Any:
+    """JSON round trip, so a value compares equal to what a manifest stores (tuples become lists, paths strings)."""
+    try:
+        return json.loads(json.dumps(value, default=_to_jsonable))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{name} must be JSON serialisable (numbers, strings, lists, dicts, paths), got an "
+                         f"unsupported value: {err}") from None
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _check_name(kind: str, name: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"{kind} name must be a plain file name (letters, digits, '_', '.', '-'; not starting with "
+                         f"'.' or '-'), got {name!r}")
+    return name
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Row log
+# --------------------------------------------------------------------------------------------------------------
+
+
+class RowLog:
+    """Append-only, crash-safe JSON-lines table. ``key`` (column names) identifies a unit of work."""
+
+    def __init__(self, path, key: Optional[Sequence[str]] = None):
+        self.path = Path(path)
+        self.key = None if key is None else _key_cols(key)
+
+    # -- reading ------------------------------------------------------------------------------------------------
+
+    def _scan(self) -> tuple[list[dict], int, int]:
+        """Committed rows, the byte offset just past the last commit line, and the file size."""
+        if not self.path.exists():
+            return [], 0, 0
+        data = self.path.read_bytes()
+        rows: list[dict] = []
+        pending: list[dict] = []
+        committed_end = 0
+        pos = 0
+        while True:
+            nl = data.find(b"\n", pos)
+            if nl < 0:
+                break  # unterminated final line: a torn write, ignored
+            line = data[pos:nl]
+            pos = nl + 1
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                if data.find(_COMMIT_PREFIX, pos - 1) < 0:
+                    break  # garbage inside the uncommitted tail (a torn write); ignored like the torn last line
+                raise ValueError(f"row log {self.path} is corrupt at byte {pos - len(line) - 1}: a committed line "
+                                 f"is not JSON; the file was edited or damaged") from None
+            if isinstance(obj, dict) and set(obj) == {COMMIT_KEY}:
+                if obj[COMMIT_KEY] != len(pending):
+                    raise ValueError(f"row log {self.path} is corrupt: a commit line says {obj[COMMIT_KEY]} rows, "
+                                     f"{len(pending)} precede it")
+                rows.extend(pending)
+                pending = []
+                committed_end = pos
+            else:
+                pending.append(obj)
+        return rows, committed_end, len(data)
+
+    def rows(self) -> list[dict]:
+        """All committed rows as dicts, in write order (duplicates included)."""
+        return self._scan()[0]
+
+    def done_keys(self, key_cols: Optional[Sequence[str]] = None) -> set:
+        """Keys already committed, so a resumed run can skip them: a set of tuples for several key columns, of
+        plain values for a single column given as a string."""
+        cols, single = self._resolve_key(key_cols)
+        out = set()
+        for i, row in enumerate(self.rows()):
+            missing = [c for c in cols if c not in row]
+            if missing:
+                raise ValueError(f"row {i} of {self.path} lacks key columns {missing}; it has {sorted(row)}")
+            out.add(row[cols[0]] if single else tuple(_hashable(row[c]) for c in cols))
+        return out
+
+    def read(self, key_cols: Optional[Sequence[str]] = None) -> pd.DataFrame:
+        """Committed rows as a DataFrame. With a key (given here or when the table was opened), rows whose key was
+        written more than once keep their first occurrence and a warning says how many were dropped."""
+        rows = self.rows()
+        frame = pd.DataFrame.from_records(rows) if rows else pd.DataFrame(columns=list(self.key or []))
+        if key_cols is None and self.key is None:
+            return frame
+        cols, _ = self._resolve_key(key_cols)
+        if len(frame) == 0:
+            return frame
+        missing = [c for c in cols if c not in frame.columns]
+        if missing:
+            raise ValueError(f"key columns {missing} are not in {self.path}; columns present: {list(frame.columns)}")
+        keys = pd.Series([tuple(_hashable(row.get(c)) for c in cols) for row in rows])
+        dup = keys.duplicated(keep="first").to_numpy()
+        if dup.any():
+            warnings.warn(f"{self.path.name}: {int(dup.sum())} rows repeat a key {cols} already written (e.g. a crash "
+                          f"between writing and bookkeeping); keeping the first occurrence", RuntimeWarning,
+                          stacklevel=2)
+            frame = frame.loc[~dup].reset_index(drop=True)
+        return frame
+
+    def __len__(self) -> int:
+        return len(self.rows())
+
+    def _resolve_key(self, key_cols) -> tuple[list[str], bool]:
+        if key_cols is None:
+            if self.key is None:
+                raise ValueError(f"no key columns for {self.path.name}: pass key_cols or open the table with "
+                                 f"run.table(name, key=[...])")
+            return list(self.key), False
+        if isinstance(key_cols, str):
+            return [key_cols], True
+        return _key_cols(key_cols), False
+
+    # -- writing ------------------------------------------------------------------------------------------------
+
+    def append(self, rows: Iterable[Mapping[str, Any]]) -> int:
+        """Append a batch of rows atomically (all committed or none) and fsync. Returns the number of rows."""
+        rows = list(rows)
+        if not rows:
+            return 0
+        lines = []
+        for i, row in enumerate(rows):
+            if not isinstance(row, Mapping):
+                raise ValueError(f"rows must be dicts (column -> value), got {type(row).__name__} at position {i}")
+            if COMMIT_KEY in row:
+                raise ValueError(f"column name {COMMIT_KEY!r} is reserved for the row log's commit lines (row {i})")
+            if self.key is not None:
+                missing = [c for c in self.key if c not in row]
+                if missing:
+                    raise ValueError(f"row {i} lacks the table's key columns {missing}; every row needs {self.key}")
+            try:
+                lines.append(json.dumps(dict(row), default=_to_jsonable, ensure_ascii=False))
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"row {i} is not JSON serialisable: {err}") from None
+        lines.append(json.dumps({COMMIT_KEY: len(rows)}))
+        payload = ("\n".join(lines) + "\n").encode("utf-8")
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # one writer at a time
+            size = os.fstat(fd).st_size
+            committed_end = _committed_end(fd, size)
+            if size != committed_end:
+                # Drop the uncommitted tail a crash left behind (torn line and/or rows of an unfinished batch).
+                os.ftruncate(fd, committed_end)
+            os.lseek(fd, committed_end, os.SEEK_SET)
+            view = memoryview(payload)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)  # also releases the lock
+        return len(rows)
+
+
+def _committed_end(fd: int, size: int) -> int:
+    """Byte offset just past the last commit line, found by reading backwards (appends stay O(batch), not O(file))."""
+    end = size
+    while end > 0:
+        start = max(0, end - _CHUNK)
+        chunk = os.pread(fd, end - start + len(_COMMIT_PREFIX), start)  # overlap so a prefix across chunks is seen
+        hit = chunk.rfind(_COMMIT_PREFIX)
+        while hit >= 0:
+            line_end = chunk.find(b"\n", hit + 1)
+            if line_end < 0:
+                tail = os.pread(fd, size - (start + hit + 1), start + hit + 1)
+                line_end_abs = tail.find(b"\n")
+                if line_end_abs >= 0:
+                    return start + hit + 1 + line_end_abs + 1
+            else:
+                return start + line_end + 1
+            hit = chunk.rfind(_COMMIT_PREFIX, 0, hit)  # that commit line is torn; look further back
+        end = start
+    return 0
+
+
+def _key_cols(key) -> list[str]:
+    cols = [key] if isinstance(key, str) else list(key)
+    if not cols or not all(isinstance(c, str) and c for c in cols):
+        raise ValueError(f"key columns must be a non-empty list of column names, got {key!r}")
+    return cols
+
+
+def _hashable(value):
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Run directory
+# --------------------------------------------------------------------------------------------------------------
+
+
+class RunDir:
+    """One run's output directory. Create it with ``RunDir.create``, reopen it for a resume with ``RunDir.open``
+    (which refuses if the work would differ), or use ``RunDir.create_or_open`` from a CLI."""
+
+    #: manifest fields that define the work and must match on resume
+    RESUME_FIELDS = ("kind", "model_name", "checkpoint_hash", "args", "seeds", "sources", "split")
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path = Path(path)
+        self.manifest = manifest
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / MANIFEST_NAME
+
+    @staticmethod
+    def _work(kind, model_name, checkpoint_path, args, seeds, sources, split) -> dict:
+        if not isinstance(kind, str) or not kind:
+            raise ValueError(f"kind must be a non-empty string naming the protocol (e.g. 'scan'), got {kind!r}")
+        if not isinstance(model_name, str) or not model_name:
+            raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
+        if args is not None and not isinstance(args, Mapping):
+            raise ValueError(f"args must be a dict of the arguments that define the work, got {type(args).__name__}")
+        return {"kind": kind, "model_name": model_name,
+                "checkpoint_path": None if checkpoint_path is None else os.fspath(checkpoint_path),
+                "checkpoint_hash": None if checkpoint_path is None else checkpoint_hash(checkpoint_path),
+                "args": _normalise("args", dict(args or {})), "seeds": _normalise("seeds", seeds),
+                "sources": _normalise("sources", None if sources is None else list(sources)),
+                "split": _normalise("split", split)}
+
+    @classmethod
+    def create(cls, out_dir, *, kind: str, model_name: str, checkpoint_path=None, args: Optional[Mapping] = None,
+               seeds=None, sources: Optional[Sequence] = None, split: Optional[str] = None,
+               extra: Optional[Mapping] = None) -> "RunDir":
+        """Make ``out_dir`` and write its manifest. ``args`` are the arguments that define the work (compared on
+        resume); ``extra`` is recorded but not compared (device, batch size, ...). Refuses an existing run."""
+        path = Path(out_dir)
+        if (path / MANIFEST_NAME).exists():
+            raise FileExistsError(f"{path} already holds a run ({MANIFEST_NAME} exists); resume it with RunDir.open "
+                                  f"or choose a new --out directory")
+        manifest = {"manifest_version": MANIFEST_VERSION,
+                    **cls._work(kind, model_name, checkpoint_path, args, seeds, sources, split),
+                    "extra": _normalise("extra", dict(extra or {})),
+                    "packages": package_versions(), "argv": list(sys.argv), "cwd": os.getcwd(),
+                    "platform": _platform_info(),
+                    "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                    "resumed": []}
+        path.mkdir(parents=True, exist_ok=True)
+        _atomic_write_text(path / MANIFEST_NAME, json.dumps(manifest, indent=2, default=_to_jsonable) + "\n")
+        return cls(path, manifest)
+
+    @classmethod
+    def open(cls, out_dir, *, kind: Optional[str] = None, model_name: Optional[str] = None, checkpoint_path=None,
+             args: Optional[Mapping] = None, seeds=None, sources: Optional[Sequence] = None,
+             split: Optional[str] = None) -> "RunDir":
+        """Reopen an existing run for a resume. Every resume argument given (not None) is compared with the
+        manifest (the checkpoint by content hash); a mismatch raises ValueError naming the fields."""
+        path = Path(out_dir)
+        manifest_path = path / MANIFEST_NAME
+        if not manifest_path.exists():
+            raise FileNotFoundError(f"{path} has no {MANIFEST_NAME}: it is not a run directory; start a run with "
+                                    f"RunDir.create")
+        try:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{manifest_path} is not valid JSON ({err}); use a new --out directory") from None
+        given = {"kind": kind, "model_name": model_name, "args": args, "seeds": seeds, "sources": sources,
+                 "split": split}
+        now: dict[str, Any] = {}
+        for name, value in given.items():
+            if value is not None:
+                now[name] = _normalise(name, list(value) if name == "sources" else
+                                       dict(value) if name == "args" else value)
+        if checkpoint_path is not None:
+            now["checkpoint_hash"] = checkpoint_hash(checkpoint_path)
+        diffs = [f"{name}: run has {manifest.get(name)!r}, now {value!r}" for name, value in now.items()
+                 if manifest.get(name) != value]
+        if diffs:
+            raise ValueError(f"cannot resume {path}: the work differs from the recorded run in "
+                             f"{', '.join(d.split(':')[0] for d in diffs)} ({'; '.join(diffs)}). Use a new --out "
+                             f"directory for different work")
+        manifest.setdefault("resumed", []).append(
+            {"time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "argv": list(sys.argv),
+             "packages": package_versions()})
+        _atomic_write_text(manifest_path, json.dumps(manifest, indent=2, default=_to_jsonable) + "\n")
+        return cls(path, manifest)
+
+    @classmethod
+    def create_or_open(cls, out_dir, *, kind: str, model_name: str, checkpoint_path=None,
+                       args: Optional[Mapping] = None, seeds=None, sources: Optional[Sequence] = None,
+                       split: Optional[str] = None, extra: Optional[Mapping] = None) -> "RunDir":
+        """Resume ``out_dir`` if it holds a run (with every check of ``open``), otherwise create it."""
+        if (Path(out_dir) / MANIFEST_NAME).exists():
+            return cls.open(out_dir, kind=kind, model_name=model_name, checkpoint_path=checkpoint_path, args=args,
+                            seeds=seeds, sources=sources, split=split)
+        return cls.create(out_dir, kind=kind, model_name=model_name, checkpoint_path=checkpoint_path, args=args,
+                          seeds=seeds, sources=sources, split=split, extra=extra)
+
+    # -- outputs ------------------------------------------------------------------------------------------------
+
+    def table(self, name: str, key: Optional[Sequence[str]] = None) -> RowLog:
+        """The append-only row log ``<out>/<name>.jsonl``; ``key`` names the columns that identify a unit of work."""
+        return RowLog(self.path / f"{_check_name('table', name)}.jsonl", key=key)
+
+    def write_table(self, name: str, frame: pd.DataFrame) -> dict[str, Path]:
+        """Write a finished table as ``<name>.csv`` and ``<name>.parquet`` (pyarrow), each atomically."""
+        if not isinstance(frame, pd.DataFrame):
+            raise ValueError(f"frame must be a pandas DataFrame, got {type(frame).__name__}")
+        _check_name("table", name)
+        out = {"csv": self.path / f"{name}.csv", "parquet": self.path / f"{name}.parquet"}
+        tmp_csv = out["csv"].with_name(f".{name}.csv.tmp{os.getpid()}")
+        tmp_parquet = out["parquet"].with_name(f".{name}.parquet.tmp{os.getpid()}")
+        frame.to_csv(tmp_csv, index=False)
+        frame.to_parquet(tmp_parquet, engine="pyarrow", index=False)
+        os.replace(tmp_csv, out["csv"])
+        os.replace(tmp_parquet, out["parquet"])
+        return out
+
+    def figure_path(self, name: str) -> Path:
+        """``<out>/figures/<name>`` without a suffix; the plotting functions add .png and .svg."""
+        stem = _check_name("figure", name)
+        if stem.endswith((".png", ".svg")):
+            stem = stem[:-4]
+        folder = self.path / "figures"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder / stem
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r}, kind={self.manifest.get('kind')!r})"
