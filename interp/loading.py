@@ -1,0 +1,151 @@
+"""Checkpoint loading and saving in Hugging Face / fla format, and the bundled tiny checkpoints by name.
+
+Weight names follow fla (`model.layers.{i}.attn.q_proj.weight`, ...); inside recurscope the same tensors live
+under TransformerLens-style module names (`blocks.{i}.mixer.q_proj.weight`). The mapping is a pure renaming.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from interp.models import ModelConfig, RecurrentLM
+
+CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
+
+
+def fla_to_ours(name: str) -> str:
+    if name.startswith("lm_head."):
+        return name
+    if not name.startswith("model."):
+        raise KeyError(name)
+    rest = name[len("model."):]
+    rest = re.sub(r"^embeddings\.", "embed.", rest)
+    rest = re.sub(r"^layers\.(\d+)\.attn\.", r"blocks.\1.mixer.", rest)
+    rest = re.sub(r"^layers\.(\d+)\.", r"blocks.\1.", rest)
+    return rest
+
+
+def ours_to_fla(name: str) -> str:
+    if name.startswith("lm_head."):
+        return name
+    rest = re.sub(r"^embed\.", "embeddings.", name)
+    rest = re.sub(r"^blocks\.(\d+)\.mixer\.", r"layers.\1.attn.", rest)
+    rest = re.sub(r"^blocks\.(\d+)\.", r"layers.\1.", rest)
+    return "model." + rest
+
+
+def bundled_names() -> list[str]:
+    if not CHECKPOINT_DIR.is_dir():
+        return []
+    return sorted(p.name for p in CHECKPOINT_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def resolve_checkpoint(path_or_name: Union[str, os.PathLike]) -> Path:
+    """A local directory, or the name of a bundled checkpoint."""
+    p = Path(path_or_name).expanduser()
+    if p.is_dir():
+        return p
+    if str(path_or_name) in bundled_names():
+        return CHECKPOINT_DIR / str(path_or_name)
+    raise ValueError(
+        f"no checkpoint at {str(path_or_name)!r}: it is neither a local directory nor a bundled name "
+        f"({', '.join(bundled_names()) or 'none bundled'}). Models load from local directories only; download one "
+        "first, e.g. with `huggingface-cli download fla-hub/gla-340M-15B --local-dir DIR` on a machine with network."
+    )
+
+
+def _read_state_dict(directory: Path) -> dict:
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = [directory / n for n in names]
+        sd = {}
+        for f in files:
+            sd.update(load_file(str(f)))
+        return sd
+    bins = sorted(directory.glob("pytorch_model*.bin"))
+    if bins:
+        sd = {}
+        for f in bins:
+            sd.update(torch.load(f, map_location="cpu", weights_only=True))
+        return sd
+    raise ValueError(f"{directory} has a config.json but no model.safetensors, sharded safetensors or pytorch_model.bin")
+
+
+def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu",
+               dtype: Optional[torch.dtype] = None, backend: str = "auto") -> RecurrentLM:
+    """Loads a local HF/fla checkpoint directory (or a bundled name) strictly: every mismatch is listed."""
+    directory = resolve_checkpoint(path_or_name)
+    cfg_file = directory / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{directory} has no config.json")
+    cfg = ModelConfig.from_dict(json.loads(cfg_file.read_text()))
+    with torch.device("meta"):
+        probe = RecurrentLM(cfg)
+    expected = {ours_to_fla(k): v.shape for k, v in probe.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    raw = _read_state_dict(directory)
+    missing = sorted(set(expected) - set(raw))
+    unexpected = sorted(k for k in set(raw) - set(expected) if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
+    wrong = sorted(f"{k}: checkpoint {tuple(raw[k].shape)} vs config {tuple(expected[k])}"
+                   for k in set(raw) & set(expected) if tuple(raw[k].shape) != tuple(expected[k]))
+    if missing or unexpected or wrong:
+        lines = [f"checkpoint {directory} does not match its config.json ({cfg.model_type}):"]
+        if missing:
+            lines.append(f"  missing weights ({len(missing)}): {missing[:20]}{' ...' if len(missing) > 20 else ''}")
+        if unexpected:
+            lines.append(f"  unexpected weights ({len(unexpected)}): {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}")
+        if wrong:
+            lines.append(f"  shape mismatches ({len(wrong)}): {wrong[:20]}")
+        lines.append("  Check that config.json belongs to these weights; nothing was loaded.")
+        raise ValueError("\n".join(lines))
+    model = RecurrentLM(cfg)
+    ours = {fla_to_ours(k): v for k, v in raw.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    result = model.load_state_dict(ours, strict=not cfg.tie_word_embeddings)
+    if cfg.tie_word_embeddings:
+        leftover = [k for k in result.missing_keys if k != "lm_head.weight"]
+        if leftover or result.unexpected_keys:
+            raise ValueError(f"internal weight mapping error: missing {leftover}, unexpected {result.unexpected_keys}")
+    for name, t in ours.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"weight {ours_to_fla(name)} in {directory} holds NaN or inf values; the checkpoint is corrupt")
+    model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    model.set_backend(backend)
+    model.name_or_path = str(path_or_name)
+    model.checkpoint_dir = directory
+    model.eval()
+    if (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        model.tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    return model
+
+
+def save_model(model: RecurrentLM, directory: Union[str, os.PathLike], extra_config: Optional[dict] = None) -> Path:
+    """Writes config.json and model.safetensors with fla's weight names (and the tokenizer, if attached)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg.to_dict()
+    cfg.update(extra_config or {})
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    sd = {}
+    for k, v in model.state_dict().items():
+        if model.cfg.tie_word_embeddings and k == "lm_head.weight":
+            continue
+        sd[ours_to_fla(k)] = v.detach().contiguous().cpu()
+    save_file(sd, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if model.tokenizer is not None:
+        model.tokenizer.save_pretrained(str(directory))
+    return directory

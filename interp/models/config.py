@@ -1,0 +1,175 @@
+"""Model configuration read from an HF/fla `config.json`, with every option we do not support rejected by name."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from kernels import ERASE_ARMS
+
+RECURRENT_TYPES = ("gla", "gated_deltanet", "gated_deltanet2")
+
+# Options fla writes that change nothing in inference math, or that we implement.
+_IGNORED_KEYS = {
+    "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache", "initializer_range",
+    "fuse_norm", "fuse_swiglu", "fuse_cross_entropy", "fuse_linear_cross_entropy", "use_l2warp", "attn_mode",
+    "bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "keys_to_ignore_at_inference",
+    "return_dict", "output_hidden_states", "output_attentions", "tie_encoder_decoder", "is_encoder_decoder",
+    "_name_or_path", "auto_map", "chunk_size_feed_forward", "problem_type", "id2label", "label2id",
+    "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
+    "use_gk", "use_gv", "conv_bias", "recurscope",
+}
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_heads: int
+    norm_eps: float = 1e-6
+    hidden_ratio: Optional[float] = 4
+    intermediate_size: Optional[int] = None
+    hidden_act: str = "swish"
+    tie_word_embeddings: bool = False
+    attn: Optional[Any] = None            # fla's hybrid spec: dict or list of dicts with "layers"
+    attnres_block_size: Optional[int] = None
+    max_position_embeddings: int = 2048
+    bos_token_id: Optional[int] = 1
+    eos_token_id: Optional[int] = 2
+    pad_token_id: Optional[int] = None
+    fuse_norm: bool = True
+    # GLA
+    expand_k: float = 0.5
+    expand_v: float = 1.0
+    num_kv_heads: Optional[int] = None
+    feature_map: Optional[str] = None
+    use_short_conv: bool = False
+    conv_size: int = 4
+    conv_bias: bool = False
+    use_output_gate: bool = True
+    clamp_min: Optional[float] = None
+    elementwise_affine: bool = True
+    gate_logit_normalizer: float = 16.0
+    gate_low_rank_dim: int = 16
+    # GDN / GDN-2
+    head_dim: int = 256
+    num_v_heads: Optional[int] = None
+    use_gate: bool = True
+    allow_neg_eigval: bool = False
+    output_gate_activation: str = "swish"
+    # QED (GDN-2 only): erase arm, lam = lambda_max * sigmoid(theta)
+    erase_arm: str = "gdn2"
+    qed_lambda_max: float = 0.25
+    qed_theta_init: float = -2.0
+    extra: dict = field(default_factory=dict)
+
+    # ---- derived sizes -------------------------------------------------
+    @property
+    def mlp_intermediate(self) -> int:
+        if self.intermediate_size is not None:
+            return int(self.intermediate_size)
+        ratio = 4 if self.hidden_ratio is None else self.hidden_ratio
+        inter = int(self.hidden_size * ratio * 2 / 3)
+        return 256 * ((inter + 255) // 256)
+
+    def attention_spec(self, layer: int) -> Optional[dict]:
+        """fla's hybrid rule: a layer listed in attn["layers"] is full attention."""
+        if self.attn is None:
+            return None
+        specs = [self.attn] if isinstance(self.attn, dict) else list(self.attn)
+        for spec in specs:
+            if layer in spec["layers"]:
+                return {
+                    "num_heads": spec.get("num_heads", self.num_heads),
+                    "num_kv_heads": spec.get("num_kv_heads", None) or spec.get("num_heads", self.num_heads),
+                    "qkv_bias": spec.get("qkv_bias", False),
+                    "window_size": spec.get("window_size", None),
+                    "rope_theta": spec.get("rope_theta", 10000.0),
+                }
+        return None
+
+    @property
+    def state_heads(self) -> int:
+        """Heads that carry a recurrent state (value heads for grouped GDN)."""
+        if self.model_type == "gla":
+            return self.num_heads
+        return self.num_v_heads or self.num_heads
+
+    def state_shape(self) -> tuple[int, int]:
+        if self.model_type == "gla":
+            return (int(round(self.hidden_size * self.expand_k)) // self.num_heads,
+                    int(round(self.hidden_size * self.expand_v)) // self.num_heads)
+        return (self.head_dim, int(self.head_dim * self.expand_v))
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        if self.model_type != "gated_deltanet2":
+            for key in ("erase_arm", "qed_lambda_max", "qed_theta_init"):
+                out.pop(key)
+        out.update(self.extra)
+        return out
+
+    # ---- construction --------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        raw = dict(raw)
+        mtype = raw.get("model_type")
+        if mtype not in RECURRENT_TYPES:
+            raise ValueError(
+                f"unknown model_type {mtype!r} in config.json; recurscope loads {RECURRENT_TYPES} "
+                "(fla's 'gla' and 'gated_deltanet', and recurscope's 'gated_deltanet2' for GDN-2/QED)"
+            )
+        known = {f.name for f in fields(cls)} - {"extra"}
+        kwargs, unknown = {}, []
+        for key, value in raw.items():
+            if key in known:
+                kwargs[key] = value
+            elif key in _IGNORED_KEYS:
+                continue
+            else:
+                unknown.append(key)
+        problems = []
+        if unknown:
+            problems.append(f"unrecognised config options {sorted(unknown)}")
+        cfg = cls(**kwargs)
+        problems += cfg._unsupported()
+        if problems:
+            raise ValueError("unsupported config.json: " + "; ".join(problems)
+                             + ". recurscope implements fla 0.6.0's math for these options only; remove or change them.")
+        return cfg
+
+    def _unsupported(self) -> list[str]:
+        bad = []
+        if self.attnres_block_size is not None:
+            bad.append(f"attnres_block_size={self.attnres_block_size} (attention residuals are not implemented)")
+        if self.hidden_act != "swish":
+            bad.append(f"hidden_act={self.hidden_act!r} (only 'swish')")
+        if self.model_type == "gla":
+            if self.feature_map is not None:
+                bad.append(f"feature_map={self.feature_map!r} (only None)")
+            for name, dim in (("expand_k", self.expand_k), ("expand_v", self.expand_v)):
+                total = self.hidden_size * dim
+                if not math.isclose(total, round(total)) or round(total) % self.num_heads:
+                    bad.append(f"{name}={dim} gives a dimension not divisible into {self.num_heads} heads")
+            if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+                bad.append(f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}")
+        else:
+            hv = self.num_v_heads or self.num_heads
+            if hv % self.num_heads:
+                bad.append(f"num_v_heads={hv} must be a multiple of num_heads={self.num_heads}")
+            if not math.isclose(self.head_dim * self.expand_v, int(self.head_dim * self.expand_v)):
+                bad.append(f"head_dim * expand_v = {self.head_dim * self.expand_v} is not an integer")
+            if self.output_gate_activation not in ("swish", "silu", "sigmoid"):
+                bad.append(f"output_gate_activation={self.output_gate_activation!r}")
+        if self.model_type == "gated_deltanet2" and self.erase_arm not in ERASE_ARMS:
+            bad.append(f"erase_arm={self.erase_arm!r} (one of {ERASE_ARMS})")
+        if self.attn is not None:
+            specs = [self.attn] if isinstance(self.attn, dict) else self.attn
+            for spec in specs:
+                if "layers" not in spec:
+                    bad.append("attn entry without 'layers'")
+                if spec.get("qk_norm"):
+                    bad.append("attn.qk_norm=True")
+        return bad

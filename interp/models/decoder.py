@@ -1,0 +1,158 @@
+"""The decoder every family shares, as a TransformerLens HookedRootModule: embeddings, pre-norm blocks
+(RMSNorm, token mixer, residual, RMSNorm, SwiGLU MLP, residual), a final RMSNorm and the LM head."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+from transformer_lens import HookedRootModule
+from transformer_lens.hook_points import HookPoint
+
+from interp.models.cache import LayerCache, RecurrentCache
+from interp.models.config import ModelConfig
+from interp.models.layers import GatedMLP, RMSNorm
+from interp.models.mixers import MIXERS, AttentionMixer, GatedDeltaNet2Mixer, RecurrentMixer
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        spec = cfg.attention_spec(layer)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mixer = AttentionMixer(cfg, spec) if spec is not None else MIXERS[cfg.model_type](cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.mlp_intermediate)
+        self.hook_resid_pre = HookPoint()
+        self.hook_mixer_out = HookPoint()
+        self.hook_resid_mid = HookPoint()
+        self.hook_mlp_out = HookPoint()
+        self.hook_resid_post = HookPoint()
+
+    @property
+    def is_recurrent(self) -> bool:
+        return isinstance(self.mixer, RecurrentMixer)
+
+    def forward(self, resid, layer_cache=None, state_positions=None, offset=0):
+        resid = self.hook_resid_pre(resid)
+        if self.is_recurrent:
+            mixed, new_cache = self.mixer(self.attn_norm(resid), layer_cache, state_positions)
+        else:
+            mixed, new_cache = self.mixer(self.attn_norm(resid), layer_cache, offset=offset)
+        resid = self.hook_resid_mid(resid + self.hook_mixer_out(mixed))
+        resid = self.hook_resid_post(resid + self.hook_mlp_out(self.mlp(self.mlp_norm(resid))))
+        return resid, new_cache
+
+
+class RecurrentLM(HookedRootModule):
+    """A hooked decoder for GLA, Gated DeltaNet, Gated DeltaNet-2/QED and their hybrids with attention.
+
+    `model(tokens)` returns logits; `model(tokens, cache=c, use_cache=True)` returns (logits, RecurrentCache).
+    `state_positions` asks the recurrent mixers for S_t at those positions (hook `blocks.{l}.mixer.hook_state`).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
+        self.hook_embed = HookPoint()
+        self.blocks = nn.ModuleList([Block(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.tokenizer = None
+        self.name_or_path: Optional[str] = None
+        self.setup()
+
+    # ---- facts researchers ask for ------------------------------------------
+    @property
+    def recurrent_layers(self) -> list[int]:
+        return [b.layer for b in self.blocks if b.is_recurrent]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [b.layer for b in self.blocks if not b.is_recurrent]
+
+    @property
+    def n_state_heads(self) -> int:
+        return self.cfg.state_heads
+
+    def check_head(self, layer: int, head: int) -> None:
+        """Raises a ValueError naming the problem if (layer, head) is not a recurrent head of this model."""
+        L = self.cfg.num_hidden_layers
+        if not 0 <= layer < L:
+            raise ValueError(f"layer {layer} is out of range: this model has layers 0..{L - 1}")
+        if not self.blocks[layer].is_recurrent:
+            raise ValueError(f"layer {layer} is a full-attention layer; recurrent layers are {self.recurrent_layers}")
+        if not 0 <= head < self.n_state_heads:
+            raise ValueError(f"head {head} is out of range: layer {layer} has heads 0..{self.n_state_heads - 1}")
+
+    def set_backend(self, backend: str) -> None:
+        """Recurrence backend for every recurrent mixer: 'auto', 'reference', 'chunked' or 'triton'."""
+        import kernels
+
+        if backend not in kernels.BACKENDS:
+            raise ValueError(f"backend must be one of {kernels.BACKENDS}, got {backend!r}")
+        for b in self.blocks:
+            if b.is_recurrent:
+                b.mixer.backend = backend
+
+    @contextmanager
+    def qed_strength(self, s: float):
+        """Multiplies every QED lam_h by s through prefill and decoding, then restores it."""
+        mixers = [b.mixer for b in self.blocks if isinstance(b.mixer, GatedDeltaNet2Mixer)]
+        if not mixers or all(m.erase_arm == "gdn2" for m in mixers):
+            raise ValueError("qed_strength needs a GDN-2 model with a QED erase arm (erase_arm other than 'gdn2')")
+        old = [m.strength for m in mixers]
+        try:
+            for m in mixers:
+                m.strength = float(s)
+            yield self
+        finally:
+            for m, o in zip(mixers, old):
+                m.strength = o
+
+    # ---- forward ------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, cache: Optional[RecurrentCache] = None, use_cache: bool = False,
+                state_positions: Optional[Sequence[int]] = None):
+        if tokens.dim() == 1:
+            tokens = tokens[None]
+        if tokens.dtype not in (torch.long, torch.int32, torch.int64):
+            raise ValueError(f"tokens must be an integer tensor of shape (B, T), got dtype {tokens.dtype}")
+        if int(tokens.max()) >= self.cfg.vocab_size or int(tokens.min()) < 0:
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size - 1}]; got ids in "
+                             f"[{int(tokens.min())}, {int(tokens.max())}] (wrong tokenizer for this model?)")
+        if cache is not None and len(cache.layers) != len(self.blocks):
+            raise ValueError(f"the cache has {len(cache.layers)} layers but the model has {len(self.blocks)}")
+        offset = 0 if cache is None else cache.seen_tokens
+        resid = self.hook_embed(self.embed(tokens))
+        new_layers = []
+        for i, block in enumerate(self.blocks):
+            lc = None if cache is None else cache.layers[i]
+            resid, new_lc = block(resid, lc, state_positions, offset)
+            new_layers.append(new_lc)
+        logits = self.lm_head(self.norm(resid))
+        if use_cache:
+            return logits, RecurrentCache(new_layers, offset + tokens.shape[1])
+        return logits
+
+    def run_with_cache(self, *args, state_positions: Optional[Sequence[int]] = None, **kwargs):
+        """TransformerLens's run_with_cache, plus `state_positions` for `hook_state` (no other state is kept)."""
+        if state_positions is not None:
+            kwargs["state_positions"] = state_positions
+        return super().run_with_cache(*args, **kwargs)
+
+    def empty_cache(self, batch_size: int, device=None, dtype=torch.float32) -> RecurrentCache:
+        """A cache of zero states, as if nothing had been read yet."""
+        layers = []
+        K, V = self.cfg.state_shape()
+        for b in self.blocks:
+            if b.is_recurrent:
+                layers.append(LayerCache("recurrent", state=torch.zeros(batch_size, self.n_state_heads, K, V,
+                                                                     device=device, dtype=dtype)))
+            else:
+                layers.append(LayerCache("attention"))
+        return RecurrentCache(layers, 0)

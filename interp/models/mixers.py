@@ -1,0 +1,368 @@
+"""Token mixers with fla 0.6.0's math and parameter names, each exposing the recurrence as named hook points.
+
+Recurrent mixers (GLA, Gated DeltaNet, Gated DeltaNet-2/QED) reduce to one call of `kernels.recurrence` with
+their own (g, a, x); the hook points sit on exactly those inputs, on the states and on the readout.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformer_lens.hook_points import HookPoint
+
+import kernels
+from interp.models.cache import LayerCache
+from interp.models.config import ModelConfig
+from interp.models.layers import GatedRMSNorm, RMSNorm, ShortConvolution, l2_normalise, rotary
+
+
+def _has_hooks(point: HookPoint) -> bool:
+    return bool(point._forward_hooks)
+
+
+def _split_heads(t: torch.Tensor, dim: int) -> torch.Tensor:
+    return t.reshape(*t.shape[:-1], -1, dim)
+
+
+def _repeat_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, T, H, D) -> (B, T, H*groups, D), head h serving heads h*groups .. h*groups+groups-1."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=2)
+
+
+class RecurrentMixer(nn.Module):
+    """Shared plumbing: hook points, write patches, state patches that carry forward, output norm and o_proj."""
+
+    def __init__(self):
+        super().__init__()
+        self.backend = "auto"
+        self.hook_q = HookPoint()            # (B, T, H, K) after conv, activation and norm
+        self.hook_k = HookPoint()            # (B, T, H, K)
+        self.hook_v = HookPoint()            # (B, T, H, V)
+        self.hook_decay = HookPoint()        # g: (B, T, H) or (B, T, H, K), log decay
+        self.hook_erase = HookPoint()        # a: (B, T, H, K); absent for GLA
+        self.hook_write_key = HookPoint()    # u_t: (B, T, H, K), the write direction (k_t unless patched)
+        self.hook_write_value = HookPoint()  # x_t: (B, T, H, V), so that W_t = u_t x_t^T
+        self.hook_write_scale = HookPoint()  # (B, T, H), 1 unless patched; 0 blocks a write
+        self.hook_state = HookPoint()        # S_t at requested positions: (B, P, H, K, V)
+        self.hook_head_out = HookPoint()     # o_t before norm and gate: (B, T, H, V)
+        self.hook_z = HookPoint()            # after norm and gate, before o_proj: (B, T, H, V)
+
+    # ---- the recurrence with its hooks ------------------------------------
+    def _recur(self, q, k, x, g, a, init_state, state_positions, scale):
+        """Applies the write/state hooks and runs the kernel; returns (o, final_state)."""
+        B, T, H, K = q.shape
+        u = self.hook_write_key(k.clone() if _has_hooks(self.hook_write_key) else k)
+        x = self.hook_write_value(x)
+        ws = None
+        if _has_hooks(self.hook_write_scale):
+            ws = self.hook_write_scale(torch.ones(B, T, H, dtype=torch.float32, device=q.device))
+        extra = None
+        if u is not k and not torch.equal(u, k):
+            # A patched write key must not move the erase: block the k x^T write and add u x^T instead.
+            scale_w = torch.zeros(B, T, H, dtype=torch.float32, device=q.device)
+            extra = (u, x if ws is None else x * ws[..., None].to(x.dtype))
+            ws = scale_w
+        run = lambda sl, init, cap=None: kernels.recurrence(  # noqa: E731
+            q[:, sl], k[:, sl], x[:, sl], g[:, sl], None if a is None else a[:, sl], scale=scale,
+            initial_state=init, write_scale=None if ws is None else ws[:, sl],
+            extra_write=None if extra is None else (extra[0][:, sl], extra[1][:, sl]),
+            capture=cap, backend=self.backend)
+        positions = None if state_positions is None else sorted({int(p) for p in state_positions})
+        if positions is not None and any(p < 0 or p >= T for p in positions):
+            raise ValueError(f"state_positions must lie in [0, {T - 1}] for a call of {T} tokens, got {positions}")
+        out = run(slice(0, T), init_state, positions or None)
+        if not positions:
+            return out.o, out.final_state
+        states = out.states
+        if not _has_hooks(self.hook_state):
+            return out.o, out.final_state
+        patched = self.hook_state(states.clone())
+        if patched.shape != states.shape:
+            raise ValueError(f"a hook_state hook must return shape {tuple(states.shape)}, got {tuple(patched.shape)}")
+        changed = (patched.to(states.dtype) != states).flatten(3).any(-1)   # (B, P, H)
+        if not bool(changed.any()):
+            return out.o, out.final_state
+        # Rerun from the first patched position; each patch replaces the (batch, head) states it changes and
+        # the recurrence continues from there, so the change carries into every later step.
+        o = out.o.clone()
+        hit = [i for i in range(len(positions)) if bool(changed[:, i].any())]
+        S = None
+        prev = None
+        for i in hit:
+            p = positions[i]
+            if prev is None:
+                S = states[:, i]
+            else:
+                seg = run(slice(prev + 1, p + 1), S)
+                o[:, prev + 1:p + 1] = seg.o
+                S = seg.final_state
+            mask = changed[:, i][..., None, None]
+            S = torch.where(mask, patched[:, i].to(S.dtype), S)
+            o[:, p] = (scale * torch.einsum("bhkv,bhk->bhv", S, q[:, p].to(S.dtype))).to(o.dtype)
+            prev = p
+        if prev + 1 < T:
+            seg = run(slice(prev + 1, T), S)
+            o[:, prev + 1:] = seg.o
+            S = seg.final_state
+        return o, S
+
+    def _conv_or_act(self, name, proj_out, layer_cache, new_conv):
+        conv = getattr(self, f"{name}_conv1d", None)
+        if conv is None:
+            return proj_out
+        tail = None if layer_cache is None else layer_cache.conv.get(name)
+        y, new_conv[name] = conv(proj_out, tail)
+        return y
+
+    def _finish(self, o, gate, layer_cache, new_state, new_conv):
+        o = self.hook_head_out(o)
+        z = self.hook_z(self._norm_and_gate(o, gate))
+        out = self.o_proj(z.reshape(*z.shape[:2], -1))
+        return out, LayerCache("recurrent", state=new_state, conv=new_conv)
+
+
+class GLAMixer(RecurrentMixer):
+    """Gated Linear Attention: g = logsigmoid(gk_proj x) / 16 per channel, no erase, x = v."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads or cfg.num_heads
+        self.groups = self.num_heads // self.num_kv_heads
+        key_dim, value_dim = int(round(d * cfg.expand_k)), int(round(d * cfg.expand_v))
+        self.head_k, self.head_v = key_dim // cfg.num_heads, value_dim // cfg.num_heads
+        kd, vd = key_dim // self.groups, value_dim // self.groups
+        self.q_proj = nn.Linear(d, key_dim, bias=False)
+        self.k_proj = nn.Linear(d, kd, bias=False)
+        self.v_proj = nn.Linear(d, vd, bias=False)
+        if cfg.use_output_gate:
+            self.g_proj = nn.Linear(d, value_dim, bias=False)
+        if cfg.use_short_conv:
+            self.q_conv1d = ShortConvolution(key_dim, cfg.conv_size, cfg.conv_bias)
+            self.k_conv1d = ShortConvolution(kd, cfg.conv_size, cfg.conv_bias)
+            self.v_conv1d = ShortConvolution(vd, cfg.conv_size, cfg.conv_bias)
+        self.gk_proj = nn.Sequential(nn.Linear(d, cfg.gate_low_rank_dim, bias=False),
+                                     nn.Linear(cfg.gate_low_rank_dim, kd, bias=True))
+        self.o_proj = nn.Linear(value_dim, d, bias=False)
+        self.use_output_gate = cfg.use_output_gate
+        norm = GatedRMSNorm(self.head_v, cfg.norm_eps, "swish", cfg.elementwise_affine) if cfg.use_output_gate \
+            else RMSNorm(self.head_v, cfg.norm_eps, cfg.elementwise_affine)
+        # fla names the norm after whether it is fused with the gate.
+        self.norm_name = "g_norm_swish_gate" if (cfg.fuse_norm and cfg.use_output_gate) else "g_norm"
+        setattr(self, self.norm_name, norm)
+        self.gate_logit_normalizer = cfg.gate_logit_normalizer
+        self.clamp_min = cfg.clamp_min
+
+    def _norm_and_gate(self, o, gate):
+        norm = getattr(self, self.norm_name)
+        return norm(o, gate) if self.use_output_gate else norm(o)
+
+    def forward(self, h, layer_cache: Optional[LayerCache] = None, state_positions=None):
+        new_conv = {}
+        q = self._conv_or_act("q", self.q_proj(h), layer_cache, new_conv)
+        k = self._conv_or_act("k", self.k_proj(h), layer_cache, new_conv)
+        v = self._conv_or_act("v", self.v_proj(h), layer_cache, new_conv)
+        gk = self.gk_proj(h)
+        q = _split_heads(q, self.head_k)
+        k = _repeat_heads(_split_heads(k, self.head_k), self.groups)
+        v = _repeat_heads(_split_heads(v, self.head_v), self.groups)
+        gk = _repeat_heads(_split_heads(gk, self.head_k), self.groups)
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        g = F.logsigmoid(gk.float()) / self.gate_logit_normalizer
+        if self.clamp_min is not None:
+            g = g.clamp_min(self.clamp_min)
+        g = self.hook_decay(g)
+        init = None if layer_cache is None else layer_cache.state
+        o, S = self._recur(q, k, v, g, None, init, state_positions, self.head_k ** -0.5)
+        gate = _split_heads(self.g_proj(h), self.head_v) if self.use_output_gate else None
+        return self._finish(o, gate, layer_cache, S, new_conv)
+
+
+class _DeltaBase(RecurrentMixer):
+    """Shared by Gated DeltaNet and GDN-2: q/k/v projections with short conv + SiLU, L2-normalised q and k."""
+
+    def _qkv(self, h, layer_cache, new_conv):
+        if hasattr(self, "q_conv1d"):
+            q = self._conv_or_act("q", self.q_proj(h), layer_cache, new_conv)
+            k = self._conv_or_act("k", self.k_proj(h), layer_cache, new_conv)
+            v = self._conv_or_act("v", self.v_proj(h), layer_cache, new_conv)
+        else:
+            q, k, v = F.silu(self.q_proj(h)), F.silu(self.k_proj(h)), F.silu(self.v_proj(h))
+        q = _repeat_heads(l2_normalise(_split_heads(q, self.head_k)), self.groups)
+        k = _repeat_heads(l2_normalise(_split_heads(k, self.head_k)), self.groups)
+        v = _split_heads(v, self.head_v)
+        return self.hook_q(q), self.hook_k(k), self.hook_v(v)
+
+    def _convs(self, cfg):
+        if cfg.use_short_conv:
+            self.q_conv1d = ShortConvolution(self.key_dim, cfg.conv_size, cfg.conv_bias)
+            self.k_conv1d = ShortConvolution(self.key_dim, cfg.conv_size, cfg.conv_bias)
+            self.v_conv1d = ShortConvolution(self.value_dim, cfg.conv_size, cfg.conv_bias)
+
+
+class GatedDeltaNetMixer(_DeltaBase):
+    """Gated DeltaNet: g = -exp(A_log) softplus(a_proj x + dt_bias) per head, a = beta k, x = beta v."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.num_heads = cfg.num_heads
+        self.num_v_heads = cfg.num_v_heads or cfg.num_heads
+        self.groups = self.num_v_heads // self.num_heads
+        self.head_k, self.head_v = cfg.head_dim, int(cfg.head_dim * cfg.expand_v)
+        self.key_dim, self.value_dim = self.num_heads * self.head_k, self.num_v_heads * self.head_v
+        self.q_proj = nn.Linear(d, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.value_dim, bias=False)
+        self.a_proj = nn.Linear(d, self.num_v_heads, bias=False)
+        self.b_proj = nn.Linear(d, self.num_v_heads, bias=False)
+        self.A_log = nn.Parameter(torch.log(torch.empty(self.num_v_heads).uniform_(1, 16)))
+        dt = torch.exp(torch.rand(self.num_v_heads) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)).clamp(min=1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        self._convs(cfg)
+        self.use_gate = cfg.use_gate
+        if cfg.use_gate:
+            self.g_proj = nn.Linear(d, self.value_dim, bias=False)
+            self.o_norm = GatedRMSNorm(self.head_v, cfg.norm_eps, cfg.output_gate_activation)
+        else:
+            self.o_norm = RMSNorm(self.head_v, cfg.norm_eps)
+        self.o_proj = nn.Linear(self.value_dim, d, bias=False)
+        self.allow_neg_eigval = cfg.allow_neg_eigval
+
+    def _norm_and_gate(self, o, gate):
+        return self.o_norm(o, gate) if self.use_gate else self.o_norm(o)
+
+    def forward(self, h, layer_cache: Optional[LayerCache] = None, state_positions=None):
+        new_conv = {}
+        q, k, v = self._qkv(h, layer_cache, new_conv)
+        beta = torch.sigmoid(self.b_proj(h).float())
+        if self.allow_neg_eigval:
+            beta = beta * 2.0
+        g = self.hook_decay(-self.A_log.float().exp() * F.softplus(self.a_proj(h).float() + self.dt_bias))
+        a = self.hook_erase(beta[..., None] * k.float())
+        x = beta[..., None] * v.float()
+        init = None if layer_cache is None else layer_cache.state
+        o, S = self._recur(q, k, x, g, a, init, state_positions, self.head_k ** -0.5)
+        gate = _split_heads(self.g_proj(h), self.head_v) if self.use_gate else None
+        return self._finish(o.to(h.dtype), gate, layer_cache, S, new_conv)
+
+
+class GatedDeltaNet2Mixer(_DeltaBase):
+    """Gated DeltaNet-2 with an optional QED erase arm: per-channel decay, erase gate b in R^K, write gate w in R^V.
+
+    a = kernels.erase_vector(k, q, b, lam, arm), lam_h = qed_lambda_max * sigmoid(theta_h) * strength.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.num_heads = cfg.num_heads
+        self.num_v_heads = cfg.num_v_heads or cfg.num_heads
+        self.groups = self.num_v_heads // self.num_heads
+        self.head_k, self.head_v = cfg.head_dim, int(cfg.head_dim * cfg.expand_v)
+        self.key_dim, self.value_dim = self.num_heads * self.head_k, self.num_v_heads * self.head_v
+        self.q_proj = nn.Linear(d, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.value_dim, bias=False)
+        self._convs(cfg)
+        self.f_proj = nn.Sequential(nn.Linear(d, self.head_v, bias=False), nn.Linear(self.head_v, self.key_dim, bias=False))
+        self.b_proj = nn.Linear(d, self.key_dim, bias=False)
+        self.w_proj = nn.Linear(d, self.value_dim, bias=False)
+        self.A_log = nn.Parameter(torch.log(torch.empty(self.num_heads).uniform_(1, 16)))
+        dt = torch.exp(torch.rand(self.key_dim) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)).clamp(min=1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        self.g_proj = nn.Sequential(nn.Linear(d, self.head_v, bias=False), nn.Linear(self.head_v, self.value_dim, bias=True))
+        self.o_norm = GatedRMSNorm(self.head_v, cfg.norm_eps, "sigmoid")
+        self.o_proj = nn.Linear(self.value_dim, d, bias=False)
+        self.allow_neg_eigval = cfg.allow_neg_eigval
+        self.erase_arm = cfg.erase_arm
+        self.lambda_max = cfg.qed_lambda_max
+        self.strength = 1.0  # inference-time scaling of every lam_h (QED paper, strength test)
+        if self.erase_arm != "gdn2":
+            self.qed_theta = nn.Parameter(torch.full((self.num_v_heads,), float(cfg.qed_theta_init)))
+        if self.erase_arm == "rand":
+            z = torch.randn(self.num_v_heads, self.head_k, generator=torch.Generator().manual_seed(0))
+            self.register_buffer("qed_z", z / z.norm(dim=-1, keepdim=True))
+
+    def qed_lambda(self) -> Optional[torch.Tensor]:
+        """lam_h per state head, strength applied; None for the GDN-2 arm."""
+        if self.erase_arm == "gdn2":
+            return None
+        return self.lambda_max * torch.sigmoid(self.qed_theta.float()) * self.strength
+
+    def _norm_and_gate(self, o, gate):
+        return self.o_norm(o, gate)
+
+    def forward(self, h, layer_cache: Optional[LayerCache] = None, state_positions=None):
+        new_conv = {}
+        q, k, v = self._qkv(h, layer_cache, new_conv)
+        g = F.softplus(self.f_proj(h).float() + self.dt_bias)
+        g = _split_heads(g, self.head_k) * -self.A_log.float().exp()[:, None]
+        b = torch.sigmoid(_split_heads(self.b_proj(h).float(), self.head_k))
+        w = torch.sigmoid(_split_heads(self.w_proj(h).float(), self.head_v))
+        g, b = _repeat_heads(g, self.groups), _repeat_heads(b, self.groups)
+        if self.allow_neg_eigval:
+            b = b * 2.0
+        g = self.hook_decay(g)
+        lam = self.qed_lambda()
+        a = kernels.erase_vector(k.float(), q.float(), b, lam if lam is not None else torch.zeros(k.shape[2]),
+                                 self.erase_arm, getattr(self, "qed_z", None))
+        a = self.hook_erase(a)
+        x = w * v.float()
+        init = None if layer_cache is None else layer_cache.state
+        o, S = self._recur(q, k, x, g, a, init, state_positions, self.head_k ** -0.5)
+        gate = _split_heads(self.g_proj(h), self.head_v)
+        return self._finish(o.to(h.dtype), gate, layer_cache, S, new_conv)
+
+
+class AttentionMixer(nn.Module):
+    """Causal softmax attention with RoPE, grouped KV heads, an optional sliding window and a KV cache."""
+
+    def __init__(self, cfg: ModelConfig, spec: dict):
+        super().__init__()
+        d = cfg.hidden_size
+        self.num_heads, self.num_kv_heads = spec["num_heads"], spec["num_kv_heads"]
+        self.head_dim = d // self.num_heads
+        self.window_size, self.rope_theta = spec["window_size"], spec["rope_theta"]
+        bias = spec["qkv_bias"]
+        self.q_proj = nn.Linear(d, d, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(d, d, bias=False)
+        self.hook_q = HookPoint()         # (B, T, H, D) after RoPE
+        self.hook_k = HookPoint()         # (B, T, Hkv, D) after RoPE, new tokens only
+        self.hook_v = HookPoint()         # (B, T, Hkv, D)
+        self.hook_pattern = HookPoint()   # (B, H, Tq, Tk) softmax weights
+        self.hook_head_out = HookPoint()  # (B, T, H, D) before o_proj
+
+    def forward(self, h, layer_cache: Optional[LayerCache] = None, state_positions=None, offset: int = 0):
+        B, T, _ = h.shape
+        q = rotary(_split_heads(self.q_proj(h), self.head_dim), offset, self.rope_theta)
+        k = rotary(_split_heads(self.k_proj(h), self.head_dim), offset, self.rope_theta)
+        v = _split_heads(self.v_proj(h), self.head_dim)
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        if layer_cache is not None and layer_cache.keys is not None:
+            k = torch.cat([layer_cache.keys, k], dim=1)
+            v = torch.cat([layer_cache.values, v], dim=1)
+        Tk = k.shape[1]
+        groups = self.num_heads // self.num_kv_heads
+        kk, vv = _repeat_heads(k, groups), _repeat_heads(v, groups)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk.float()) * self.head_dim ** -0.5
+        qpos = torch.arange(Tk - T, Tk, device=h.device)[:, None]
+        kpos = torch.arange(Tk, device=h.device)[None, :]
+        allowed = kpos <= qpos
+        if self.window_size is not None:
+            allowed = allowed & (kpos > qpos - self.window_size)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        pattern = self.hook_pattern(torch.softmax(scores, dim=-1))
+        o = torch.einsum("bhqk,bkhd->bqhd", pattern, vv.float()).to(h.dtype)
+        o = self.hook_head_out(o)
+        out = self.o_proj(o.reshape(B, T, -1))
+        return out, LayerCache("attention", keys=k, values=v)
+
+
+MIXERS = {"gla": GLAMixer, "gated_deltanet": GatedDeltaNetMixer, "gated_deltanet2": GatedDeltaNet2Mixer}
