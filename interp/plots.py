@@ -1,0 +1,397 @@
+"""Paper-style figures for recurscope results (intervention effects, head scans, accuracy vs length, arm contrasts),
+drawn with matplotlib's object API on the Agg canvas so nothing needs a display or changes the global backend.
+
+Every function writes ``<stem>.png`` and ``<stem>.svg`` and returns a ``PlotResult`` holding the two paths, the
+Figure, and the exact numbers it plotted as a DataFrame.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import TwoSlopeNorm
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+from matplotlib.ticker import PercentFormatter
+
+from interp.stats import binomial_ci
+
+#: Row order of Figures 3/4 (How Linear Attention Remembers); other interventions follow in order of appearance.
+INTERVENTION_ORDER = ("write_block", "donor_write", "state_swap", "output_patch", "output_restore",
+                      "random_control", "control_head")
+_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+            "#17becf")
+_SEED_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
+@dataclass
+class PlotResult:
+    png: Path
+    svg: Path
+    figure: Figure
+    data: pd.DataFrame
+
+    @property
+    def paths(self) -> tuple[Path, Path]:
+        return self.png, self.svg
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _require(frame, name: str, cols: Sequence[str]) -> None:
+    if not isinstance(frame, pd.DataFrame):
+        raise ValueError(f"{name} must be a pandas DataFrame, got {type(frame).__name__}")
+    missing = [c for c in cols if c not in frame.columns]
+    if missing:
+        raise ValueError(f"{name} is missing columns {missing}; it has {list(frame.columns)}")
+    if len(frame) == 0:
+        raise ValueError(f"{name} is empty: nothing to plot")
+
+
+def _stem(out_path) -> Path:
+    path = Path(out_path)
+    if path.suffix in (".png", ".svg"):
+        path = path.with_suffix("")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _save(fig: Figure, out_path, data: pd.DataFrame, dpi: int) -> PlotResult:
+    stem = _stem(out_path)
+    FigureCanvasAgg(fig)
+    png, svg = stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".svg")
+    fig.savefig(png, dpi=dpi, bbox_inches="tight")
+    fig.savefig(svg, bbox_inches="tight")
+    return PlotResult(png, svg, fig, data.reset_index(drop=True))
+
+
+def _ordered(values, preferred: Sequence = ()) -> list:
+    present = list(pd.unique(pd.Series(list(values))))
+    return [v for v in preferred if v in present] + [v for v in present if v not in preferred]
+
+
+def _colours(keys: Sequence, colors: Optional[Mapping]) -> dict:
+    colors = dict(colors or {})
+    return {k: colors.get(k, _PALETTE[i % len(_PALETTE)]) for i, k in enumerate(keys)}
+
+
+def _label(name) -> str:
+    return str(name).replace("_", " ")
+
+
+def _length_label(length: float) -> str:
+    length = int(length)
+    return f"{length // 1024}K" if length >= 1024 and length % 1024 == 0 else str(length)
+
+
+def _check_interval(frame: pd.DataFrame, name: str, est: str = "estimate", low: str = "low", high: str = "high"):
+    vals = frame[[est, low, high]].astype(float)
+    bad = ~((vals[low] <= vals[est] + 1e-12) & (vals[est] <= vals[high] + 1e-12))
+    bad &= vals.notna().all(axis=1)
+    if bad.any():
+        raise ValueError(f"{name}: {int(bad.sum())} rows have an estimate outside [low, high]; check the summary "
+                         f"(first bad row: {frame.loc[bad].iloc[0].to_dict()})")
+
+
+def _accuracy_counts(table: pd.DataFrame, name: str, group: Sequence[str]) -> pd.DataFrame:
+    """(group..., n_correct, n) from either per-example ``correct`` (0/1) or aggregated ``n_correct``/``n``."""
+    if "correct" in table.columns:
+        _require(table, name, [*group, "correct"])
+        correct = table["correct"].astype(float)
+        if not correct.isin((0.0, 1.0)).all():
+            raise ValueError(f"{name}['correct'] must be 0/1 or booleans per example")
+        counts = table.assign(correct=correct).groupby(list(group), sort=True)["correct"].agg(["sum", "count"])
+        counts = counts.rename(columns={"sum": "n_correct", "count": "n"}).reset_index()
+    elif {"n_correct", "n"} <= set(table.columns):
+        _require(table, name, [*group, "n_correct", "n"])
+        if table.duplicated(list(group)).any():
+            raise ValueError(f"{name} has several rows per {list(group)}; aggregate them first")
+        counts = table[[*group, "n_correct", "n"]].copy()
+    else:
+        raise ValueError(f"{name} needs either a per-example 'correct' column or aggregated 'n_correct' and 'n' "
+                         f"columns; it has {list(table.columns)}")
+    counts["n_correct"] = counts["n_correct"].astype(int)
+    counts["n"] = counts["n"].astype(int)
+    counts["accuracy"] = counts["n_correct"] / counts["n"]
+    return counts
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Figure 3/4: intervention effects
+# --------------------------------------------------------------------------------------------------------------
+
+
+def plot_intervention_effects(summary: pd.DataFrame, out_path, *, effect_metric: str = "donor_margin_shift",
+                              clean_metric: str = "clean_accuracy", intervened_metric: str = "intervened_accuracy",
+                              model_col: str = "model", intervention_col: str = "intervention",
+                              interventions: Optional[Sequence[str]] = None, models: Optional[Sequence[str]] = None,
+                              colors: Optional[Mapping] = None, title: Optional[str] = None,
+                              dpi: int = 150) -> PlotResult:
+    """Figure 3/4 style. ``summary`` is tidy (as from ``interp.stats.summarise(..., by=[model, intervention])``):
+    columns model, intervention, metric, estimate, low, high. Left panel: one row per intervention, x = the
+    ``effect_metric`` (donor-margin shift, logits) with its 95% CI, one colour per model. Right panel, drawn when
+    the summary has ``clean_metric``/``intervened_metric`` rows: clean (circle) vs intervened (cross) recall.
+
+    Returned data: panel, model, intervention, metric, estimate, low, high, y (row position on the plot).
+    """
+    _require(summary, "summary", [model_col, intervention_col, "metric", "estimate", "low", "high"])
+    effect = summary[summary["metric"] == effect_metric]
+    if len(effect) == 0:
+        raise ValueError(f"summary has no rows with metric == {effect_metric!r}; metrics present: "
+                         f"{sorted(map(str, summary['metric'].unique()))}. Pass effect_metric=")
+    _check_interval(summary, "summary")
+    accuracy = summary[summary["metric"].isin([clean_metric, intervened_metric])]
+    rows = list(interventions) if interventions is not None else _ordered(summary[intervention_col],
+                                                                          INTERVENTION_ORDER)
+    model_list = list(models) if models is not None else _ordered(summary[model_col])
+    palette = _colours(model_list, colors)
+    n_models = len(model_list)
+    dodge = 0.6 / max(n_models, 1)
+    offsets = {m: (i - (n_models - 1) / 2) * dodge for i, m in enumerate(model_list)}
+
+    panels = 2 if len(accuracy) else 1
+    fig = Figure(figsize=(4.2 * panels + 0.8, 0.55 * len(rows) + 1.6))
+    axes = fig.subplots(1, panels, sharey=True, squeeze=False)[0]
+    records = []
+
+    ax = axes[0]
+    for model in model_list:
+        sub = effect[effect[model_col] == model].set_index(intervention_col)
+        present = [r for r in rows if r in sub.index]
+        if not present:
+            continue
+        y = np.array([rows.index(r) for r in present], dtype=float) + offsets[model]
+        est = sub.loc[present, "estimate"].to_numpy(float)
+        low, high = sub.loc[present, "low"].to_numpy(float), sub.loc[present, "high"].to_numpy(float)
+        ax.errorbar(est, y, xerr=np.vstack([est - low, high - est]), fmt="o", color=palette[model], capsize=3,
+                    label=_label(model), gid=f"effect:{model}")
+        records += [{"panel": "effect", "model": model, "intervention": r, "metric": effect_metric, "estimate": e,
+                     "low": lo, "high": hi, "y": yy} for r, e, lo, hi, yy in zip(present, est, low, high, y)]
+    ax.axvline(0.0, color="0.4", lw=0.8, ls="--")
+    ax.set_yticks(range(len(rows)), [_label(r) for r in rows])
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel(f"{_label(effect_metric)} (logits, 95% CI)")
+    ax.legend(loc="best", fontsize="small", frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+
+    if panels == 2:
+        ax = axes[1]
+        for model in model_list:
+            for metric, marker in ((clean_metric, "o"), (intervened_metric, "x")):
+                sub = accuracy[(accuracy[model_col] == model) & (accuracy["metric"] == metric)]
+                sub = sub.set_index(intervention_col)
+                present = [r for r in rows if r in sub.index]
+                if not present:
+                    continue
+                y = np.array([rows.index(r) for r in present], dtype=float) + offsets[model]
+                est = sub.loc[present, "estimate"].to_numpy(float)
+                low, high = sub.loc[present, "low"].to_numpy(float), sub.loc[present, "high"].to_numpy(float)
+                ax.errorbar(est, y, xerr=np.vstack([est - low, high - est]), fmt=marker, color=palette[model],
+                            mfc="none" if marker == "o" else palette[model], capsize=3,
+                            gid=f"accuracy:{model}:{metric}")
+                records += [{"panel": "accuracy", "model": model, "intervention": r, "metric": metric,
+                             "estimate": e, "low": lo, "high": hi, "y": yy}
+                            for r, e, lo, hi, yy in zip(present, est, low, high, y)]
+        ax.set_xlim(0, 1.02)
+        ax.xaxis.set_major_formatter(PercentFormatter(xmax=1))
+        ax.set_xlabel("recall accuracy (o clean, x intervened)")
+        ax.grid(axis="x", alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, out_path, pd.DataFrame(records), dpi)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Figure 9: head scan
+# --------------------------------------------------------------------------------------------------------------
+
+
+def plot_head_scan(scores: pd.DataFrame, out_path, *, selected: Optional[tuple] = None, score_col: str = "score",
+                   source_col: str = "source", title: Optional[str] = None, dpi: int = 150) -> PlotResult:
+    """Figure 9 style. ``scores`` has columns layer, head, score and (optionally) source. Left: layer × head heatmap
+    of the mean score J(l, h) over sources (diverging colours centred on 0) with the selected head boxed (default:
+    the largest mean). Right, when sources are given: the selected head's rank on each source (1 = best).
+
+    Returned data: one row per head with layer, head, mean_score, selected; plus, when sources exist, rows with
+    kind == "rank" holding source and rank of the selected head. Kind "mean" marks the heatmap rows.
+    """
+    from interp.stats import rank_per_source  # local: only this plot needs it
+
+    _require(scores, "scores", ["layer", "head", score_col])
+    has_sources = source_col in scores.columns
+    mean = scores.groupby(["layer", "head"], sort=True)[score_col].mean()
+    grid = mean.unstack("head").sort_index().sort_index(axis=1)
+    if grid.isna().to_numpy().any():
+        raise ValueError("scores does not cover a full layer × head grid; every layer needs the same heads")
+    if selected is None:
+        selected = tuple(v.item() if isinstance(v, np.generic) else v for v in mean.idxmax())
+    selected = tuple(selected)
+    if selected not in mean.index:
+        raise ValueError(f"selected head {selected} is not in scores; pass a (layer, head) present in the table")
+
+    panels = 2 if has_sources else 1
+    fig = Figure(figsize=(4.0 + 0.25 * grid.shape[1] + 3.2 * (panels - 1), 0.22 * grid.shape[0] + 2.0))
+    axes = fig.subplots(1, panels, squeeze=False, gridspec_kw={"width_ratios": [2, 1.3][:panels]})[0]
+    ax = axes[0]
+    values = grid.to_numpy(float)
+    bound = float(np.max(np.abs(values))) or 1.0
+    image = ax.imshow(values, aspect="auto", cmap="RdBu_r", norm=TwoSlopeNorm(0.0, -bound, bound),
+                      interpolation="nearest")
+    fig.colorbar(image, ax=ax, label=f"mean {_label(score_col)} J(l, h)")
+    row = list(grid.index).index(selected[0])
+    col = list(grid.columns).index(selected[1])
+    ax.add_patch(Rectangle((col - 0.5, row - 0.5), 1, 1, fill=False, ec="black", lw=2, gid="selected"))
+    ax.set_xticks(range(grid.shape[1]), [str(h) for h in grid.columns])
+    step = max(1, grid.shape[0] // 12)
+    ax.set_yticks(range(0, grid.shape[0], step), [str(layer) for layer in grid.index[::step]])
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_title(f"selected L{selected[0]}H{selected[1]}")
+    data = mean.rename("mean_score").reset_index()
+    data["selected"] = [(r.layer, r.head) == selected for r in data.itertuples()]
+    data["kind"] = "mean"
+
+    if has_sources:
+        ranks = rank_per_source(scores, source_col=source_col, score_col=score_col)
+        mine = ranks[(ranks["layer"] == selected[0]) & (ranks["head"] == selected[1])].sort_values(source_col)
+        ax = axes[1]
+        x = np.arange(len(mine))
+        ax.plot(x, mine["rank"].to_numpy(), "o", color="black", gid="ranks")
+        ax.set_xticks(x, [str(s) for s in mine[source_col]], rotation=90, fontsize="small")
+        ax.set_ylim(mine["rank"].max() + 0.5 if len(mine) else 2, 0.5)
+        ax.set_xlabel(source_col)
+        ax.set_ylabel("rank of selected head (1 = best)")
+        wins = int((mine["rank"] == 1).sum())
+        ax.set_title(f"ranked first on {wins}/{len(mine)} sources")
+        ax.grid(axis="y", alpha=0.3)
+        rank_rows = mine[[source_col, "rank"]].rename(columns={source_col: "source"}).assign(
+            kind="rank", layer=selected[0], head=selected[1])
+        data = pd.concat([data, rank_rows], ignore_index=True)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, out_path, data, dpi)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# QED Figures 1 and 2
+# --------------------------------------------------------------------------------------------------------------
+
+
+def plot_accuracy_vs_length(table: pd.DataFrame, out_path, *, train_length: Optional[int] = 2048,
+                            arms: Optional[Sequence[str]] = None, colors: Optional[Mapping] = None,
+                            confidence: float = 0.95, ci_method: str = "wilson", title: Optional[str] = None,
+                            dpi: int = 150) -> PlotResult:
+    """QED Figure 1 style: accuracy vs context length per arm with binomial intervals (``interp.stats.binomial_ci``,
+    Wilson by default), a dashed vertical line at ``train_length``, one panel per seed. ``table`` has columns arm,
+    seed, length and either per-example ``correct`` or aggregated ``n_correct`` and ``n``.
+
+    Returned data: seed, arm, length, n_correct, n, accuracy, low, high.
+    """
+    counts = _accuracy_counts(table, "table", ["seed", "arm", "length"])
+    seeds = sorted(counts["seed"].unique())
+    arm_list = list(arms) if arms is not None else _ordered(table["arm"])
+    palette = _colours(arm_list, colors)
+    intervals = [binomial_ci(k, n, confidence=confidence, method=ci_method)
+                 for k, n in zip(counts["n_correct"], counts["n"])]
+    counts["low"] = [ci.low for ci in intervals]
+    counts["high"] = [ci.high for ci in intervals]
+
+    fig = Figure(figsize=(4.2 * len(seeds), 3.4))
+    axes = fig.subplots(1, len(seeds), sharey=True, squeeze=False)[0]
+    lengths = sorted(counts["length"].unique())
+    for ax, seed in zip(axes, seeds):
+        for arm in arm_list:
+            sub = counts[(counts["seed"] == seed) & (counts["arm"] == arm)].sort_values("length")
+            if len(sub) == 0:
+                continue
+            acc = sub["accuracy"].to_numpy(float)
+            ax.errorbar(sub["length"].to_numpy(float), acc,
+                        yerr=np.vstack([acc - sub["low"].to_numpy(float), sub["high"].to_numpy(float) - acc]),
+                        fmt="-o", ms=4, capsize=3, color=palette[arm], label=_label(arm), gid=f"arm:{arm}")
+        if train_length is not None:
+            ax.axvline(train_length, color="0.5", ls="--", lw=1, gid="train_length")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [_length_label(v) for v in lengths])
+        ax.minorticks_off()
+        ax.set_ylim(-0.02, 1.02)
+        ax.yaxis.set_major_formatter(PercentFormatter(xmax=1))
+        ax.set_xlabel("context length (tokens)")
+        ax.set_title(f"seed {seed}")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"accuracy ({int(round(confidence * 100))}% {ci_method} CI)")
+    axes[-1].legend(fontsize="small", frameon=False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    data = counts[["seed", "arm", "length", "n_correct", "n", "accuracy", "low", "high"]]
+    return _save(fig, out_path, data.sort_values(["seed", "arm", "length"]), dpi)
+
+
+def plot_contrasts(table: pd.DataFrame, out_path, *, contrasts: Optional[Sequence[tuple]] = None,
+                   train_length: Optional[int] = 2048, title: Optional[str] = None, dpi: int = 150) -> PlotResult:
+    """QED Figure 2 style: one panel per contrast (arm_a, arm_b) showing accuracy(arm_a) - accuracy(arm_b) in
+    percentage points against length, with a zero line; seed 0 filled markers, seed 1 open (further seeds use
+    other marker shapes). ``table`` is the same accuracy table as for ``plot_accuracy_vs_length``. By default each
+    arm is contrasted with the first arm. Points only: a paired interval needs per-item data (see
+    ``interp.stats.mcnemar_table``).
+
+    Returned data: contrast, arm_a, arm_b, seed, length, accuracy_a, accuracy_b, difference_pp.
+    """
+    counts = _accuracy_counts(table, "table", ["seed", "arm", "length"])
+    arms = _ordered(table["arm"])
+    if contrasts is None:
+        if len(arms) < 2:
+            raise ValueError(f"table has a single arm {arms}; contrasts need at least two arms")
+        contrasts = [(arm, arms[0]) for arm in arms[1:]]
+    contrasts = [tuple(c) for c in contrasts]
+    for pair in contrasts:
+        if len(pair) != 2 or any(a not in arms for a in pair):
+            raise ValueError(f"each contrast must be (arm_a, arm_b) with arms from {arms}, got {pair!r}")
+    seeds = sorted(counts["seed"].unique())
+    by_key = {key: dict(zip(sub["length"], sub["accuracy"])) for key, sub in counts.groupby(["seed", "arm"])}
+
+    records = []
+    fig = Figure(figsize=(3.3 * len(contrasts), 3.2))
+    axes = fig.subplots(1, len(contrasts), sharey=True, squeeze=False)[0]
+    for ax, (arm_a, arm_b) in zip(axes, contrasts):
+        name = f"{arm_a} − {arm_b}"
+        for i, seed in enumerate(seeds):
+            acc_a, acc_b = by_key.get((seed, arm_a), {}), by_key.get((seed, arm_b), {})
+            lengths = sorted(set(acc_a) & set(acc_b))
+            if not lengths:
+                continue
+            a = np.array([acc_a[n] for n in lengths], dtype=float)
+            b = np.array([acc_b[n] for n in lengths], dtype=float)
+            diff = 100.0 * (a - b)
+            marker = _SEED_MARKERS[(i // 2) % len(_SEED_MARKERS)]
+            filled = i % 2 == 0
+            ax.plot(lengths, diff, ls="-", lw=0.8, marker=marker, color="C0", mfc="C0" if filled else "white",
+                    label=f"seed {seed}", gid=f"contrast:{arm_a}:{arm_b}:{seed}")
+            records += [{"contrast": name, "arm_a": arm_a, "arm_b": arm_b, "seed": seed, "length": n,
+                         "accuracy_a": x, "accuracy_b": y, "difference_pp": d}
+                        for n, x, y, d in zip(lengths, a, b, diff)]
+        ax.axhline(0.0, color="0.3", lw=0.8, gid="zero")
+        if train_length is not None:
+            ax.axvline(train_length, color="0.6", ls="--", lw=0.8)
+        all_lengths = sorted(counts["length"].unique())
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(all_lengths, [_length_label(v) for v in all_lengths])
+        ax.minorticks_off()
+        ax.set_title(_label(name), fontsize="medium")
+        ax.set_xlabel("context length")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy difference (pp)")
+    axes[0].legend(fontsize="small", frameon=False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, out_path, pd.DataFrame(records), dpi)
