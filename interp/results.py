@@ -159,8 +159,8 @@ class RowLog:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
+                obj = json.loads(line.decode("utf-8"))
+            except ValueError:  # JSONDecodeError or UnicodeDecodeError
                 if data.find(_COMMIT_PREFIX, pos - 1) < 0:
                     break  # garbage inside the uncommitted tail (a torn write); ignored like the torn last line
                 raise ValueError(f"row log {self.path} is corrupt at byte {pos - len(line) - 1}: a committed line "

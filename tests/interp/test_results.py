@@ -1,0 +1,235 @@
+"""Tests for interp.results: manifests and resume checks, checkpoint hashing, the crash-safe row log (including
+real SIGKILLs of a writer process at random moments), and table/figure outputs."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from interp.results import COMMIT_KEY, RowLog, RunDir, checkpoint_hash, package_versions
+
+
+@pytest.fixture()
+def checkpoint(tmp_path) -> Path:
+    ck = tmp_path / "ckpt"
+    ck.mkdir()
+    (ck / "model-00001-of-00002.safetensors").write_bytes(b"\x01" * 5000)
+    (ck / "model-00002-of-00002.safetensors").write_bytes(b"\x02" * 300)
+    (ck / "config.json").write_text('{"hidden_size": 8}')
+    return ck
+
+
+def _make_run(out, checkpoint, **overrides):
+    kwargs = dict(kind="scan", model_name="gla-tiny", checkpoint_path=checkpoint,
+                  args={"n_sources": 16, "filler_tokens": 512, "layers": (0, 1)}, seeds=[0, 1],
+                  sources=["wt103:0", "wt103:1"], split="dev")
+    kwargs.update(overrides)
+    return RunDir.create(out, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoint hash and manifest
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_checkpoint_hash_is_content_based(checkpoint, tmp_path):
+    first = checkpoint_hash(checkpoint)
+    # Independent recomputation of the documented framing: sorted relative paths, each "name\0size\0" + bytes.
+    digest = hashlib.sha256()
+    for name in sorted(p.name for p in checkpoint.glob("*.safetensors")):
+        data = (checkpoint / name).read_bytes()
+        digest.update(f"{name}\0{len(data)}\0".encode() + data)
+    assert first == "sha256:" + digest.hexdigest()
+    (checkpoint / "config.json").write_text('{"hidden_size": 9}')  # not a weight file
+    assert checkpoint_hash(checkpoint) == first
+    (checkpoint / "model-00002-of-00002.safetensors").write_bytes(b"\x02" * 299 + b"\x03")
+    assert checkpoint_hash(checkpoint) != first
+    single = checkpoint / "model-00001-of-00002.safetensors"
+    assert checkpoint_hash(single).startswith("sha256:")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="no weight files"):
+        checkpoint_hash(empty)
+
+
+def test_manifest_records_the_run(checkpoint, tmp_path):
+    run = _make_run(tmp_path / "run", checkpoint)
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest == run.manifest
+    assert manifest["model_name"] == "gla-tiny" and manifest["kind"] == "scan"
+    assert manifest["checkpoint_hash"] == checkpoint_hash(checkpoint)
+    assert manifest["sources"] == ["wt103:0", "wt103:1"] and manifest["split"] == "dev"
+    assert manifest["seeds"] == [0, 1] and manifest["args"]["layers"] == [0, 1]
+    assert manifest["argv"] == sys.argv
+    for name in ("torch", "triton", "transformers", "transformer_lens", "nnsight", "pandas", "scipy", "recurscope"):
+        assert name in manifest["packages"]
+    assert manifest["packages"]["pandas"] == pd.__version__
+    assert package_versions(["surely-not-installed-pkg-xyz"]) == {"surely-not-installed-pkg-xyz": None}
+    assert manifest["platform"]["python"] and manifest["created"]
+    with pytest.raises(FileExistsError, match="RunDir.open"):
+        _make_run(tmp_path / "run", checkpoint)
+
+
+def test_resume_accepts_same_work_and_names_differences(checkpoint, tmp_path):
+    _make_run(tmp_path / "run", checkpoint)
+    same = RunDir.open(tmp_path / "run", kind="scan", model_name="gla-tiny", checkpoint_path=checkpoint,
+                       args={"n_sources": 16, "filler_tokens": 512, "layers": [0, 1]}, seeds=[0, 1],
+                       sources=("wt103:0", "wt103:1"), split="dev")
+    assert len(same.manifest["resumed"]) == 1
+    with pytest.raises(ValueError) as err:
+        RunDir.open(tmp_path / "run", model_name="gdn-tiny", args={"n_sources": 32, "filler_tokens": 512,
+                                                                   "layers": [0, 1]})
+    message = str(err.value)
+    assert "model_name" in message and "args" in message and "new --out" in message
+    assert "seeds" not in message
+    (checkpoint / "model-00002-of-00002.safetensors").write_bytes(b"changed")
+    with pytest.raises(ValueError, match="checkpoint_hash"):
+        RunDir.open(tmp_path / "run", checkpoint_path=checkpoint)
+    with pytest.raises(FileNotFoundError, match="RunDir.create"):
+        RunDir.open(tmp_path / "nothing-here")
+    reopened = RunDir.create_or_open(tmp_path / "run", kind="scan", model_name="gla-tiny",
+                                     args={"n_sources": 16, "filler_tokens": 512, "layers": [0, 1]}, seeds=[0, 1],
+                                     sources=["wt103:0", "wt103:1"], split="dev")
+    assert reopened.manifest["model_name"] == "gla-tiny"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Row log
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_row_log_format_and_round_trip(tmp_path):
+    import numpy as np
+
+    log = RowLog(tmp_path / "rows.jsonl", key=["source", "head"])
+    assert log.append([{"source": "a", "head": 1, "score": np.float32(0.5)}, {"source": "a", "head": 2,
+                                                                             "score": float("nan")}]) == 2
+    log.append([{"source": "b", "head": 1, "score": 2.0, "note": "line\nbreak"}])
+    lines = (tmp_path / "rows.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in lines][2] == {COMMIT_KEY: 2}
+    assert json.loads(lines[-1]) == {COMMIT_KEY: 1} and len(lines) == 5
+    assert log.done_keys() == {("a", 1), ("a", 2), ("b", 1)}
+    assert log.done_keys("source") == {"a", "b"}
+    frame = log.read()
+    assert list(frame["head"]) == [1, 2, 1] and frame["note"].iloc[2] == "line\nbreak"
+    assert frame["score"].iloc[0] == 0.5 and np.isnan(frame["score"].iloc[1])
+    with pytest.raises(ValueError, match="key columns"):
+        log.append([{"source": "c"}])
+    with pytest.raises(ValueError, match="reserved"):
+        log.append([{"source": "c", "head": 0, COMMIT_KEY: 1}])
+
+
+def test_torn_tail_is_ignored_then_truncated(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    log = RowLog(path, key=["k"])
+    log.append([{"k": 0}, {"k": 1}])
+    committed = path.read_bytes()
+    # A crash mid-batch: two complete rows of the next batch, then a torn third line and no commit line.
+    with open(path, "ab") as handle:
+        handle.write(b'{"k": 2}\n{"k": 3}\n{"k": 4, "pay')
+    assert log.done_keys() == {(0,), (1,)}
+    assert list(log.read()["k"]) == [0, 1]
+    log.append([{"k": 2}])
+    assert path.read_bytes() == committed + b'{"k": 2}\n{"' + COMMIT_KEY.encode() + b'": 1}\n'
+    assert list(log.read()["k"]) == [0, 1, 2]
+    # Garbage inside an uncommitted tail is tolerated; inside the committed part it is reported.
+    with open(path, "ab") as handle:
+        handle.write(b"\x00\x00garbage\n")
+    assert list(log.read()["k"]) == [0, 1, 2]
+    path.write_bytes(b'{"k": 0}\nnot json\n{"' + COMMIT_KEY.encode() + b'": 2}\n')
+    with pytest.raises(ValueError, match="corrupt"):
+        log.read()
+
+
+def test_duplicate_keys_keep_first_and_warn(tmp_path):
+    log = RowLog(tmp_path / "rows.jsonl", key=["k"])
+    log.append([{"k": 0, "v": "first"}, {"k": 1, "v": "x"}])
+    log.append([{"k": 0, "v": "second"}])
+    with pytest.warns(RuntimeWarning, match="1 rows repeat a key"):
+        frame = log.read()
+    assert list(frame["k"]) == [0, 1] and frame["v"].iloc[0] == "first"
+    assert len(RowLog(tmp_path / "rows.jsonl").read()) == 3  # no key: nothing to deduplicate on
+
+
+_WRITER = textwrap.dedent("""
+    import sys, time, random
+    from interp.results import RunDir
+    out, n_keys, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    run = RunDir.create_or_open(out, kind="killtest", model_name="none", args={"n_keys": n_keys})
+    rows = run.table("rows", key=["key"])
+    done = rows.done_keys()
+    todo = [k for k in range(n_keys) if (k,) not in done]
+    rng = random.Random(seed)
+    print("ready", flush=True)
+    i = 0
+    while i < len(todo):
+        size = rng.randint(1, 4)
+        batch = [{"key": k, "square": k * k, "pad": "x" * rng.randint(10, 200000)} for k in todo[i:i + size]]
+        rows.append(batch)
+        i += size
+        time.sleep(0.002)
+    print("finished", flush=True)
+""")
+
+
+def test_sigkill_at_random_moments_then_resume(tmp_path):
+    out = tmp_path / "run"
+    n_keys = 150
+    rng = random.Random(1234)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]) + os.pathsep +
+               os.environ.get("PYTHONPATH", ""))
+    kills = 0
+    for attempt in range(6):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(out), str(n_keys), str(attempt)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        time.sleep(rng.uniform(0.0, 0.15))
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            kills += 1
+        proc.wait(timeout=30)
+        proc.stdout.close()
+        proc.stderr.close()
+        if attempt == 2 and (out / "rows.jsonl").exists():
+            # A kill inside write() is rare on a page cache; also leave an explicit uncommitted, torn batch.
+            with open(out / "rows.jsonl", "ab") as handle:
+                handle.write(b'{"key": 0, "square": -1}\n{"key": 1, "squ')
+    assert kills >= 3, "the writer finished too fast for the kill test to mean anything"
+    finish = subprocess.run([sys.executable, "-c", _WRITER, str(out), str(n_keys), "99"], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert finish.returncode == 0, finish.stderr
+    assert "finished" in finish.stdout
+
+    log = RowLog(out / "rows.jsonl", key=["key"])
+    raw = log.rows()
+    assert sorted(r["key"] for r in raw) == list(range(n_keys))  # every key exactly once, none missing
+    assert all(r["square"] == r["key"] ** 2 for r in raw)
+    assert (out / "rows.jsonl").read_bytes().endswith(b'}\n')
+    assert len(json.loads((out / "manifest.json").read_text())["resumed"]) >= 6
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Outputs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_write_table_and_figure_path(checkpoint, tmp_path):
+    run = _make_run(tmp_path / "run", checkpoint)
+    frame = pd.DataFrame({"layer": [0, 1], "head": [3, 2], "score": [0.25, -1.5], "name": ["a", "b"]})
+    paths = run.write_table("head_scores", frame)
+    pd.testing.assert_frame_equal(pd.read_csv(paths["csv"]), frame, check_dtype=False)
+    pd.testing.assert_frame_equal(pd.read_parquet(paths["parquet"]), frame, check_dtype=False)
+    figure = run.figure_path("head_scan")
+    assert figure == tmp_path / "run" / "figures" / "head_scan" and figure.parent.is_dir()
+    with pytest.raises(ValueError, match="plain file name"):
+        run.table("../escape")
