@@ -1,0 +1,598 @@
+"""The key-value recall task and its donor/recipient pair builders (swap, neutral, update; single or all queries).
+
+Sequences are assembled at the token level from separately encoded segments, so every key and value is one token,
+donor and recipient have identical length and alignment, and every span in the metadata is exact. See docs/data.md.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from .filler import SPLITS, FillerSource, Source
+from .tokenizer import encode_continuation, single_token_ids, token_strings
+from .words import KEY_NAMES, VALUE_VOCABS
+
+__all__ = [
+    "Template",
+    "TEMPLATES",
+    "VARIANTS",
+    "RecallPair",
+    "PairBatch",
+    "iter_pairs",
+    "build_pairs",
+    "build_multifact_pairs",
+    "build_neutral_pairs",
+    "build_update_pairs",
+    "recall_words",
+]
+
+VARIANTS = ("swap", "neutral", "update")
+
+
+@dataclass(frozen=True)
+class Template:
+    """A fact sentence with one {key} and one {value}, and a query prompt whose next token is the value.
+
+    A slot must follow a space (or start the text); punctuation written against a word ("is in {value}.") is encoded
+    without a leading space.
+    """
+
+    name: str
+    fact: str
+    query: str
+
+    def __post_init__(self) -> None:
+        if self.fact.count("{key}") != 1 or self.fact.count("{value}") != 1:
+            raise ValueError(f"template {self.name!r}: fact must contain exactly one {{key}} and one {{value}}; "
+                             f"received {self.fact!r}.")
+        if "{value}" in self.query or "{key}" not in self.query:
+            raise ValueError(f"template {self.name!r}: query must contain {{key}} and no {{value}} (the value is "
+                             f"the answer, the token right after the prompt); received {self.query!r}.")
+        for text in (self.fact, self.query):
+            for match in re.finditer(r"\{(key|value)\}", text):
+                if match.start() > 0 and not text[match.start() - 1].isspace():
+                    raise ValueError(f"template {self.name!r}: a slot must follow a space or start the text; "
+                                     f"received {text!r}.")
+            if re.sub(r"\{(key|value)\}", "", text).count("{") or re.sub(r"\{(key|value)\}", "", text).count("}"):
+                raise ValueError(f"template {self.name!r}: only {{key}} and {{value}} slots are allowed; "
+                                 f"received {text!r}.")
+
+    def words(self) -> list[str]:
+        """The literal words and punctuation marks of the fact and the query."""
+        text = re.sub(r"\{(key|value)\}", " ", self.fact + " " + self.query)
+        return re.findall(r"\w+|[^\w\s]", text)
+
+
+TEMPLATES: dict[str, Template] = {
+    t.name: t for t in (
+        Template("is_in", "{key} is in {value}.", "where is {key}? {key} is in"),
+        Template("colon", "{key}: {value};", "{key}:"),
+        Template("belongs", "the {value} belongs to {key}.", "what belongs to {key}? the"),
+        Template("likes", "{key} likes the {value}.", "what does {key} like? {key} likes the"),
+        Template("value_of", "the value of {key} is {value}.", "so the value of {key} is"),
+    )
+}
+
+
+def recall_words() -> list[str]:
+    """Every word the recall task can emit besides filler: keys, values of every vocabulary, template words."""
+    words: list[str] = list(KEY_NAMES)
+    for values in VALUE_VOCABS.values():
+        words.extend(values)
+    for template in TEMPLATES.values():
+        words.extend(template.words())
+    return list(dict.fromkeys(words))
+
+
+# --- compiled templates: token ids with slot markers -------------------------------------------------------------
+
+_KEY, _VALUE = -1, -2
+
+
+def _compile(tokenizer, text: str, name: str) -> list[int]:
+    """Encode a template string to ids, with _KEY / _VALUE marking the single-token slots."""
+    out: list[int] = []
+    pieces = re.split(r"(\{key\}|\{value\})", text)
+    unk = getattr(tokenizer, "unk_token_id", None)
+    for index, piece in enumerate(pieces):
+        if piece == "{key}":
+            out.append(_KEY)
+        elif piece == "{value}":
+            out.append(_VALUE)
+        elif piece.strip():
+            leading = index == 0 or piece[0].isspace()
+            ids = encode_continuation(tokenizer, piece.strip(), leading_space=leading)
+            if unk is not None and unk in ids:
+                raise ValueError(f"template {name!r}: {piece.strip()!r} contains words unknown to this tokenizer "
+                                 f"(tokens {token_strings(tokenizer, ids)}); add them to its vocabulary.")
+            out.extend(ids)
+    return out
+
+
+def _fill(compiled: list[int], key_id: int, value_id: int | None) -> list[int]:
+    return [key_id if t == _KEY else (value_id if t == _VALUE else t) for t in compiled]
+
+
+# --- records ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class RecallPair:
+    """One donor/recipient pair (one queried fact). Spans are half-open [start, end) token positions.
+
+    fact_spans[f][r] / value_spans[f][r]: r-th presentation (in position order) of fact f, whole fact / value token.
+    query_pos: index of the last prompt token (its logits predict the answer); query_start: first query token.
+    Answer indices point into candidate_ids; -1 means "none" (the neutral donor has no answer; stale only in update).
+    """
+
+    recipient_ids: list[int]
+    donor_ids: list[int]
+    fact_spans: list[list[tuple[int, int]]]
+    value_spans: list[list[tuple[int, int]]]
+    query_start: int
+    query_pos: int
+    candidate_ids: list[int]
+    candidates: list[str]
+    recipient_answer_index: int
+    donor_answer_index: int
+    stale_answer_index: int
+    target_fact: int
+    queried_fact: int
+    keys: list[str]
+    recipient_values: list[str]
+    donor_values: list[str]
+    source_id: int
+    split: str
+    origin: str
+    template: str
+    vocab: str
+    variant: str
+    group: int
+    updated_presentations: list[int] = field(default_factory=list)
+
+    @property
+    def is_target(self) -> bool:
+        return self.queried_fact == self.target_fact
+
+
+@dataclass
+class PairBatch:
+    """A batch of pairs as tensors plus per-pair metadata. Positions are in padded (left-padded) coordinates."""
+
+    recipient_ids: torch.Tensor          # (N, T) long
+    donor_ids: torch.Tensor              # (N, T) long
+    attention_mask: torch.Tensor         # (N, T) long, 0 on left padding
+    n_pad: torch.Tensor                  # (N,) left-padding length of each row
+    query_start: torch.Tensor            # (N,)
+    query_pos: torch.Tensor              # (N,) last prompt token; logits here predict the answer
+    candidate_ids: torch.Tensor          # (N, C)
+    recipient_answer_index: torch.Tensor  # (N,) index into candidate_ids
+    donor_answer_index: torch.Tensor     # (N,) index, -1 for the neutral donor's target row
+    stale_answer_index: torch.Tensor     # (N,) index of the overwritten value in update pairs, else -1
+    target_fact: torch.Tensor            # (N,)
+    queried_fact: torch.Tensor           # (N,)
+    is_target: torch.Tensor              # (N,) bool
+    group: torch.Tensor                  # (N,) pair id; rows of one multi-fact pair share it and their context
+    source_id: torch.Tensor              # (N,)
+    fact_spans: torch.Tensor             # (N, K, R, 2), -1 where a row has fewer facts/presentations
+    value_spans: torch.Tensor            # (N, K, R, 2)
+    splits: list[str]
+    origins: list[str]
+    templates: list[str]
+    vocabs: list[str]
+    variants: list[str]
+    keys: list[list[str]]
+    candidates: list[list[str]]
+    recipient_values: list[list[str]]
+    donor_values: list[list[str]]
+    report: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.recipient_ids.shape[0])
+
+    @property
+    def recipient_answer_id(self) -> torch.Tensor:
+        return self.candidate_ids.gather(1, self.recipient_answer_index.clamp(min=0)[:, None])[:, 0]
+
+    @property
+    def donor_answer_id(self) -> torch.Tensor:
+        """Donor answer token ids; -1 where the donor has none (neutral target rows)."""
+        ids = self.candidate_ids.gather(1, self.donor_answer_index.clamp(min=0)[:, None])[:, 0]
+        return torch.where(self.donor_answer_index >= 0, ids, torch.full_like(ids, -1))
+
+    @property
+    def target_value_spans(self) -> torch.Tensor:
+        """(N, R, 2) spans of the target fact's value tokens."""
+        return self.value_spans[torch.arange(len(self)), self.target_fact]
+
+    @classmethod
+    def collate(cls, pairs: Sequence[RecallPair], pad_id: int, report: dict | None = None) -> "PairBatch":
+        """Stack pairs; rows of different lengths are padded on the LEFT with `pad_id` and positions shifted."""
+        if not pairs:
+            raise ValueError("collate needs at least one pair; received an empty sequence.")
+        length = max(len(p.recipient_ids) for p in pairs)
+        n_facts = max(len(p.fact_spans) for p in pairs)
+        n_pres = max(len(s) for p in pairs for s in p.fact_spans)
+        n = len(pairs)
+        recipient = torch.full((n, length), pad_id, dtype=torch.long)
+        donor = torch.full((n, length), pad_id, dtype=torch.long)
+        mask = torch.zeros((n, length), dtype=torch.long)
+        fact_spans = torch.full((n, n_facts, n_pres, 2), -1, dtype=torch.long)
+        value_spans = torch.full((n, n_facts, n_pres, 2), -1, dtype=torch.long)
+        pads = []
+        for i, p in enumerate(pairs):
+            if len(p.recipient_ids) != len(p.donor_ids):
+                raise ValueError(f"pair {i}: donor ({len(p.donor_ids)}) and recipient ({len(p.recipient_ids)}) "
+                                 f"lengths differ; pairs must be aligned.")
+            pad = length - len(p.recipient_ids)
+            pads.append(pad)
+            recipient[i, pad:] = torch.tensor(p.recipient_ids)
+            donor[i, pad:] = torch.tensor(p.donor_ids)
+            mask[i, pad:] = 1
+            for f, (spans, vspans) in enumerate(zip(p.fact_spans, p.value_spans)):
+                for r, (span, vspan) in enumerate(zip(spans, vspans)):
+                    fact_spans[i, f, r] = torch.tensor(span) + pad
+                    value_spans[i, f, r] = torch.tensor(vspan) + pad
+        n_candidates = {len(p.candidate_ids) for p in pairs}
+        if len(n_candidates) != 1:
+            raise ValueError(f"all pairs must have the same number of candidates; received {sorted(n_candidates)}.")
+        pad_t = torch.tensor(pads, dtype=torch.long)
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in pairs], dtype=torch.long)
+
+        return cls(
+            recipient_ids=recipient, donor_ids=donor, attention_mask=mask, n_pad=pad_t,
+            query_start=column("query_start") + pad_t, query_pos=column("query_pos") + pad_t,
+            candidate_ids=torch.tensor([p.candidate_ids for p in pairs], dtype=torch.long),
+            recipient_answer_index=column("recipient_answer_index"),
+            donor_answer_index=column("donor_answer_index"),
+            stale_answer_index=column("stale_answer_index"),
+            target_fact=column("target_fact"), queried_fact=column("queried_fact"),
+            is_target=torch.tensor([p.is_target for p in pairs], dtype=torch.bool),
+            group=column("group"), source_id=column("source_id"),
+            fact_spans=fact_spans, value_spans=value_spans,
+            splits=[p.split for p in pairs], origins=[p.origin for p in pairs],
+            templates=[p.template for p in pairs], vocabs=[p.vocab for p in pairs],
+            variants=[p.variant for p in pairs], keys=[list(p.keys) for p in pairs],
+            candidates=[list(p.candidates) for p in pairs],
+            recipient_values=[list(p.recipient_values) for p in pairs],
+            donor_values=[list(p.donor_values) for p in pairs],
+            report=dict(report or {}),
+        )
+
+    def to(self, device) -> "PairBatch":
+        """A copy with every tensor moved to `device`."""
+        moved = {}
+        for name, value in self.__dict__.items():
+            moved[name] = value.to(device) if isinstance(value, torch.Tensor) else value
+        return PairBatch(**moved)
+
+    def to_frame(self):
+        """One row per pair of metadata (no token ids) as a pandas DataFrame."""
+        import pandas as pd
+
+        rows = []
+        for i in range(len(self)):
+            k = len(self.keys[i])
+            target = int(self.target_fact[i])
+            queried = int(self.queried_fact[i])
+            d_index = int(self.donor_answer_index[i])
+            s_index = int(self.stale_answer_index[i])
+            spans = self.fact_spans[i, :k]
+            vspans = self.value_spans[i, :k]
+            rows.append({
+                "group": int(self.group[i]), "variant": self.variants[i], "split": self.splits[i],
+                "source_id": int(self.source_id[i]), "origin": self.origins[i], "template": self.templates[i],
+                "vocab": self.vocabs[i], "n_facts": k, "target_fact": target, "queried_fact": queried,
+                "is_target": bool(self.is_target[i]), "target_key": self.keys[i][target],
+                "queried_key": self.keys[i][queried], "length": int(self.attention_mask[i].sum()),
+                "n_pad": int(self.n_pad[i]), "query_start": int(self.query_start[i]),
+                "query_pos": int(self.query_pos[i]),
+                "candidates": list(self.candidates[i]), "candidate_ids": self.candidate_ids[i].tolist(),
+                "recipient_answer_index": int(self.recipient_answer_index[i]),
+                "donor_answer_index": d_index, "stale_answer_index": s_index,
+                "recipient_answer": self.candidates[i][int(self.recipient_answer_index[i])],
+                "donor_answer": self.candidates[i][d_index] if d_index >= 0 else None,
+                "stale_answer": self.candidates[i][s_index] if s_index >= 0 else None,
+                "keys": list(self.keys[i]), "recipient_values": list(self.recipient_values[i]),
+                "donor_values": list(self.donor_values[i]),
+                "fact_spans": [[tuple(s) for s in f.tolist() if s[0] >= 0] for f in spans],
+                "value_spans": [[tuple(s) for s in f.tolist() if s[0] >= 0] for f in vspans],
+            })
+        return pd.DataFrame(rows)
+
+
+# --- generation ---------------------------------------------------------------------------------------------------
+
+def _resolve_template(template: str | Template) -> Template:
+    if isinstance(template, Template):
+        return template
+    if template not in TEMPLATES:
+        raise ValueError(f"template must be a Template or one of {sorted(TEMPLATES)}; received {template!r}.")
+    return TEMPLATES[template]
+
+
+def _resolve_vocab(vocab: str | Sequence[str]) -> tuple[str, list[str]]:
+    if isinstance(vocab, str):
+        if vocab not in VALUE_VOCABS:
+            raise ValueError(f"vocab must be a list of value words or one of {sorted(VALUE_VOCABS)}; "
+                             f"received {vocab!r}.")
+        return vocab, list(VALUE_VOCABS[vocab])
+    values = list(vocab)
+    if len(set(values)) != len(values):
+        raise ValueError(f"vocab values must be distinct; received duplicates in {values}.")
+    return "custom", values
+
+
+def _balanced_sequence(rng: random.Random, items: list, n: int) -> list:
+    """n draws that cycle through shuffled copies of `items`, so each appears floor or ceil n/len times."""
+    out: list = []
+    while len(out) < n:
+        block = list(items)
+        rng.shuffle(block)
+        out.extend(block)
+    return out[:n]
+
+
+def _check_args(n_facts, presentations, filler_tokens, gap_tokens, lead_tokens, variant, queries, n_updated,
+                pairs_per_source, n_candidates):
+    for name, value, minimum in (("n_facts", n_facts, 1), ("presentations", presentations, 1),
+                                 ("filler_tokens", filler_tokens, 0), ("gap_tokens", gap_tokens, 0),
+                                 ("lead_tokens", lead_tokens, 0), ("pairs_per_source", pairs_per_source, 1),
+                                 ("n_candidates", n_candidates, 2)):
+        if not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}; received {value!r}.")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}; received {variant!r}.")
+    if queries not in ("target", "all"):
+        raise ValueError(f"queries must be 'target' (one row per pair) or 'all' (one row per fact, same context); "
+                         f"received {queries!r}.")
+    if variant == "update" and not 1 <= n_updated < presentations:
+        raise ValueError(f"the update variant re-binds the last n_updated of the target's presentations, so "
+                         f"1 <= n_updated < presentations is required; received n_updated={n_updated}, "
+                         f"presentations={presentations}. Use presentations >= 2.")
+
+
+def iter_pairs(tokenizer, split: str = "dev", n_sources: int = 16, *, sources: Sequence[Source] | None = None,
+               n_facts: int = 4, presentations: int = 3, filler_tokens: int = 512, gap_tokens: int = 24,
+               lead_tokens: int | None = None, template: str | Template = "is_in",
+               vocab: str | Sequence[str] = "cities", keys: Sequence[str] | None = None, variant: str = "swap",
+               queries: str = "target", n_updated: int = 1, pairs_per_source: int = 1, n_candidates: int = 4,
+               seed: int = 0, max_length: int | None = None, on_multitoken: str = "error",
+               add_bos: bool = False, report: dict | None = None) -> Iterator[RecallPair]:
+    """Yield recall pairs: `pairs_per_source` per source (rows per pair: 1, or n_facts with queries='all').
+
+    Filler comes from `sources` when given (e.g. interp.data.corpora), else from generated filler sources 0..n-1 of
+    `split` under `seed`. Layout: lead filler, then `presentations` rounds presenting every fact once (order shuffled
+    per round) separated by `gap_tokens` of filler, then `filler_tokens` of filler, then the query prompt.
+    Every sequence of one call has the same length. Pass a dict as `report` to receive what was filtered.
+    """
+    lead_tokens = gap_tokens if lead_tokens is None else lead_tokens
+    _check_args(n_facts, presentations, filler_tokens, gap_tokens, lead_tokens, variant, queries, n_updated,
+                pairs_per_source, n_candidates)
+    if sources is None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {sorted(SPLITS)}; received {split!r}.")
+        if not isinstance(n_sources, int) or n_sources < 1:
+            raise ValueError(f"n_sources must be an integer >= 1; received {n_sources!r}.")
+        sources = [FillerSource(id=i, split=split, seed=seed) for i in range(n_sources)]
+    sources = list(sources)
+    if not sources:
+        raise ValueError("sources is empty; pass at least one Source.")
+    tmpl = _resolve_template(template)
+    vocab_name, value_words = _resolve_vocab(vocab)
+    key_words = list(KEY_NAMES if keys is None else keys)
+    if len(set(key_words)) != len(key_words):
+        raise ValueError(f"keys must be distinct; received duplicates in {key_words}.")
+
+    value_words, value_ids, dropped_values = single_token_ids(tokenizer, value_words, on_multitoken, "value")
+    key_words, key_ids, dropped_keys = single_token_ids(tokenizer, key_words, on_multitoken, "key")
+    if set(value_ids) & set(key_ids):
+        raise ValueError("a key and a value map to the same token id; keys and values must be distinct words.")
+    info = {"dropped_values": dropped_values, "dropped_keys": dropped_keys,
+            "n_filtered": len(dropped_values) + len(dropped_keys)}
+    if report is not None:
+        report.update(info)
+    if n_facts > len(key_words):
+        raise ValueError(f"n_facts={n_facts} bindings need {n_facts} distinct keys, but only {len(key_words)} "
+                         f"single-token keys are available{' after filtering' if dropped_keys else ''}; "
+                         f"lower n_facts or pass more keys.")
+    if len(value_words) < n_candidates:
+        raise ValueError(f"vocab {vocab_name!r} has {len(value_words)} single-token values"
+                         f"{' after filtering' if dropped_values else ''}; at least n_candidates={n_candidates} "
+                         f"are needed. Use a larger vocabulary.")
+
+    min_values = 2 + (variant == "update") + (n_facts > 1)
+    if len(value_words) < min_values:
+        raise ValueError(f"vocab {vocab_name!r} has {len(value_words)} single-token values; variant={variant!r} "
+                         f"with n_facts={n_facts} needs at least {min_values}. Use a larger vocabulary.")
+    fact_ids = _compile(tokenizer, tmpl.fact, tmpl.name)
+    query_ids = _compile(tokenizer, tmpl.query, tmpl.name)
+    fact_len = len(fact_ids)
+    value_offset = fact_ids.index(_VALUE)
+    n_pres_total = n_facts * presentations
+    bos = []
+    if add_bos:
+        if getattr(tokenizer, "bos_token_id", None) is None:
+            raise ValueError("add_bos=True but this tokenizer has no bos_token_id; pass add_bos=False.")
+        bos = [tokenizer.bos_token_id]
+    filler_needed = lead_tokens + (n_pres_total - 1) * gap_tokens + filler_tokens
+    length = len(bos) + filler_needed + n_pres_total * fact_len + len(query_ids)
+    if max_length is not None and length > max_length:
+        raise ValueError(
+            f"filler_tokens={filler_tokens} with n_facts={n_facts}, presentations={presentations}, "
+            f"gap_tokens={gap_tokens} makes sequences {length} tokens long, more than max_length={max_length}; "
+            f"lower filler_tokens to at most {filler_tokens - (length - max_length)} or shrink the layout.")
+    reserved = frozenset(key_ids) | frozenset(value_ids)
+
+    n_pairs = len(sources) * pairs_per_source
+    sched_rng = random.Random(f"recall-schedule/{seed}/{tmpl.name}/{vocab_name}/{variant}/{n_pairs}")
+    n_values = len(value_words)
+    # Recipient answer: shuffled blocks of every value; donor answer: the same block shifted by a nonzero offset,
+    # so both are balanced over values and never equal.
+    recipient_answer, donor_answer = [], []
+    while len(recipient_answer) < n_pairs:
+        block = list(range(n_values))
+        sched_rng.shuffle(block)
+        shift = sched_rng.randrange(1, n_values)
+        recipient_answer.extend(block)
+        donor_answer.extend(block[(i + shift) % n_values] for i in range(n_values))
+    # (recipient slot, donor slot): every run of n_candidates pairs uses each slot once for the recipient answer and
+    # once for the donor answer; every run of n_candidates * (n_candidates - 1) pairs uses each ordered slot pair once.
+    slots: list[tuple[int, int]] = []
+    while len(slots) < n_pairs:
+        shifts = list(range(1, n_candidates))
+        sched_rng.shuffle(shifts)
+        for shift in shifts:
+            perm = list(range(n_candidates))
+            sched_rng.shuffle(perm)
+            slots.extend((r, (r + shift) % n_candidates) for r in perm)
+    slots = slots[:n_pairs]
+    targets = _balanced_sequence(sched_rng, list(range(n_facts)), n_pairs)
+
+    pair_index = 0
+    for source in sources:
+        # Filler pieces in layout order, each an exact token count on word boundaries; shared by the source's pairs.
+        stream = source.stream(tokenizer, reserved)
+        pieces = [stream.take(lead_tokens)]
+        pieces += [stream.take(gap_tokens) for _ in range(n_pres_total - 1)]
+        pieces.append(stream.take(filler_tokens))
+        spare = [stream.take(fact_len) for _ in range(presentations)] if variant == "neutral" else []
+        for j in range(pairs_per_source):
+            i = pair_index
+            pair_index += 1
+            rng = random.Random(f"recall-pair/{seed}/{source.split}/{source.origin}/{source.id}/{j}/{tmpl.name}/"
+                                f"{vocab_name}/{variant}/{i}")
+            target = targets[i]
+            r_value, d_value = recipient_answer[i], donor_answer[i]
+            r_slot, d_slot = slots[i]
+            used = {r_value, d_value}
+            stale_value = -1
+            if variant == "update":
+                stale_value = rng.choice([v for v in range(n_values) if v not in used])
+                used.add(stale_value)
+            free = [v for v in range(n_values) if v not in used]
+            others = rng.sample(free, n_facts - 1) if len(free) >= n_facts - 1 else rng.choices(free, k=n_facts - 1)
+            fact_values = others[:target] + [r_value] + others[target:]
+            fact_keys = rng.sample(range(len(key_words)), n_facts)
+            order = []
+            for rnd in range(presentations):
+                perm = list(range(n_facts))
+                rng.shuffle(perm)
+                order.extend((rnd, f) for f in perm)
+            updated_rounds = list(range(presentations - n_updated, presentations)) if variant == "update" else []
+
+            recipient: list[int] = list(bos)
+            donor: list[int] = list(bos)
+            piece_iter = iter(pieces)
+            spare_iter = iter(spare)
+
+            def add_filler() -> None:
+                chunk = next(piece_iter)
+                recipient.extend(chunk)
+                donor.extend(chunk)
+
+            fact_spans = [[None] * presentations for _ in range(n_facts)]
+            value_spans = [[None] * presentations for _ in range(n_facts)]
+            add_filler()
+            for p, (rnd, f) in enumerate(order):
+                start = len(recipient)
+                key_id = key_ids[fact_keys[f]]
+                if f == target and variant == "update" and rnd not in updated_rounds:
+                    r_val, d_val = value_ids[stale_value], value_ids[stale_value]
+                elif f == target and variant in ("swap", "update"):
+                    r_val, d_val = value_ids[r_value], value_ids[d_value]
+                else:
+                    r_val = d_val = value_ids[fact_values[f]]
+                recipient.extend(_fill(fact_ids, key_id, r_val))
+                if f == target and variant == "neutral":
+                    donor.extend(next(spare_iter))
+                else:
+                    donor.extend(_fill(fact_ids, key_id, d_val))
+                fact_spans[f][rnd] = (start, start + fact_len)
+                value_spans[f][rnd] = (start + value_offset, start + value_offset + 1)
+                add_filler()
+            assert len(recipient) == len(donor) == length - len(query_ids)
+            query_start = len(recipient)
+
+            queried_facts = [target] if queries == "target" else list(range(n_facts))
+            keys_out = [key_words[fact_keys[f]] for f in range(n_facts)]
+            r_values_out = [value_words[fact_values[f]] for f in range(n_facts)]
+            d_values_out = list(r_values_out)
+            d_values_out[target] = "" if variant == "neutral" else value_words[d_value]
+            for q in queried_facts:
+                prompt = _fill(query_ids, key_ids[fact_keys[q]], None)
+                if q == target:
+                    fixed = {r_slot: r_value}
+                    if variant != "neutral":
+                        fixed[d_slot] = d_value
+                    if variant == "update":
+                        fixed[rng.choice([s for s in range(n_candidates) if s not in fixed])] = stale_value
+                    answer_value = r_value
+                else:
+                    answer_value = fact_values[q]
+                    fixed = {rng.randrange(n_candidates): answer_value}
+                # Distractors: values bound to other keys in this context first, then the rest of the vocabulary.
+                taken = set(fixed.values())
+                in_context = [v for v in dict.fromkeys(fact_values) if v not in taken]
+                rng.shuffle(in_context)
+                rest = [v for v in range(n_values) if v not in taken and v not in in_context]
+                rng.shuffle(rest)
+                fillers = iter(in_context + rest)
+                chosen = [fixed[s] if s in fixed else next(fillers) for s in range(n_candidates)]
+                answer_slot = chosen.index(answer_value)
+                if q == target:
+                    donor_slot = -1 if variant == "neutral" else chosen.index(d_value)
+                    stale_slot = chosen.index(stale_value) if variant == "update" else -1
+                else:
+                    donor_slot, stale_slot = answer_slot, -1
+                yield RecallPair(
+                    recipient_ids=recipient + prompt, donor_ids=donor + prompt,
+                    fact_spans=[list(s) for s in fact_spans], value_spans=[list(s) for s in value_spans],
+                    query_start=query_start, query_pos=query_start + len(prompt) - 1,
+                    candidate_ids=[value_ids[v] for v in chosen], candidates=[value_words[v] for v in chosen],
+                    recipient_answer_index=answer_slot, donor_answer_index=donor_slot,
+                    stale_answer_index=stale_slot, target_fact=target, queried_fact=q, keys=keys_out,
+                    recipient_values=r_values_out, donor_values=d_values_out, source_id=source.id,
+                    split=source.split, origin=source.origin, template=tmpl.name, vocab=vocab_name,
+                    variant=variant, group=i, updated_presentations=updated_rounds,
+                )
+
+
+def _pad_id(tokenizer) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    return 0 if pad is None else int(pad)
+
+
+def build_pairs(tokenizer, sources: Sequence[Source] | None = None, *, split: str = "dev", n_sources: int = 16,
+                **kwargs) -> PairBatch:
+    """All pairs of `iter_pairs` collated into a PairBatch (same arguments; see iter_pairs).
+
+    report (on the batch): dropped keys/values with their tokenisations and the count filtered.
+    """
+    report: dict = {}
+    pairs = list(iter_pairs(tokenizer, split, n_sources, sources=sources, report=report, **kwargs))
+    return PairBatch.collate(pairs, _pad_id(tokenizer), report=report)
+
+
+def build_multifact_pairs(tokenizer, sources: Sequence[Source] | None = None, **kwargs) -> PairBatch:
+    """Swap pairs with one row per fact: every row shares the pair's context and queries a different key."""
+    return build_pairs(tokenizer, sources, queries="all", **kwargs)
+
+
+def build_neutral_pairs(tokenizer, sources: Sequence[Source] | None = None, **kwargs) -> PairBatch:
+    """Pairs whose donor replaces every presentation of the target fact with filler of equal token length."""
+    return build_pairs(tokenizer, sources, variant="neutral", **kwargs)
+
+
+def build_update_pairs(tokenizer, sources: Sequence[Source] | None = None, **kwargs) -> PairBatch:
+    """Pairs where the target's last `n_updated` presentations re-bind it to a new value, the answer; the donor's
+    new value differs. The overwritten value is among the candidates (stale_answer_index)."""
+    return build_pairs(tokenizer, sources, variant="update", **kwargs)

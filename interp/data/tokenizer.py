@@ -1,0 +1,216 @@
+"""Tokenizer helpers: the project's word-level tokenizer, and mid-sentence encoding that works for any HF tokenizer.
+
+Every generator in interp.data builds sequences by concatenating separately encoded segments, each encoded as it
+would appear mid-sentence (after a space), so keys and values keep one fixed token each and positions stay aligned.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+__all__ = [
+    "SPECIAL_TOKENS",
+    "encode_continuation",
+    "encode_words",
+    "single_token_id",
+    "single_token_ids",
+    "token_strings",
+    "build_word_tokenizer",
+    "save_word_tokenizer",
+    "load_word_tokenizer",
+    "default_word_list",
+]
+
+SPECIAL_TOKENS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "bos_token": "[BOS]", "eos_token": "[EOS]"}
+
+# A plain word placed before a segment so the tokenizer treats the segment as mid-sentence (BPE leading-space
+# tokens, SentencePiece word-boundary marks); its own ids are then stripped off.
+_ANCHOR = "the"
+
+
+def _encode_batch(tokenizer, texts: list[str]) -> list[list[int]]:
+    if hasattr(tokenizer, "encode_batch") and not callable(getattr(tokenizer, "convert_ids_to_tokens", None)):
+        # A raw `tokenizers.Tokenizer`.
+        return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+    return list(tokenizer(texts, add_special_tokens=False)["input_ids"])
+
+
+def token_strings(tokenizer, ids: Sequence[int]) -> list[str]:
+    """The token strings of `ids` (for error messages)."""
+    if callable(getattr(tokenizer, "convert_ids_to_tokens", None)):
+        return list(tokenizer.convert_ids_to_tokens(list(ids)))
+    return [tokenizer.id_to_token(i) for i in ids]
+
+
+def encode_continuation(tokenizer, text: str, leading_space: bool = True) -> list[int]:
+    """Token ids of `text` as it appears mid-sentence (after a space when `leading_space`), without special tokens.
+
+    Works for word-level, byte-level BPE (GPT-2 style `Ġword`) and SentencePiece (`▁word`) tokenizers: the text is
+    encoded after an anchor word and the anchor's ids are removed. If the anchor's ids are not a prefix (a tokenizer
+    that merges across the space), the text is encoded on its own instead.
+    """
+    if not text:
+        return []
+    joined = _ANCHOR + (" " if leading_space else "") + text
+    anchor_ids, joined_ids = _encode_batch(tokenizer, [_ANCHOR, joined])
+    if joined_ids[:len(anchor_ids)] == anchor_ids:
+        return list(joined_ids[len(anchor_ids):])
+    return list(_encode_batch(tokenizer, [(" " if leading_space else "") + text])[0])
+
+
+def encode_words(tokenizer, text: str) -> list[list[int]]:
+    """Token ids of `text` mid-sentence, grouped by the pre-tokenizer's words (a BPE word may span several tokens).
+
+    Uses the fast tokenizer's word ids; tokenizers without them give one group per token.
+    """
+    if not text:
+        return []
+    if hasattr(tokenizer, "encode_batch") and not callable(getattr(tokenizer, "convert_ids_to_tokens", None)):
+        encodings = tokenizer.encode_batch([_ANCHOR, _ANCHOR + " " + text], add_special_tokens=False)
+        anchor_ids, ids, word_ids = encodings[0].ids, encodings[1].ids, encodings[1].word_ids
+    else:
+        batch = tokenizer([_ANCHOR, _ANCHOR + " " + text], add_special_tokens=False)
+        anchor_ids, ids = batch["input_ids"][0], batch["input_ids"][1]
+        try:
+            word_ids = batch.word_ids(1)
+        except (ValueError, AttributeError):  # slow tokenizers have no word ids
+            word_ids = None
+    if list(ids[:len(anchor_ids)]) != list(anchor_ids):
+        return [[t] for t in encode_continuation(tokenizer, text)]
+    start = len(anchor_ids)
+    if word_ids is None or any(w is None for w in word_ids[start:]):
+        return [[t] for t in ids[start:]]
+    groups: list[list[int]] = []
+    previous = None
+    for token, word in zip(ids[start:], word_ids[start:]):
+        if word != previous:
+            groups.append([])
+            previous = word
+        groups[-1].append(token)
+    return groups
+
+
+def _unk_id(tokenizer) -> int | None:
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None and hasattr(tokenizer, "token_to_id"):
+        unk = tokenizer.token_to_id(SPECIAL_TOKENS["unk_token"])
+    return unk
+
+
+def single_token_id(tokenizer, word: str) -> int:
+    """The id of `word` as one token mid-sentence; ValueError naming the word and its tokenisation otherwise."""
+    ids = encode_continuation(tokenizer, word)
+    unk = _unk_id(tokenizer)
+    if len(ids) != 1:
+        raise ValueError(
+            f"{word!r} is not a single token mid-sentence for this tokenizer: it tokenises as "
+            f"{token_strings(tokenizer, ids)} ({len(ids)} tokens). Choose words that are single tokens, or pass "
+            f"on_multitoken='filter' to drop them.")
+    if unk is not None and ids[0] == unk:
+        raise ValueError(
+            f"{word!r} is unknown to this tokenizer (it maps to the unknown token id {unk}). Add it to the "
+            f"tokenizer's vocabulary, or pass on_multitoken='filter' to drop it.")
+    return ids[0]
+
+
+def single_token_ids(tokenizer, words: Sequence[str], on_multitoken: str = "error",
+                     what: str = "word") -> tuple[list[str], list[int], dict[str, list[str]]]:
+    """Ids of `words` that are single tokens: returns (kept words, their ids, dropped word -> its tokens).
+
+    on_multitoken='error' raises one ValueError naming every offending word and how it tokenised;
+    'filter' drops them and reports them in the third return value.
+    """
+    if on_multitoken not in ("error", "filter"):
+        raise ValueError(f"on_multitoken must be 'error' or 'filter'; received {on_multitoken!r}.")
+    kept, ids, dropped = [], [], {}
+    unk = _unk_id(tokenizer)
+    for word in words:
+        piece = encode_continuation(tokenizer, word)
+        if len(piece) == 1 and (unk is None or piece[0] != unk):
+            kept.append(word)
+            ids.append(piece[0])
+        else:
+            dropped[word] = token_strings(tokenizer, piece)
+    if dropped and on_multitoken == "error":
+        detail = "; ".join(f"{w!r} -> {t}" for w, t in dropped.items())
+        raise ValueError(
+            f"{len(dropped)} {what}(s) are not single known tokens mid-sentence for this tokenizer: {detail}. "
+            f"Use single-token words, or pass on_multitoken='filter' to drop them.")
+    by_id: dict[int, list[str]] = {}
+    for word, token in zip(kept, ids):
+        by_id.setdefault(token, []).append(word)
+    collisions = {token: words for token, words in by_id.items() if len(words) > 1}
+    if collisions:
+        raise ValueError(f"several {what}s map to the same token id: {collisions}; {what}s must be distinct words "
+                         f"with distinct tokens.")
+    return kept, ids, dropped
+
+
+def default_word_list() -> list[str]:
+    """Every word the generators in interp.data can emit: filler words, keys, values, template and S-NIAH words."""
+    from .filler import filler_vocabulary
+    from .niah import niah_words
+    from .recall import recall_words
+
+    return list(dict.fromkeys(filler_vocabulary() + recall_words() + niah_words()))
+
+
+def build_word_tokenizer(extra_words: Iterable[str] = ()):
+    """A word-level `PreTrainedTokenizerFast` whose vocabulary is every word the generators emit plus `extra_words`.
+
+    Model: tokenizers WordLevel; pre-tokenizer: split on whitespace, then isolate each punctuation mark; specials
+    [PAD]=0, [UNK]=1, [BOS]=2, [EOS]=3; case-sensitive. Ids are assigned in sorted order after the specials, so the
+    vocabulary is deterministic.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pre = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation("isolated")])
+    words: set[str] = set()
+    for word in list(default_word_list()) + list(extra_words):
+        if not isinstance(word, str):
+            raise ValueError(f"extra_words must be strings; received {word!r} ({type(word).__name__}).")
+        words.update(piece for piece, _ in pre.pre_tokenize_str(word))
+    specials = [SPECIAL_TOKENS[k] for k in ("pad_token", "unk_token", "bos_token", "eos_token")]
+    vocab = {token: i for i, token in enumerate(specials)}
+    for word in sorted(words - set(specials)):
+        vocab[word] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
+    backend.pre_tokenizer = pre
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=True)  # joins words with spaces, tidies punctuation
+    backend.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **SPECIAL_TOKENS)
+
+
+def save_word_tokenizer(tokenizer, directory: str | os.PathLike) -> Path:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json to `directory`; return its path.
+
+    The directory loads with `AutoTokenizer.from_pretrained(directory)` and the file with
+    `PreTrainedTokenizerFast(tokenizer_file=directory / "tokenizer.json")`.
+    """
+    import json
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(directory))
+    if not (directory / "tokenizer.json").exists():  # older transformers may only write the config
+        tokenizer.backend_tokenizer.save(str(directory / "tokenizer.json"))
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    config.update(SPECIAL_TOKENS)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (directory / "special_tokens_map.json").write_text(json.dumps(SPECIAL_TOKENS, indent=2, sort_keys=True) + "\n")
+    return directory
+
+
+def load_word_tokenizer(directory: str | os.PathLike):
+    """Load a tokenizer directory written by `save_word_tokenizer` (AutoTokenizer, with a clear error if missing)."""
+    from transformers import AutoTokenizer
+
+    directory = Path(directory)
+    if not (directory / "tokenizer.json").is_file():
+        raise ValueError(f"tokenizer directory {str(directory)!r} has no tokenizer.json; write it with "
+                         f"save_word_tokenizer(tokenizer, directory) first.")
+    return AutoTokenizer.from_pretrained(str(directory))
