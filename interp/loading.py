@@ -149,3 +149,12 @@ def save_model(model: RecurrentLM, directory: Union[str, os.PathLike], extra_con
     if model.tokenizer is not None:
         model.tokenizer.save_pretrained(str(directory))
     return directory
+
+
+def state_from_fla(state: torch.Tensor) -> torch.Tensor:
+    """fla's GLA/GDN caches keep each head's state as (V, K); recurscope keeps (K, V) everywhere."""
+    return state.transpose(-1, -2)
+
+
+def state_to_fla(state: torch.Tensor) -> torch.Tensor:
+    return state.transpose(-1, -2)

@@ -17,6 +17,7 @@ def recurrence_reference(
     """Returns (o, final_state, states) with o in q's dtype, states in `dtype`. Inputs are assumed validated."""
     B, T, H, K = q.shape
     V = x.shape[-1]
+    out_dtype = q.dtype
     f = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     q, k, x, g, a, write_scale = map(f, (q, k, x, g, a, write_scale))
     u, y = (None, None) if extra_write is None else map(f, extra_write)
@@ -39,4 +40,4 @@ def recurrence_reference(
         if t in want:
             captured.append(S)
     states = torch.stack(captured, dim=1) if captured else None
-    return o, S, states
+    return o.to(out_dtype), S, states

@@ -80,13 +80,17 @@ class GatedMLP(nn.Module):
 
 
 def rotary(x: torch.Tensor, offset: int, base: float) -> torch.Tensor:
-    """NeoX-style (half-split, not interleaved) rotary embedding over the last dim; x is (B, T, H, D)."""
+    """NeoX-style (half-split, not interleaved) rotary embedding over the last dim; x is (B, T, H, D).
+
+    The angle tables are float32, as in fla, so that fla-trained checkpoints see the same rotations.
+    """
     T, D = x.shape[1], x.shape[-1]
     inv_freq = 1.0 / (base ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))
     pos = torch.arange(offset, offset + T, device=x.device, dtype=torch.float32)
     ang = torch.outer(pos, inv_freq)                      # (T, D/2)
     cos = torch.cat([ang.cos(), ang.cos()], -1)[None, :, None, :]
     sin = torch.cat([ang.sin(), ang.sin()], -1)[None, :, None, :]
-    x1, x2 = x.float().chunk(2, dim=-1)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    x1, x2 = x.to(acc).chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated * sin).to(x.dtype)
+    return (x.to(acc) * cos + rotated * sin).to(x.dtype)

@@ -129,6 +129,7 @@ class GLAMixer(RecurrentMixer):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        del self.hook_erase  # GLA has no erase term
         d = cfg.hidden_size
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads or cfg.num_heads
@@ -351,7 +352,8 @@ class AttentionMixer(nn.Module):
         Tk = k.shape[1]
         groups = self.num_heads // self.num_kv_heads
         kk, vv = _repeat_heads(k, groups), _repeat_heads(v, groups)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk.float()) * self.head_dim ** -0.5
+        acc = torch.promote_types(h.dtype, torch.float32)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), kk.to(acc)) * self.head_dim ** -0.5
         qpos = torch.arange(Tk - T, Tk, device=h.device)[:, None]
         kpos = torch.arange(Tk, device=h.device)[None, :]
         allowed = kpos <= qpos
@@ -359,7 +361,7 @@ class AttentionMixer(nn.Module):
             allowed = allowed & (kpos > qpos - self.window_size)
         scores = scores.masked_fill(~allowed, float("-inf"))
         pattern = self.hook_pattern(torch.softmax(scores, dim=-1))
-        o = torch.einsum("bhqk,bkhd->bqhd", pattern, vv.float()).to(h.dtype)
+        o = torch.einsum("bhqk,bkhd->bqhd", pattern, vv.to(acc)).to(h.dtype)
         o = self.hook_head_out(o)
         out = self.o_proj(o.reshape(B, T, -1))
         return out, LayerCache("attention", keys=k, values=v)

@@ -1,0 +1,27 @@
+"""Tiny random models of every family, shared by the model tests."""
+import torch
+
+from interp.models import ModelConfig, RecurrentLM
+
+FAMILIES = {
+    "gla": dict(model_type="gla", expand_k=0.5, expand_v=1.0),
+    "gla_conv": dict(model_type="gla", use_short_conv=True),
+    "gdn": dict(model_type="gated_deltanet", head_dim=16, expand_v=2),
+    "gdn2": dict(model_type="gated_deltanet2", head_dim=16, expand_v=1),
+    "qed": dict(model_type="gated_deltanet2", head_dim=16, expand_v=1, erase_arm="full"),
+    "gdn_hybrid": dict(model_type="gated_deltanet", head_dim=16, attn={"layers": [1], "num_heads": 2}),
+}
+
+
+def tiny_model(family: str, layers: int = 2, seed: int = 0, **overrides) -> RecurrentLM:
+    torch.manual_seed(seed)
+    raw = dict(vocab_size=61, hidden_size=32, num_hidden_layers=layers, num_heads=2)
+    raw.update(FAMILIES[family])
+    raw.update(overrides)
+    model = RecurrentLM(ModelConfig.from_dict(raw)).eval()
+    if raw["model_type"] == "gated_deltanet2" and raw.get("erase_arm", "gdn2") != "gdn2":
+        with torch.no_grad():  # a visible lam, so QED differs from GDN-2 in the tests
+            for b in model.blocks:
+                if hasattr(b.mixer, "qed_theta"):
+                    b.mixer.qed_theta.uniform_(-1, 1)
+    return model
