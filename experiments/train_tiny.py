@@ -1,0 +1,329 @@
+"""How the bundled tiny checkpoints were made: small GLA / Gated DeltaNet / hybrid / GDN-2 / QED models trained on a CPU
+on filler next-token prediction plus the key-value recall task, then scored on held-out recall at K=4, F=512.
+
+Usage:  python experiments/train_tiny.py --model tiny-gla [--steps N] [--seed S] [--out DIR] [--threads T] [--smoke]
+        python experiments/train_tiny.py --model tiny-gdn --eval-only --out DIR   # re-score a saved checkpoint
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from interp.data import TEMPLATES, VALUE_VOCABS, FillerSource, build_pairs, build_word_tokenizer, save_word_tokenizer
+from interp.data import sources as filler_sources
+from interp.loading import CHECKPOINT_DIR, save_model
+from interp.models import ModelConfig, RecurrentLM
+from interp.stats import source_bootstrap_ci
+
+# Architectures. Sizes are chosen so that one shared CPU core trains a model in about a quarter of an hour.
+ARCHITECTURES: dict[str, dict] = {
+    "tiny-gla": dict(model_type="gla", hidden_size=128, num_hidden_layers=2, num_heads=2, expand_k=0.5, expand_v=1.0,
+                     use_short_conv=False, hidden_ratio=2),
+    "tiny-gdn": dict(model_type="gated_deltanet", hidden_size=128, num_hidden_layers=2, num_heads=2, head_dim=32,
+                     expand_v=2.0, use_short_conv=True, hidden_ratio=2),
+    "tiny-gdn-hybrid": dict(model_type="gated_deltanet", hidden_size=128, num_hidden_layers=3, num_heads=2,
+                            head_dim=32, expand_v=2.0, use_short_conv=True, hidden_ratio=2,
+                            attn={"layers": [1], "num_heads": 2}),
+    "tiny-gdn2": dict(model_type="gated_deltanet2", hidden_size=128, num_hidden_layers=2, num_heads=2, head_dim=32,
+                      expand_v=2.0, use_short_conv=True, hidden_ratio=2, erase_arm="gdn2"),
+    "tiny-qed": dict(model_type="gated_deltanet2", hidden_size=128, num_hidden_layers=2, num_heads=2, head_dim=32,
+                     expand_v=2.0, use_short_conv=True, hidden_ratio=2, erase_arm="full"),
+}
+DEFAULT_STEPS = {"tiny-gla": 700, "tiny-gdn": 700, "tiny-gdn-hybrid": 600, "tiny-gdn2": 600, "tiny-qed": 600}
+SMOKE_STEPS = 3
+
+# Evaluation: every template, each with its own value vocabulary (fixed, so the evaluation never changes).
+EVAL_VOCAB = {"is_in": "cities", "colon": "colours", "belongs": "instruments", "likes": "fruits",
+              "value_of": "shapes"}
+EVAL = dict(split="heldout", n_sources=128, n_facts=4, presentations=3, filler_tokens=512, seed=0)
+
+# Training distribution and curriculum.
+FILLER_START, FILLER_END = 32, 512     # filler tokens between the last presentation and the query
+CURRICULUM_FRACTION = 0.6               # the filler ceiling reaches FILLER_END after this fraction of the steps
+BATCH_RECALL, BATCH_FILLER = 7, 1       # rows per step: recall sequences, pure filler (LM only) rows
+FACT_COUNTS = (2, 3, 4, 4, 5, 6)
+PRESENTATION_COUNTS = (2, 3, 3)
+GAP_RANGE = (4, 24)
+PEAK_LR, WARMUP_FRACTION, DECAY_FRACTION, FINAL_LR_FRACTION = 3e-3, 0.05, 0.25, 0.05
+WEIGHT_DECAY, GRAD_CLIP, QED_LR_MULTIPLIER = 0.1, 1.0, 10.0
+TRAIN_SOURCE_OFFSET = 10 ** 9            # train-split source ids used for the pure filler rows
+
+
+def model_config(name: str, tokenizer) -> ModelConfig:
+    """The ModelConfig of architecture `name`, with the vocabulary and special ids of `tokenizer`."""
+    if name not in ARCHITECTURES:
+        raise ValueError(f"model must be one of {sorted(ARCHITECTURES)}; received {name!r}.")
+    raw = dict(ARCHITECTURES[name], vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    return ModelConfig.from_dict(raw)
+
+
+def learning_rate(step: int, steps: int, peak: float = PEAK_LR) -> float:
+    """Warmup-stable-decay: linear warmup, constant, then a linear decay to FINAL_LR_FRACTION * peak."""
+    warmup = max(1, int(round(WARMUP_FRACTION * steps)))
+    decay_start = int(round((1 - DECAY_FRACTION) * steps))
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if step < decay_start:
+        return peak
+    progress = (step - decay_start) / max(1, steps - decay_start)
+    return peak * (1 - (1 - FINAL_LR_FRACTION) * min(1.0, progress))
+
+
+def filler_ceiling(step: int, steps: int, start: int = FILLER_START, end: int = FILLER_END) -> int:
+    """The longest filler gap sampled at `step`: linear from `start` to `end` over CURRICULUM_FRACTION of the run."""
+    ramp = max(1, int(CURRICULUM_FRACTION * steps))
+    return int(round(start + (end - start) * min(1.0, step / ramp)))
+
+
+def param_groups(model: torch.nn.Module, lr: float, weight_decay: float = WEIGHT_DECAY,
+                 qed_lr_multiplier: float = QED_LR_MULTIPLIER) -> list[dict]:
+    """AdamW groups: decay on matrices, none on vectors; QED's `qed_theta` at `qed_lr_multiplier` times `lr`.
+
+    Each group keeps its multiplier in "lr_scale" so a schedule can set lr = schedule * lr_scale.
+    """
+    decay, no_decay, theta = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if name.endswith("qed_theta"):
+            theta.append(p)
+        elif p.dim() >= 2 and not name.startswith("embed."):
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "lr": lr, "lr_scale": 1.0, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "lr": lr, "lr_scale": 1.0, "name": "no_decay"}]
+    if theta:
+        groups.append({"params": theta, "weight_decay": 0.0, "lr": lr * qed_lr_multiplier,
+                       "lr_scale": qed_lr_multiplier, "name": "qed_theta"})
+    return [g for g in groups if g["params"]]
+
+
+def make_batch(tokenizer, rng: random.Random, step: int, filler_tokens: int, n_recall: int = BATCH_RECALL,
+               n_filler: int = BATCH_FILLER, seed: int = 0) -> dict:
+    """One training batch: `n_recall` train-split recall rows of one random template/vocabulary/layout, and
+    `n_filler` rows of plain train-split filler of the same length (LM loss only)."""
+    template = rng.choice(sorted(TEMPLATES))
+    vocab = rng.choice(sorted(VALUE_VOCABS))
+    n_facts = rng.choice(FACT_COUNTS)
+    presentations = rng.choice(PRESENTATION_COUNTS)
+    gap = rng.randint(*GAP_RANGE)
+    start = (seed * 100_003 + step) * n_recall
+    batch = build_pairs(tokenizer, filler_sources("train", n_recall, seed=0, start=start), n_facts=n_facts,
+                        presentations=presentations, filler_tokens=filler_tokens, gap_tokens=gap, template=template,
+                        vocab=vocab, seed=seed * 100_003 + step)
+    tokens = batch.recipient_ids
+    T = tokens.shape[1]
+    rows = [tokens]
+    for j in range(n_filler):
+        src = FillerSource(id=TRAIN_SOURCE_OFFSET + (seed * 100_003 + step) * max(1, n_filler) + j, split="train")
+        rows.append(torch.tensor(src.token_ids(tokenizer, T), dtype=torch.long)[None])
+    return {"tokens": torch.cat(rows), "query_pos": batch.query_pos, "answer_id": batch.recipient_answer_id,
+            "candidate_ids": batch.candidate_ids, "answer_index": batch.recipient_answer_index,
+            "n_recall": len(batch), "template": template, "vocab": vocab, "n_facts": n_facts,
+            "presentations": presentations, "gap": gap}
+
+
+def batch_losses(model: RecurrentLM, batch: dict) -> dict:
+    """LM loss on every next-token target in the batch, the recall loss (full-vocabulary cross-entropy of the
+    answer at query_pos) and recall accuracy over the candidates."""
+    tokens = batch["tokens"]
+    logits = model(tokens)
+    V = logits.shape[-1]
+    lm = F.cross_entropy(logits[:, :-1].reshape(-1, V).float(), tokens[:, 1:].reshape(-1))
+    rows = torch.arange(batch["n_recall"])
+    at_query = logits[rows, batch["query_pos"]].float()
+    recall = F.cross_entropy(at_query, batch["answer_id"])
+    with torch.no_grad():
+        cand = at_query.gather(1, batch["candidate_ids"])
+        acc = (cand.argmax(1) == batch["answer_index"]).float().mean()
+    return {"loss": lm + recall, "lm_loss": lm, "recall_loss": recall, "recall_acc": acc}
+
+
+@torch.no_grad()
+def evaluate(model: RecurrentLM, tokenizer, n_sources: int = EVAL["n_sources"],
+             filler_tokens: int = EVAL["filler_tokens"], batch_size: int = 16, progress: bool = True) -> dict:
+    """Clean recall on held-out sources: argmax over the 4 candidate logits at query_pos, per template, with a 95%
+    source-bootstrap CI (and over all templates pooled per source)."""
+    from tqdm import tqdm
+
+    model.eval()
+    per_template, all_correct, all_sources = {}, [], []
+    for template in sorted(TEMPLATES):
+        pairs = build_pairs(tokenizer, split=EVAL["split"], n_sources=n_sources, n_facts=EVAL["n_facts"],
+                            presentations=EVAL["presentations"], filler_tokens=filler_tokens,
+                            template=template, vocab=EVAL_VOCAB[template], seed=EVAL["seed"])
+        correct = []
+        for lo in tqdm(range(0, len(pairs), batch_size), desc=f"eval {template}", disable=not progress, leave=False):
+            hi = min(lo + batch_size, len(pairs))
+            logits = model(pairs.recipient_ids[lo:hi])
+            at_query = logits[torch.arange(hi - lo), pairs.query_pos[lo:hi]]
+            cand = at_query.gather(1, pairs.candidate_ids[lo:hi])
+            correct += (cand.argmax(1) == pairs.recipient_answer_index[lo:hi]).tolist()
+        correct = np.asarray(correct, dtype=float)
+        src = pairs.source_id.numpy()
+        ci = source_bootstrap_ci(correct, src)
+        per_template[template] = {"vocab": EVAL_VOCAB[template], "accuracy": ci.estimate, "ci_low": ci.low,
+                                  "ci_high": ci.high, "n_examples": ci.n_examples, "n_sources": ci.n_sources,
+                                  "ci_method": ci.method, "seq_len": int(pairs.recipient_ids.shape[1])}
+        all_correct.append(correct)
+        all_sources.append(src)
+    ci = source_bootstrap_ci(np.concatenate(all_correct), np.concatenate(all_sources))
+    overall = {"accuracy": ci.estimate, "ci_low": ci.low, "ci_high": ci.high, "n_examples": ci.n_examples,
+               "n_sources": ci.n_sources, "ci_method": ci.method}
+    return {"setting": {**EVAL, "n_sources": n_sources, "filler_tokens": filler_tokens, "n_candidates": 4,
+                        "chance": 0.25, "metric": "argmax over the 4 candidate logits at query_pos",
+                        "ci": "95% source bootstrap (interp.stats.source_bootstrap_ci, BCa, seed 0)"},
+            "per_template": per_template, "overall": overall}
+
+
+def _summary_markdown(name: str, summary: dict) -> str:
+    ev = summary["eval"]
+    s = ev["setting"]
+    lines = [f"# {name}: clean recall", "",
+             f"Held-out sources: {s['n_sources']}, K={s['n_facts']} facts, {s['presentations']} presentations, "
+             f"F={s['filler_tokens']} filler tokens, 4 candidates (chance 25%). 95% source-bootstrap CI.", "",
+             "| template | vocab | seq len | accuracy | 95% CI |", "|---|---|---|---|---|"]
+    for t, r in ev["per_template"].items():
+        lines.append(f"| {t} | {r['vocab']} | {r['seq_len']} | {100 * r['accuracy']:.1f}% | "
+                     f"[{100 * r['ci_low']:.1f}, {100 * r['ci_high']:.1f}] |")
+    o = ev["overall"]
+    lines.append(f"| all (pooled per source) | | | {100 * o['accuracy']:.1f}% | "
+                 f"[{100 * o['ci_low']:.1f}, {100 * o['ci_high']:.1f}] |")
+    lines += ["", f"- command: `{summary['command']}`", f"- seed: {summary['seed']}, steps: {summary['steps']}, "
+              f"threads: {summary['threads']}", f"- training wall time: {summary['train_seconds']:.0f} s, "
+              f"evaluation: {summary['eval_seconds']:.0f} s", f"- parameters: {summary['parameters']:,}",
+              f"- final training losses (mean of last 20 steps): {summary['final_losses']}"]
+    if summary.get("smoke"):
+        lines.append("- SMOKE RUN: a handful of steps and a reduced evaluation; these numbers mean nothing.")
+    return "\n".join(lines) + "\n"
+
+
+def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[Path] = None, smoke: bool = False,
+          threads: Optional[int] = None, progress: bool = True, command: Optional[str] = None) -> tuple[RecurrentLM, dict]:
+    """Trains `name`, saves it with its tokenizer, log and evaluation into `out`; returns (model, summary)."""
+    from tqdm import tqdm
+
+    if name not in ARCHITECTURES:
+        raise ValueError(f"model must be one of {sorted(ARCHITECTURES)}; received {name!r}.")
+    steps = (SMOKE_STEPS if smoke else DEFAULT_STEPS[name]) if steps is None else int(steps)
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1; received {steps}.")
+    if threads is not None:
+        torch.set_num_threads(int(threads))
+    out = Path(out) if out is not None else CHECKPOINT_DIR / name
+    out.mkdir(parents=True, exist_ok=True)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    data_rng = random.Random(f"train-tiny/{name}/{seed}")
+
+    tokenizer = build_word_tokenizer()
+    model = RecurrentLM(model_config(name, tokenizer))
+    model.set_backend("chunked")
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(param_groups(model, PEAK_LR), lr=PEAK_LR, betas=(0.9, 0.95), eps=1e-8)
+    filler_end = 64 if smoke else FILLER_END
+
+    log_path = out / "train_log.csv"
+    columns = ["step", "loss", "lm_loss", "recall_loss", "recall_acc", "filler_len", "seq_len", "template", "lr",
+               "seconds"]
+    history = []
+    t0 = time.time()
+    with open(log_path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        bar = tqdm(range(steps), desc=f"train {name}", disable=not progress)
+        for step in bar:
+            lr = learning_rate(step, steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr * group["lr_scale"]
+            ceiling = filler_ceiling(step, steps, end=filler_end)
+            filler_len = data_rng.randint(max(FILLER_START, ceiling // 2), ceiling)
+            batch = make_batch(tokenizer, data_rng, step, filler_len, seed=seed)
+            losses = batch_losses(model, batch)
+            if not torch.isfinite(losses["loss"]):
+                raise FloatingPointError(f"non-finite loss {losses['loss'].item()} at step {step} of {name}; "
+                                         "lower PEAK_LR or check the data")
+            optimizer.zero_grad(set_to_none=True)
+            losses["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+            optimizer.step()
+            row = {"step": step, **{k: round(float(v.detach()), 5) for k, v in losses.items()}, "filler_len": filler_len,
+                   "seq_len": int(batch["tokens"].shape[1]), "template": batch["template"], "lr": f"{lr:.3e}",
+                   "seconds": round(time.time() - t0, 2)}
+            writer.writerow(row)
+            fh.flush()
+            history.append(row)
+            bar.set_postfix(loss=f"{row['loss']:.3f}", recall=f"{row['recall_loss']:.3f}",
+                            acc=f"{row['recall_acc']:.2f}", F=filler_len)
+    train_seconds = time.time() - t0
+    model.eval()
+    model.tokenizer = tokenizer
+
+    tail = history[-20:]
+    final = {k: round(float(np.mean([r[k] for r in tail])), 4) for k in ("loss", "lm_loss", "recall_loss", "recall_acc")}
+    t1 = time.time()
+    ev = evaluate(model, tokenizer, n_sources=4 if smoke else EVAL["n_sources"],
+                  filler_tokens=32 if smoke else EVAL["filler_tokens"], progress=progress)
+    eval_seconds = time.time() - t1
+    summary = {"model": name, "command": command or f"python experiments/train_tiny.py --model {name}",
+               "seed": seed, "steps": steps, "threads": torch.get_num_threads(), "smoke": smoke,
+               "train_seconds": round(train_seconds, 1), "eval_seconds": round(eval_seconds, 1),
+               "parameters": n_params, "final_losses": final, "eval": ev,
+               "training": {"batch_recall_rows": BATCH_RECALL, "batch_filler_rows": BATCH_FILLER,
+                            "filler_curriculum": [FILLER_START, filler_end, CURRICULUM_FRACTION],
+                            "fact_counts": FACT_COUNTS, "presentation_counts": PRESENTATION_COUNTS,
+                            "gap_range": GAP_RANGE, "templates": sorted(TEMPLATES), "vocabs": sorted(VALUE_VOCABS),
+                            "peak_lr": PEAK_LR, "schedule": "WSD", "warmup": WARMUP_FRACTION,
+                            "decay": DECAY_FRACTION, "weight_decay": WEIGHT_DECAY, "grad_clip": GRAD_CLIP,
+                            "qed_theta_lr_multiplier": QED_LR_MULTIPLIER, "split": "train"}}
+    meta = {k: summary[k] for k in ("model", "command", "seed", "steps", "train_seconds", "parameters", "smoke")}
+    meta["clean_recall_k4_f512"] = ev["overall"]["accuracy"]
+    save_model(model, out, extra_config={"recurscope": meta})
+    save_word_tokenizer(tokenizer, out)
+    (out / "eval_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "eval_summary.md").write_text(_summary_markdown(name, summary))
+    return model, summary
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, choices=sorted(ARCHITECTURES) + ["all"])
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: per model)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="checkpoint dir (default interp/checkpoints/<name>)")
+    parser.add_argument("--smoke", action="store_true", help="a handful of steps and a tiny evaluation")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    args = parser.parse_args(argv)
+    names = sorted(ARCHITECTURES) if args.model == "all" else [args.model]
+    command = "python experiments/train_tiny.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    for name in names:
+        if args.out is None:
+            out = CHECKPOINT_DIR / name
+        else:
+            out = args.out / name if len(names) > 1 else args.out
+        _, summary = train(name, steps=args.steps, seed=args.seed, out=out, smoke=args.smoke, threads=args.threads,
+                           progress=not args.no_progress, command=command)
+        o = summary["eval"]["overall"]
+        print(f"{name}: clean recall {100 * o['accuracy']:.1f}% [{100 * o['ci_low']:.1f}, {100 * o['ci_high']:.1f}] "
+              f"after {summary['steps']} steps, {summary['train_seconds']:.0f} s; saved to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

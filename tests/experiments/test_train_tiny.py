@@ -1,0 +1,113 @@
+"""Tests for experiments/train_tiny.py: a smoke run end to end (files, finite losses, reload equals the trained model),
+the QED learning-rate groups, the schedule and curriculum invariants, and input errors."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from interp.loading import load_model
+
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "train_tiny.py"
+
+
+@pytest.fixture(scope="module")
+def train_tiny():
+    spec = importlib.util.spec_from_file_location("train_tiny", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def smoke_run(train_tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-gdn")
+    model, summary = train_tiny.train("tiny-gdn", smoke=True, out=out, progress=False, seed=3)
+    return out, model, summary
+
+
+def test_smoke_run_writes_every_file_with_finite_losses(smoke_run, train_tiny):
+    out, model, summary = smoke_run
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "train_log.csv",
+                 "eval_summary.json", "eval_summary.md"):
+        assert (out / name).is_file(), name
+    rows = list(csv.DictReader(open(out / "train_log.csv")))
+    assert [int(r["step"]) for r in rows] == list(range(train_tiny.SMOKE_STEPS))
+    for r in rows:
+        for key in ("loss", "lm_loss", "recall_loss", "lr", "seconds"):
+            assert math.isfinite(float(r[key])), (key, r)
+        assert abs(float(r["loss"]) - float(r["lm_loss"]) - float(r["recall_loss"])) < 1e-3
+    written = json.loads((out / "eval_summary.json").read_text())
+    assert written["steps"] == train_tiny.SMOKE_STEPS and written["smoke"] is True
+    assert written["parameters"] == sum(p.numel() for p in model.parameters())
+    assert set(written["eval"]["per_template"]) == set(train_tiny.TEMPLATES)
+    for r in written["eval"]["per_template"].values():
+        assert 0.0 <= r["ci_low"] <= r["accuracy"] <= r["ci_high"] <= 1.0
+    config = json.loads((out / "config.json").read_text())
+    assert config["recurscope"]["steps"] == train_tiny.SMOKE_STEPS
+
+
+def test_smoke_checkpoint_reloads_with_identical_logits_and_tokenizer(smoke_run):
+    out, model, _ = smoke_run
+    loaded = load_model(out)
+    assert loaded.cfg.vocab_size == len(loaded.tokenizer) == len(model.tokenizer)
+    text = "where is Alice? Alice is in"
+    ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids == model.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert loaded.tokenizer.unk_token_id not in ids
+    tokens = torch.randint(0, loaded.cfg.vocab_size, (2, 37), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():
+        expected, got = model(tokens), loaded(tokens)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    # The trained weights differ from a fresh initialisation (the optimizer really stepped and was saved).
+    torch.manual_seed(3)
+    fresh = type(model)(model.cfg)
+    assert not torch.equal(fresh.embed.weight, loaded.embed.weight)
+
+
+def test_qed_theta_gets_ten_times_the_learning_rate(train_tiny):
+    tokenizer = train_tiny.build_word_tokenizer()
+    model = train_tiny.RecurrentLM(train_tiny.model_config("tiny-qed", tokenizer))
+    groups = train_tiny.param_groups(model, lr=1e-3)
+    theta_names = {n for n, _ in model.named_parameters() if n.endswith("qed_theta")}
+    assert len(theta_names) == model.cfg.num_hidden_layers
+    by_name = {g["name"]: g for g in groups}
+    assert by_name["qed_theta"]["lr"] == pytest.approx(1e-2)
+    assert {id(p) for p in by_name["qed_theta"]["params"]} == {id(p) for n, p in model.named_parameters()
+                                                               if n in theta_names}
+    # Every parameter sits in exactly one group.
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters())
+    # A plain GDN-2 (erase arm gdn2) has no theta and so no such group.
+    gdn2 = train_tiny.RecurrentLM(train_tiny.model_config("tiny-gdn2", tokenizer))
+    assert "qed_theta" not in {g["name"] for g in train_tiny.param_groups(gdn2, lr=1e-3)}
+
+
+def test_schedule_and_curriculum_shapes(train_tiny):
+    steps = 200
+    lrs = [train_tiny.learning_rate(s, steps) for s in range(steps)]
+    peak = train_tiny.PEAK_LR
+    assert lrs[0] < peak and max(lrs) == pytest.approx(peak)
+    assert all(b >= a for a, b in zip(lrs[:10], lrs[1:10]))  # warmup rises
+    decay_start = int(round((1 - train_tiny.DECAY_FRACTION) * steps))
+    tail = lrs[decay_start:]
+    assert tail[0] == pytest.approx(peak) and all(b < a for a, b in zip(tail, tail[1:]))  # decay falls
+    # The decay is linear and reaches FINAL_LR_FRACTION * peak one step past the end.
+    assert train_tiny.learning_rate(steps, steps) == pytest.approx(peak * train_tiny.FINAL_LR_FRACTION)
+    assert tail[-1] > peak * train_tiny.FINAL_LR_FRACTION
+    ceilings = [train_tiny.filler_ceiling(s, steps) for s in range(steps)]
+    assert ceilings[0] == train_tiny.FILLER_START and ceilings[-1] == train_tiny.FILLER_END
+    assert all(b >= a for a, b in zip(ceilings, ceilings[1:]))
+
+
+def test_unknown_model_name_is_a_value_error(train_tiny, tmp_path):
+    with pytest.raises(ValueError, match="tiny-gla"):
+        train_tiny.train("tiny-transformer", smoke=True, out=tmp_path, progress=False)
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        train_tiny.train("tiny-gla", steps=0, smoke=True, out=tmp_path, progress=False)
