@@ -1,0 +1,643 @@
+"""Donor/recipient interventions on chosen recurrent heads (How Linear Attention Remembers, Sec. 2.2 and 3.3):
+write_block, donor_write, state_swap, output_patch, output_restore, and their controls (equal-norm random update,
+control head). Every function runs batched over a PairBatch and returns the four candidate logits at query_pos.
+
+Conventions shared by every intervention:
+- `heads` is one (layer, head) pair or a list of them; a list is intervened on JOINTLY in one run (effects of a
+  head set are measured, never summed from single-head runs).
+- Each result carries `clean`: the recipient's candidate logits computed along the same numerical path
+  (full forward for the write interventions, prefix cache + suffix for the query-time ones), so
+  "intervened - clean" contains only the intervention.
+- The query boundary b (default query_start - 1) splits a sequence into a prefix [0, b] and a suffix [b+1, T).
+  Query-time interventions run the prefix of recipient and donor once (one batch), edit the RecurrentCache, and run
+  the suffix. "The state at b" is S_b as it enters step b+1: the readout at b itself is the recipient's.
+- Rows whose boundaries differ (left-padded batches) are processed in groups of equal boundary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from interp.models.cache import RecurrentCache
+
+Head = tuple[int, int]
+HeadsArg = Union[Head, Sequence[Head]]
+SpansArg = Union[str, torch.Tensor]
+
+__all__ = [
+    "InterventionResult", "INTERVENTIONS", "RANDOM_UPDATE_KINDS", "normalise_heads", "check_pairs",
+    "clean_run", "write_block", "donor_write", "state_swap", "output_patch", "output_restore", "random_update",
+    "choose_control_heads", "control_head",
+]
+
+
+@dataclass
+class InterventionResult:
+    """Candidate logits of one intervention on a PairBatch.
+
+    logits: (N, C) intervened candidate logits at query_pos; clean: (N, C) the recipient's, same numerical path.
+    full: (N, vocab) intervened logits over the whole vocabulary at query_pos, when asked for (return_full=True).
+    extra: by-products, e.g. output_restore's plain state-swap logits ("state_swap") and every run's donor clean
+    candidate logits ("donor_clean") where a donor suffix was run anyway.
+    """
+
+    name: str
+    heads: list[Head]
+    logits: torch.Tensor
+    clean: torch.Tensor
+    full: Optional[torch.Tensor] = None
+    extra: dict = field(default_factory=dict)
+
+    def heads_label(self) -> str:
+        return "+".join(f"L{l}H{h}" for l, h in self.heads)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Argument checks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def normalise_heads(model, heads: HeadsArg) -> list[Head]:
+    """(layer, head) or a list of them -> sorted unique list, each checked with model.check_head."""
+    if heads is None:
+        raise ValueError("heads is None: pass a (layer, head) pair or a list of them, e.g. [(21, 3)]")
+    if isinstance(heads, tuple) and len(heads) == 2 and all(isinstance(x, (int, np.integer)) for x in heads):
+        heads = [heads]
+    try:
+        items = [tuple(int(x) for x in item) for item in heads]
+    except TypeError:
+        raise ValueError(f"heads must be a (layer, head) pair or a list of (layer, head) pairs, got {heads!r}; "
+                         f"e.g. heads=[(21, 3)]") from None
+    if not items:
+        raise ValueError("heads is empty: an intervention needs at least one (layer, head) pair, e.g. [(21, 3)]")
+    for item in items:
+        if len(item) != 2:
+            raise ValueError(f"each head must be a (layer, head) pair, got {item!r} in heads={heads!r}")
+        model.check_head(*item)
+    return sorted(set(items))
+
+
+def check_pairs(model, pairs) -> None:
+    """Raises a ValueError naming the fix if `pairs` cannot run on `model`."""
+    for name in ("recipient_ids", "donor_ids", "query_start", "query_pos", "candidate_ids"):
+        if not isinstance(getattr(pairs, name, None), torch.Tensor):
+            raise ValueError(f"pairs must be an interp.data.PairBatch (from build_pairs); it has no tensor {name!r}")
+    n = pairs.recipient_ids.shape[0]
+    if n == 0:
+        raise ValueError("pairs is empty (0 rows); build at least one pair")
+    if pairs.recipient_ids.shape != pairs.donor_ids.shape:
+        raise ValueError(f"donor and recipient must have equal length: donor_ids has shape "
+                         f"{tuple(pairs.donor_ids.shape)}, recipient_ids {tuple(pairs.recipient_ids.shape)}; "
+                         f"build both sides with one build_pairs call, which aligns them token by token")
+    vocab = model.cfg.vocab_size
+    for name in ("recipient_ids", "donor_ids", "candidate_ids"):
+        t = getattr(pairs, name)
+        if int(t.max()) >= vocab or int(t.min()) < 0:
+            raise ValueError(f"pairs.{name} holds token ids in [{int(t.min())}, {int(t.max())}] but the model's vocab "
+                             f"is [0, {vocab - 1}]: the pairs were built with a different tokenizer; rebuild them "
+                             f"with this model's tokenizer (model.tokenizer)")
+    T = pairs.recipient_ids.shape[1]
+    qs, qp = pairs.query_start, pairs.query_pos
+    if bool(((qp >= T) | (qp < qs) | (qs < 1)).any()):
+        raise ValueError(f"pairs.query_start/query_pos must satisfy 1 <= query_start <= query_pos < T={T}; got "
+                         f"query_start={qs.tolist()}, query_pos={qp.tolist()}")
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _boundaries(pairs, boundary) -> torch.Tensor:
+    """(N,) boundary per row: query_start - 1 by default; an int or an (N,) tensor otherwise."""
+    n = len(pairs)
+    if boundary is None:
+        b = pairs.query_start - 1
+    elif isinstance(boundary, (int, np.integer)):
+        b = torch.full((n,), int(boundary), dtype=torch.long)
+    else:
+        b = torch.as_tensor(boundary, dtype=torch.long).cpu()
+        if b.shape != (n,):
+            raise ValueError(f"boundary must be None, an int or one position per row (shape ({n},)), got shape "
+                             f"{tuple(b.shape)}")
+    b = b.cpu()
+    bad = (b < 0) | (b >= pairs.query_pos.cpu())
+    if bool(bad.any()):
+        raise ValueError(f"boundary must lie in [0, query_pos - 1] so that the answer position is in the suffix; "
+                         f"got {b[bad].tolist()} against query_pos {pairs.query_pos.cpu()[bad].tolist()}")
+    return b
+
+
+def _spans(pairs, spans: SpansArg) -> torch.Tensor:
+    """(N, R, 2) half-open spans per row; -1 rows are absent presentations."""
+    n = len(pairs)
+    rows = torch.arange(n)
+    if isinstance(spans, str):
+        if spans == "fact":
+            return pairs.fact_spans[rows, pairs.target_fact].cpu()
+        if spans == "value":
+            return pairs.value_spans[rows, pairs.target_fact].cpu()
+        raise ValueError(f"spans must be 'fact' (the target fact's whole spans), 'value' (its value tokens) or an "
+                         f"(N, R, 2) tensor of [start, end) positions; got {spans!r}")
+    t = torch.as_tensor(spans, dtype=torch.long).cpu()
+    if t.dim() == 2 and t.shape[-1] == 2:
+        t = t[:, None]
+    if t.dim() != 3 or t.shape[0] != n or t.shape[-1] != 2:
+        raise ValueError(f"spans tensor must have shape (N={n}, R, 2) of [start, end) positions, got {tuple(t.shape)}")
+    T = pairs.recipient_ids.shape[1]
+    valid = t[..., 0] >= 0
+    if bool((valid & ((t[..., 1] < t[..., 0]) | (t[..., 1] > T))).any()):
+        raise ValueError(f"spans must satisfy 0 <= start <= end <= T={T} (start -1 marks an absent span)")
+    return t
+
+
+def _span_mask(spans: torch.Tensor, T: int) -> torch.Tensor:
+    """(N, T) bool: True on every position inside any valid span."""
+    pos = torch.arange(T)[None, None, :]
+    start, end = spans[..., 0:1], spans[..., 1:2]
+    inside = (pos >= start) & (pos < end) & (start >= 0)
+    return inside.any(1)
+
+
+def _by_layer(heads: Sequence[Head]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for l, h in heads:
+        out.setdefault(l, []).append(h)
+    return out
+
+
+def _chunks(rows: torch.Tensor, batch_size: int) -> Iterable[torch.Tensor]:
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    for i in range(0, len(rows), batch_size):
+        yield rows[i:i + batch_size]
+
+
+def _groups(b: torch.Tensor, batch_size: int) -> Iterable[tuple[int, torch.Tensor]]:
+    """(boundary, row indices) chunks, rows grouped by equal boundary."""
+    for value in torch.unique(b).tolist():
+        rows = torch.nonzero(b == value)[:, 0]
+        for chunk in _chunks(rows, batch_size):
+            yield int(value), chunk
+
+
+def _candidates(logits_last: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    return logits_last.float().gather(1, cand.to(logits_last.device)).cpu()
+
+
+def _head_mask(T: int, rows_mask: torch.Tensor, H: int, heads: Sequence[int]) -> torch.Tensor:
+    """(B, T, H) bool from a (B, T) position mask, set for `heads` only."""
+    m = torch.zeros(rows_mask.shape[0], T, H, dtype=torch.bool)
+    for h in heads:
+        m[:, :, h] = rows_mask
+    return m
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Collector:
+    """Forward hooks that keep a copy of each named activation of the last run."""
+
+    def __init__(self, names: Iterable[str]):
+        self.names = list(names)
+        self.values: dict[str, torch.Tensor] = {}
+
+    def hooks(self):
+        def keep(t, hook):
+            self.values[hook.name] = t.detach().clone()
+        return [(name, keep) for name in self.names]
+
+
+def _run(model, tokens, hooks=(), cache: Optional[RecurrentCache] = None):
+    """Runs tokens (optionally continuing `cache`) with temporary hooks; returns (logits, new cache)."""
+    with model.hooks(fwd_hooks=list(hooks)):
+        return model(tokens, cache=cache, use_cache=True)
+
+
+def _prefix(model, pairs, rows: torch.Tensor, b: int, device) -> tuple[RecurrentCache, RecurrentCache]:
+    """Recipient and donor caches after the prefix [0, b], from one batched forward."""
+    rec = pairs.recipient_ids[rows, :b + 1]
+    don = pairs.donor_ids[rows, :b + 1]
+    _, cache = model(torch.cat([rec, don]).to(device), use_cache=True)
+    n = len(rows)
+    return cache.select(torch.arange(n)), cache.select(torch.arange(n, 2 * n))
+
+
+def _swap_states(recipient: RecurrentCache, donor: RecurrentCache, heads: Sequence[Head]) -> RecurrentCache:
+    out = recipient
+    for layer, hs in _by_layer(heads).items():
+        out = out.swap_from(donor, layers=[layer], heads=hs, parts=("state",))
+    return out
+
+
+def _finish(name, heads, n, C, parts, return_full, extra_keys=()) -> InterventionResult:
+    """Assembles per-chunk outputs (lists of (rows, tensor)) into full (N, ...) tensors."""
+    def gather(key):
+        items = parts.get(key)
+        if not items:
+            return None
+        first = items[0][1]
+        out = torch.empty((n, *first.shape[1:]), dtype=first.dtype)
+        for rows, t in items:
+            out[rows] = t
+        return out
+    extra = {k: gather(k) for k in extra_keys if parts.get(k)}
+    return InterventionResult(name, list(heads), gather("logits"), gather("clean"),
+                              gather("full") if return_full else None, extra)
+
+
+def _store(parts: dict, key: str, rows: torch.Tensor, t: torch.Tensor) -> None:
+    parts.setdefault(key, []).append((rows, t.detach().cpu()))
+
+
+def clean_run(model, pairs, batch_size: int = 16) -> dict[str, torch.Tensor]:
+    """Clean candidate logits (N, C) of recipient and donor from full forwards: {"recipient": ..., "donor": ...}."""
+    check_pairs(model, pairs)
+    device = _device(model)
+    n = len(pairs)
+    out = {"recipient": torch.empty(n, pairs.candidate_ids.shape[1]), "donor": torch.empty(n, pairs.candidate_ids.shape[1])}
+    with torch.no_grad():
+        for rows in _chunks(torch.arange(n), batch_size):
+            m = len(rows)
+            logits = model(torch.cat([pairs.recipient_ids[rows], pairs.donor_ids[rows]]).to(device))
+            qp = pairs.query_pos[rows].to(logits.device).repeat(2)
+            last = logits[torch.arange(2 * m, device=logits.device), qp]
+            cand = pairs.candidate_ids[rows].repeat(2, 1)
+            z = _candidates(last, cand)
+            out["recipient"][rows], out["donor"][rows] = z[:m], z[m:]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Write interventions (full forwards with hooks on the write)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _write_intervention(name, model, pairs, heads, spans, batch_size, return_full, make_hooks):
+    check_pairs(model, pairs)
+    heads = normalise_heads(model, heads)
+    span_t = _spans(pairs, spans)
+    device = _device(model)
+    n, T = pairs.recipient_ids.shape
+    H = model.n_state_heads
+    parts: dict = {}
+    with torch.no_grad():
+        for rows in _chunks(torch.arange(n), batch_size):
+            m = len(rows)
+            rec = pairs.recipient_ids[rows].to(device)
+            qp = pairs.query_pos[rows].to(device)
+            cand = pairs.candidate_ids[rows]
+            idx = torch.arange(m, device=device)
+            clean = model(rec)
+            _store(parts, "clean", rows, _candidates(clean[idx, qp], cand))
+            pos_mask = _span_mask(span_t[rows], T)
+            hooks = make_hooks(rows, pos_mask, device)
+            with model.hooks(fwd_hooks=hooks):
+                logits = model(rec)
+            last = logits[idx, qp]
+            _store(parts, "logits", rows, _candidates(last, cand))
+            if return_full:
+                _store(parts, "full", rows, last.float())
+    return _finish(name, heads, n, pairs.candidate_ids.shape[1], parts, return_full)
+
+
+def write_block(model, pairs, heads: HeadsArg, *, spans: SpansArg = "fact", batch_size: int = 16,
+                return_full: bool = False) -> InterventionResult:
+    """Zero the chosen heads' writes over the target fact's spans (every presentation); decay and erase still act.
+
+    spans: "fact" (whole fact spans, default), "value" (value tokens only) or an (N, R, 2) tensor of [start, end)
+    positions (an empty span [s, s) blocks nothing).
+    """
+    heads_n = normalise_heads(model, heads)
+    H = model.n_state_heads
+
+    def make_hooks(rows, pos_mask, device):
+        hooks = []
+        for layer, hs in _by_layer(heads_n).items():
+            mask = _head_mask(pos_mask.shape[1], pos_mask, H, hs).to(device)
+
+            def block(ws, hook, mask=mask):
+                return ws.masked_fill(mask, 0.0)
+            hooks.append((f"blocks.{layer}.mixer.hook_write_scale", block))
+        return hooks
+
+    return _write_intervention("write_block", model, pairs, heads_n, spans, batch_size, return_full, make_hooks)
+
+
+def donor_write(model, pairs, heads: HeadsArg, *, spans: SpansArg = "fact", batch_size: int = 16,
+                return_full: bool = False) -> InterventionResult:
+    """Replace the recipient's writes (u_t and x_t of the chosen heads) over the target fact's spans with the donor's,
+    then run normally. One donor forward per chunk captures its write key and value; the recipient keeps its own
+    erase and decay. spans as in write_block."""
+    heads_n = normalise_heads(model, heads)
+    layers = _by_layer(heads_n)
+    H = model.n_state_heads
+
+    def make_hooks(rows, pos_mask, device):
+        names = [f"blocks.{l}.mixer.hook_write_{w}" for l in layers for w in ("key", "value")]
+        donor = _Collector(names)
+        with model.hooks(fwd_hooks=donor.hooks()):
+            model(pairs.donor_ids[rows].to(device))
+        hooks = []
+        for layer, hs in layers.items():
+            mask = _head_mask(pos_mask.shape[1], pos_mask, H, hs).to(device)[..., None]
+            for w in ("key", "value"):
+                name = f"blocks.{layer}.mixer.hook_write_{w}"
+
+                def put(t, hook, mask=mask, src=donor.values[name]):
+                    return torch.where(mask, src.to(t.dtype), t)
+                hooks.append((name, put))
+        return hooks
+
+    return _write_intervention("donor_write", model, pairs, heads_n, spans, batch_size, return_full, make_hooks)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Query-time interventions (prefix cache + suffix)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _query_time(name, model, pairs, heads, boundary, batch_size, return_full, body, extra_keys=()):
+    """Shared loop: per chunk of equal boundary b, run both prefixes, then `body` runs the suffixes and returns
+    {key: (m, C) candidate logits or (m, vocab) full logits}."""
+    check_pairs(model, pairs)
+    heads = normalise_heads(model, heads)
+    b_all = _boundaries(pairs, boundary)
+    device = _device(model)
+    n = len(pairs)
+    parts: dict = {}
+    with torch.no_grad():
+        for b, rows in _groups(b_all, batch_size):
+            R, D = _prefix(model, pairs, rows, b, device)
+            ctx = _SuffixContext(model, pairs, rows, b, device)
+            outputs = body(ctx, R, D, heads)
+            for key, value in outputs.items():
+                _store(parts, key, rows, value)
+    return _finish(name, heads, n, pairs.candidate_ids.shape[1], parts, return_full, extra_keys)
+
+
+class _SuffixContext:
+    """The suffix [b+1, T) of one chunk: tokens, answer offset, and runs that return candidate logits."""
+
+    def __init__(self, model, pairs, rows, b, device):
+        self.model, self.rows, self.b, self.device = model, rows, b, device
+        self.rec = pairs.recipient_ids[rows, b + 1:].to(device)
+        self.don = pairs.donor_ids[rows, b + 1:].to(device)
+        self.qp = (pairs.query_pos[rows] - (b + 1)).to(device)        # answer position inside the suffix
+        qs = pairs.query_start[rows] - (b + 1)
+        self.m = len(rows)
+        self.cand = pairs.candidate_ids[rows]
+        L = self.rec.shape[1]
+        pos = torch.arange(L)[None, :]
+        # Query positions of each row inside the suffix (for output_patch): [query_start, query_pos].
+        self.query_mask = (pos >= qs.clamp(min=0)[:, None]) & (pos <= self.qp.cpu()[:, None])
+        self.read_mask = pos <= self.qp.cpu()[:, None]            # every suffix position up to the answer
+        self.last_mask = pos == self.qp.cpu()[:, None]
+
+    def run(self, tokens, cache, hooks=()):
+        """Returns (candidate logits (B, C), full last logits (B, vocab)); rows repeat self.rows as needed."""
+        logits, _ = _run(self.model, tokens, hooks, cache)
+        reps = tokens.shape[0] // self.m
+        qp = self.qp.repeat(reps)
+        last = logits[torch.arange(tokens.shape[0], device=logits.device), qp]
+        return _candidates(last, self.cand.repeat(reps, 1)), last.float()
+
+
+def _head_out_names(heads) -> list[str]:
+    return [f"blocks.{l}.mixer.hook_head_out" for l in _by_layer(heads)]
+
+
+def _copy_head_out(heads, m: int, src_block: int, dst_block: int, pos_mask: torch.Tensor, H: int, device,
+                   noise: Optional[dict] = None):
+    """Hooks on hook_head_out that, inside one batched run of blocks of m rows, copy block `src_block`'s o_t of the
+    chosen heads at pos_mask (m, L) into block `dst_block`. Both blocks are computed in the same forward, so the
+    copied value is exactly what that run produces at that layer.
+
+    noise: {layer: (m, L, H, V) unit directions}; then dst keeps its own o_t and gains
+    ||o_t(src) - o_t(block 0)|| times the direction instead (the equal-norm random control).
+    """
+    hooks = []
+    for layer, hs in _by_layer(heads).items():
+        mask = _head_mask(pos_mask.shape[1], pos_mask, H, hs).to(device)[..., None]   # (m, L, H, 1)
+        src_rows = slice(src_block * m, (src_block + 1) * m)
+        dst_rows = slice(dst_block * m, (dst_block + 1) * m)
+
+        def put(o, hook, mask=mask, src_rows=src_rows, dst_rows=dst_rows, layer=layer):
+            o = o.clone()
+            if noise is None:
+                o[dst_rows] = torch.where(mask, o[src_rows], o[dst_rows])
+            else:
+                scale = (o[src_rows].double() - o[:m].double()).norm(dim=-1, keepdim=True)
+                step = (noise[layer].to(o.device) * scale).to(o.dtype)
+                o[dst_rows] = torch.where(mask, o[dst_rows] + step, o[dst_rows])
+            return o
+        hooks.append((f"blocks.{layer}.mixer.hook_head_out", put))
+    return hooks
+
+
+def _stack(ctx, tokens: Sequence[torch.Tensor], caches: Sequence[RecurrentCache], hooks=()):
+    """One suffix run of several blocks of m rows; returns per-block candidate logits and full last logits."""
+    z, last = ctx.run(torch.cat(list(tokens)), RecurrentCache.cat(list(caches)), hooks)
+    m = ctx.m
+    return [z[i * m:(i + 1) * m] for i in range(len(tokens))], [last[i * m:(i + 1) * m] for i in range(len(tokens))]
+
+
+def state_swap(model, pairs, heads: HeadsArg, boundary=None, *, batch_size: int = 16,
+               return_full: bool = False) -> InterventionResult:
+    """Put the donor's recurrent matrix S_b into the chosen heads at the boundary b (default query_start - 1),
+    keeping every other state and the short-conv tails as the recipient's, and run the suffix.
+
+    Cost per chunk: one prefix forward of recipient and donor together, one suffix run of [clean; swapped].
+    """
+    def body(ctx: _SuffixContext, R, D, heads):
+        swapped = _swap_states(R, D, heads)
+        (clean, swap), (_, last) = _stack(ctx, [ctx.rec, ctx.rec], [R, swapped])
+        out = {"clean": clean, "logits": swap}
+        if return_full:
+            out["full"] = last
+        return out
+    return _query_time("state_swap", model, pairs, heads, boundary, batch_size, return_full, body)
+
+
+def output_patch(model, pairs, heads: HeadsArg, *, batch_size: int = 16,
+                 return_full: bool = False) -> InterventionResult:
+    """Keep the recipient's state; replace only the chosen heads' query-time output o_t (hook_head_out at every query
+    position, query_start..query_pos) with the donor's o_t from the donor's own run.
+
+    One suffix run of [recipient clean; donor clean; patched]: the patched rows take the donor rows' o_t at each
+    chosen layer inside the same forward.
+    """
+    def body(ctx: _SuffixContext, R, D, heads):
+        hooks = _copy_head_out(heads, ctx.m, 1, 2, ctx.query_mask, model.n_state_heads, ctx.device)
+        (clean, donor, patched), (_, _, last) = _stack(ctx, [ctx.rec, ctx.don, ctx.rec], [R, D, R], hooks)
+        out = {"clean": clean, "donor_clean": donor, "logits": patched}
+        if return_full:
+            out["full"] = last
+        return out
+    return _query_time("output_patch", model, pairs, heads, None, batch_size, return_full, body,
+                       extra_keys=("donor_clean",))
+
+
+def output_restore(model, pairs, heads: HeadsArg, boundary=None, *, positions: str = "read",
+                   batch_size: int = 16, return_full: bool = False) -> InterventionResult:
+    """A state_swap of the chosen heads, then the recipient's query-time output of those heads restored.
+
+    positions="read" (default) restores every suffix position up to query_pos, i.e. every readout of the swapped
+    state: the swapped state then reaches nothing else, so the logits equal the clean ones exactly, at any depth.
+    positions="last" restores only query_pos; with a one-token suffix the two coincide, otherwise the earlier
+    query tokens still read the swapped state and layers above the head see it.
+    One suffix run of [clean; swapped; restored]; extra["state_swap"] holds the unrestored swap logits.
+    """
+    if positions not in ("read", "last"):
+        raise ValueError(f"positions must be 'read' (every suffix readout up to query_pos) or 'last' (query_pos "
+                         f"only); got {positions!r}")
+
+    def body(ctx: _SuffixContext, R, D, heads):
+        swapped = _swap_states(R, D, heads)
+        mask = ctx.read_mask if positions == "read" else ctx.last_mask
+        hooks = _copy_head_out(heads, ctx.m, 0, 2, mask, model.n_state_heads, ctx.device)
+        (clean, swap, restored), (_, _, last) = _stack(ctx, [ctx.rec] * 3, [R, swapped, swapped], hooks)
+        out = {"clean": clean, "state_swap": swap, "logits": restored}
+        if return_full:
+            out["full"] = last
+        return out
+    return _query_time("output_restore", model, pairs, heads, boundary, batch_size, return_full, body,
+                       extra_keys=("state_swap",))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Controls
+# ---------------------------------------------------------------------------------------------------------------
+
+#: Interventions for which an equal-norm random update is defined: those that replace a recipient quantity by the
+#: donor's, so that a donor-minus-recipient change exists to match in norm. write_block has no donor; donor_write
+#: changes rank-one writes u_t x_t^T, which a Gaussian matrix is not; output_restore is itself a restore.
+RANDOM_UPDATE_KINDS = ("state_swap", "output_patch")
+
+
+def _gaussian(shape, seed: int, row: int, layer: int, head: int) -> torch.Tensor:
+    """A seeded Gaussian tensor, the same for a given (seed, row, layer, head) however rows are batched."""
+    state = np.random.SeedSequence([int(seed), int(row), int(layer), int(head)]).generate_state(2)
+    gen = torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+    return torch.randn(shape, generator=gen, dtype=torch.float64)
+
+
+def _random_like_delta(delta: torch.Tensor, rows: torch.Tensor, layer: int, head: int, seed: int) -> torch.Tensor:
+    """Per row, a Gaussian direction (shape delta.shape[1:]) scaled to that row's ||delta||_F."""
+    out = torch.empty_like(delta, dtype=torch.float64)
+    norms = delta.double().flatten(1).norm(dim=1)
+    for i, row in enumerate(rows.tolist()):
+        g = _gaussian(delta.shape[1:], seed, row, layer, head)
+        out[i] = g / g.norm() * norms[i].cpu()
+    return out
+
+
+def random_update(model, pairs, heads: HeadsArg, kind: str = "state_swap", *, seed: int = 0, boundary=None,
+                  batch_size: int = 16, return_full: bool = False) -> InterventionResult:
+    """Equal-norm random control for `kind` in RANDOM_UPDATE_KINDS.
+
+    state_swap: for each row and chosen head, add G to the recipient state S_b, where G is a seeded Gaussian matrix
+    scaled to ||S_b(donor) - S_b(recipient)||_F of that row and head (the change the swap would make).
+    output_patch: at every query position, add to the recipient's o_t a seeded Gaussian vector scaled to
+    ||o_t(donor) - o_t(recipient)|| of that row, position and head.
+    Directions depend on (seed, row index in pairs, layer, head) only, not on batching.
+    """
+    if kind not in RANDOM_UPDATE_KINDS:
+        raise ValueError(f"random_update is defined for kind in {RANDOM_UPDATE_KINDS}, got {kind!r}: write_block has "
+                         f"no donor change to match, donor_write changes rank-one writes (use a control head "
+                         f"instead), output_restore is a restore")
+
+    if kind == "state_swap":
+        def body(ctx: _SuffixContext, R, D, heads):
+            perturbed = R.clone()
+            for layer, head in heads:
+                S_r, S_d = R.head_state(layer, head), D.head_state(layer, head)
+                g = _random_like_delta(S_d - S_r, ctx.rows, layer, head, seed)
+                perturbed.set_head_state(layer, head, (S_r.double() + g.to(S_r.device)).to(S_r.dtype))
+            z, last = ctx.run(torch.cat([ctx.rec, ctx.rec]), RecurrentCache.cat([R, perturbed]))
+            out = {"clean": z[:ctx.m], "logits": z[ctx.m:]}
+            if return_full:
+                out["full"] = last[ctx.m:]
+            return out
+        return _query_time("random_update:state_swap", model, pairs, heads, boundary, batch_size, return_full, body)
+
+    if boundary is not None:
+        raise ValueError("boundary applies to kind='state_swap' only; output_patch acts at the query positions")
+
+    def body(ctx: _SuffixContext, R, D, heads):
+        L, (_, V) = ctx.rec.shape[1], model.cfg.state_shape()
+        noise = {}
+        for layer, hs in _by_layer(heads).items():
+            directions = torch.zeros(ctx.m, L, model.n_state_heads, V, dtype=torch.float64)
+            for h in hs:
+                for i, row in enumerate(ctx.rows.tolist()):
+                    g = _gaussian((L, V), seed, row, layer, h)
+                    directions[i, :, h] = g / g.norm(dim=-1, keepdim=True)
+            noise[layer] = directions
+        hooks = _copy_head_out(heads, ctx.m, 1, 2, ctx.query_mask, model.n_state_heads, ctx.device, noise=noise)
+        (clean, _, patched), (_, _, last) = _stack(ctx, [ctx.rec, ctx.don, ctx.rec], [R, D, R], hooks)
+        out = {"clean": clean, "logits": patched}
+        if return_full:
+            out["full"] = last
+        return out
+    return _query_time("random_update:output_patch", model, pairs, heads, None, batch_size, return_full, body)
+
+
+def choose_control_heads(model, heads: HeadsArg, scan=None) -> list[Head]:
+    """One control head per chosen head, at the same layer and never among the chosen heads.
+
+    With a scan (a ScanResult or a DataFrame with columns layer, head, J): among that layer's other heads, the head
+    whose |J| is the median (sorted by |J| ascending then head index; the lower median for an even count).
+    Without a scan: the head H/2 places further round the layer, (h + H // 2) mod H, stepping on by one past any
+    chosen head. Raises if a layer has no head left to serve as control.
+    """
+    chosen = normalise_heads(model, heads)
+    taken = set(chosen)
+    H = model.n_state_heads
+    table = None
+    if scan is not None:
+        table = getattr(scan, "heads", scan)
+        missing = [c for c in ("layer", "head", "J") if c not in getattr(table, "columns", [])]
+        if missing:
+            raise ValueError(f"scan must be a ScanResult or a DataFrame with columns layer, head, J; missing {missing}")
+    controls = []
+    for layer, head in chosen:
+        free = [h for h in range(H) if (layer, h) not in taken and (layer, h) not in controls]
+        if not free:
+            raise ValueError(f"layer {layer} has no head left for a control (all {H} heads are chosen); choose "
+                             f"fewer heads in that layer")
+        if table is None:
+            pick = next(((head + H // 2 + k) % H for k in range(H) if (head + H // 2 + k) % H in free))
+        else:
+            sub = table[(table["layer"] == layer) & (table["head"].isin(free))]
+            if len(sub) != len(free):
+                raise ValueError(f"scan has no J for some heads of layer {layer} ({free}); pass the full scan")
+            order = sorted(zip(sub["J"].abs().tolist(), sub["head"].tolist()))
+            pick = int(order[(len(order) - 1) // 2][1])
+        controls.append((layer, pick))
+    return controls
+
+
+INTERVENTIONS: dict[str, Callable] = {
+    "write_block": write_block, "donor_write": donor_write, "state_swap": state_swap,
+    "output_patch": output_patch, "output_restore": output_restore,
+}
+
+
+def control_head(model, pairs, heads: HeadsArg, intervention: str = "state_swap", *, scan=None,
+                 **kwargs) -> InterventionResult:
+    """The same intervention on control heads (choose_control_heads), run jointly; result.extra["controls_for"]
+    records the heads they stand in for."""
+    if intervention not in INTERVENTIONS:
+        raise ValueError(f"intervention must be one of {sorted(INTERVENTIONS)}, got {intervention!r}")
+    chosen = normalise_heads(model, heads)
+    controls = choose_control_heads(model, chosen, scan)
+    result = INTERVENTIONS[intervention](model, pairs, controls, **kwargs)
+    result.name = f"control_head:{intervention}"
+    result.extra["controls_for"] = chosen
+    return result
