@@ -1,0 +1,214 @@
+"""The head-selection scan of How Linear Attention Remembers (Sec. 2.3, appendix B): every recurrent head's
+single-head state_swap at the query boundary, scored by the donor-margin shift, batched so that all heads of a pair
+cost one prefix forward (recipient and donor) plus short suffixes, with rows logged so an interrupted scan resumes.
+
+Score. With m_i = z_{i,d_i} - z_{i,r_i} over the candidate logits,
+
+    J(l, h) = mean over sources s of [ mean over the pairs i of s of ( m_i^(l,h) - m_i^clean ) ]
+
+i.e. the mean donor-margin shift, sources as the unit. The paper's eq. (6) prints the two margins side by side
+without the minus sign, which reads as a product; the text ("mean change in the donor-margin") and figure 9
+(signed margin shift) define the difference, which is what is implemented here.
+
+Cost. Per pair: one prefix forward [0, b] of recipient and donor together (b = query_start - 1), one clean suffix,
+then the suffix (the query tokens) for every head at once: the recipient's prefix cache is repeated one row per head
+(RecurrentCache.select), row j gets the donor's state in head j only, and all rows run as one batch, chunked by
+batch_size. No full forward is rerun per head; `naive_head_shifts` is that slow reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from interp import stats
+from interp.interventions import _candidates, _device, _prefix, check_pairs, normalise_heads
+from interp.models.cache import RecurrentCache
+
+__all__ = ["ScanResult", "SCAN_KEY", "all_heads", "run_scan", "summarise_scan", "naive_head_shifts"]
+
+SCAN_KEY = ("source", "pair", "layer", "head")
+SCAN_TABLE = "scan_rows"
+
+
+@dataclass
+class ScanResult:
+    """rows: one per (source, pair, layer, head) with clean_margin, margin, shift.
+    scores: one per (source, layer, head): the source's mean shift ("score").
+    heads: one per (layer, head): J (mean of scores over sources), wins, n_sources, mean_rank, sorted by J.
+    ranks: scores with each head's rank within its source (1 = largest shift).
+    loso: leave-one-source-out winner check (None with fewer than 2 sources or heads). winner: argmax J."""
+
+    rows: pd.DataFrame
+    scores: pd.DataFrame
+    heads: pd.DataFrame
+    ranks: pd.DataFrame
+    wins: pd.DataFrame
+    loso: Optional[stats.LeaveOneSourceOut]
+    winner: tuple
+
+
+def all_heads(model) -> list[tuple[int, int]]:
+    """Every (layer, head) with a recurrent state, in (layer, head) order."""
+    return [(l, h) for l in model.recurrent_layers for h in range(model.n_state_heads)]
+
+
+def _target_rows(pairs) -> torch.Tensor:
+    rows = torch.nonzero(pairs.is_target.cpu() & (pairs.donor_answer_index.cpu() >= 0))[:, 0]
+    if len(rows) == 0:
+        raise ValueError("pairs has no target rows with a donor answer: the scan needs swap (or update) pairs; "
+                         "neutral donors have no donor answer and non-target rows no donor margin")
+    keys = list(zip(pairs.source_id[rows].tolist(), pairs.group[rows].tolist()))
+    if len(set(keys)) != len(keys):
+        raise ValueError("pairs has several target rows with the same (source_id, group): the scan keys rows by "
+                         "(source, pair); build the pairs with one build_pairs call")
+    return rows
+
+
+def _margins(z: torch.Tensor, d: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    idx = torch.arange(z.shape[0])
+    return (z[idx, d] - z[idx, r]).double()
+
+
+def _swap_one_head_per_row(R: RecurrentCache, D: RecurrentCache, example: torch.Tensor,
+                           layer: torch.Tensor, head: torch.Tensor) -> RecurrentCache:
+    """Rows example[j] of R, each with the donor's state in (layer[j], head[j]) only."""
+    out = R.select(example)                          # index_select: fresh tensors, safe to edit
+    for l in torch.unique(layer).tolist():
+        j = torch.nonzero(layer == l)[:, 0]
+        state = out.layers[l].state
+        h = head[j].to(state.device)
+        state[j.to(state.device), h] = D.layers[l].state[example[j].to(state.device), h]
+    return out
+
+
+def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optional[Sequence] = None,
+             prefix_batch: int = 4, progress: Optional[Callable[[int, int], None]] = None) -> ScanResult:
+    """Scan every recurrent head (or `heads`) over the target rows of `pairs` (dev sources).
+
+    batch_size: (pair, head) rows per suffix run. prefix_batch: pairs per prefix forward.
+    run_dir: an interp.results.RunDir; rows go to its "scan_rows" table keyed by (source, pair, layer, head) as each
+    suffix batch finishes, so a rerun on the same directory skips what is done and loses nothing; the per-head table
+    is written as "scan_heads" at the end. progress(done, total) is called after each suffix batch.
+    """
+    check_pairs(model, pairs)
+    for name, value in (("batch_size", batch_size), ("prefix_batch", prefix_batch)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    head_list = all_heads(model) if heads is None else normalise_heads(model, heads)
+    rows = _target_rows(pairs)
+    device = _device(model)
+    log = None if run_dir is None else run_dir.table(SCAN_TABLE, key=list(SCAN_KEY))
+    done = set() if log is None else log.done_keys()
+    collected: list[dict] = []
+    total = len(rows) * len(head_list)
+    n_done = sum(1 for i in rows.tolist() for l, h in head_list
+                 if (int(pairs.source_id[i]), int(pairs.group[i]), l, h) in done)
+    heads_t = torch.tensor(head_list, dtype=torch.long)
+
+    boundary = (pairs.query_start - 1).cpu()
+    with torch.no_grad():
+        for b in torch.unique(boundary[rows]).tolist():
+            group = rows[boundary[rows] == b]
+            for start in range(0, len(group), prefix_batch):
+                ex = group[start:start + prefix_batch]
+                # Work left for these pairs: (local example index, head index) not yet in the log.
+                todo = [(e, j) for e, i in enumerate(ex.tolist()) for j, (l, h) in enumerate(head_list)
+                        if (int(pairs.source_id[i]), int(pairs.group[i]), l, h) not in done]
+                if not todo:
+                    continue
+                R, D = _prefix(model, pairs, ex, b, device)
+                suffix = pairs.recipient_ids[ex, b + 1:].to(device)
+                qp = (pairs.query_pos[ex] - (b + 1)).to(device)
+                cand = pairs.candidate_ids[ex]
+                d, r = pairs.donor_answer_index[ex], pairs.recipient_answer_index[ex]
+                logits, _ = model(suffix, cache=R, use_cache=True)
+                clean = _margins(_candidates(logits[torch.arange(len(ex), device=device), qp], cand), d, r)
+                todo_t = torch.tensor(todo, dtype=torch.long)
+                for c in range(0, len(todo_t), batch_size):
+                    chunk = todo_t[c:c + batch_size]
+                    e, j = chunk[:, 0], chunk[:, 1]
+                    layer, head = heads_t[j, 0], heads_t[j, 1]
+                    cache = _swap_one_head_per_row(R, D, e, layer, head)
+                    logits, _ = model(suffix[e.to(device)], cache=cache, use_cache=True)
+                    z = _candidates(logits[torch.arange(len(e), device=device), qp[e.to(device)]], cand[e])
+                    margin = _margins(z, d[e], r[e])
+                    new_rows = []
+                    for k in range(len(e)):
+                        i = int(ex[e[k]])
+                        cm, mg = float(clean[e[k]]), float(margin[k])
+                        new_rows.append({"source": int(pairs.source_id[i]), "pair": int(pairs.group[i]),
+                                         "layer": int(layer[k]), "head": int(head[k]), "row": i, "boundary": int(b),
+                                         "clean_margin": cm, "margin": mg, "shift": mg - cm})
+                    if log is not None:
+                        log.append(new_rows)
+                    collected.extend(new_rows)
+                    n_done += len(new_rows)
+                    if progress is not None:
+                        progress(n_done, total)
+
+    frame = log.read() if log is not None else pd.DataFrame(collected)
+    wanted = {(int(pairs.source_id[i]), int(pairs.group[i]), l, h) for i in rows.tolist() for l, h in head_list}
+    keys = list(zip(frame["source"], frame["pair"], frame["layer"], frame["head"]))
+    frame = frame[[k in wanted for k in keys]].reset_index(drop=True)
+    result = summarise_scan(frame)
+    if run_dir is not None:
+        run_dir.write_table("scan_heads", result.heads)
+    return result
+
+
+def summarise_scan(rows: pd.DataFrame) -> ScanResult:
+    """Per-source scores, J per head, ranks, wins and the leave-one-source-out winner from scan rows."""
+    missing = [c for c in (*SCAN_KEY, "shift") if c not in rows.columns]
+    if missing:
+        raise ValueError(f"scan rows lack columns {missing}; they come from run_scan (columns {list(SCAN_KEY)}, shift)")
+    rows = rows.sort_values(list(SCAN_KEY), kind="stable").reset_index(drop=True)
+    scores = rows.groupby(["source", "layer", "head"], sort=True)["shift"].mean().rename("score").reset_index()
+    J = scores.groupby(["layer", "head"], sort=True)["score"].agg(J="mean", n_sources="count").reset_index()
+    ranks = stats.rank_per_source(scores, source_col="source", unit_cols=("layer", "head"), score_col="score")
+    wins = stats.wins_per_head(scores, source_col="source", unit_cols=("layer", "head"), score_col="score")
+    mean_rank = ranks.groupby(["layer", "head"])["rank"].mean().rename("mean_rank").reset_index()
+    heads = J.merge(wins[["layer", "head", "wins"]], on=["layer", "head"]).merge(mean_rank, on=["layer", "head"])
+    heads = heads.sort_values(["J", "layer", "head"], ascending=[False, True, True], kind="stable")
+    heads = heads.reset_index(drop=True)
+    n_sources, n_heads = scores["source"].nunique(), len(J)
+    loso = None
+    if n_sources >= 2 and n_heads >= 2:
+        loso = stats.leave_one_source_out_winner(scores, source_col="source", unit_cols=("layer", "head"),
+                                                 score_col="score")
+    best = J.iloc[int(np.argmax(J["J"].to_numpy()))]          # first in (layer, head) order among ties
+    return ScanResult(rows, scores, heads, ranks, wins, loso, (int(best["layer"]), int(best["head"])))
+
+
+def naive_head_shifts(model, pairs, heads: Optional[Sequence] = None) -> pd.DataFrame:
+    """The slow reference: for every target row and head, one full recipient forward with the head's S_b replaced
+    by the donor's through hook_state (and the readout at b kept as the recipient's, which is what the cache swap
+    means). Same columns as run_scan's rows. For tests and benchmarks."""
+    from hooks.patches import ReadoutReplace, StateReplace, run_with_patches
+
+    check_pairs(model, pairs)
+    head_list = all_heads(model) if heads is None else normalise_heads(model, heads)
+    device = _device(model)
+    out = []
+    with torch.no_grad():
+        for i in _target_rows(pairs).tolist():
+            b = int(pairs.query_start[i]) - 1
+            qp = int(pairs.query_pos[i])
+            rec, don = pairs.recipient_ids[i:i + 1].to(device), pairs.donor_ids[i:i + 1].to(device)
+            cand = pairs.candidate_ids[i:i + 1]
+            d, r = pairs.donor_answer_index[i:i + 1], pairs.recipient_answer_index[i:i + 1]
+            clean_logits, rc = model.run_with_cache(rec, names_filter=lambda n: n.endswith("hook_head_out"))
+            _, dc = model.run_with_cache(don, state_positions=[b], names_filter=lambda n: n.endswith("hook_state"))
+            clean = float(_margins(_candidates(clean_logits[:, qp], cand), d, r)[0])
+            for l, h in head_list:
+                patches = [StateReplace(l, [h], b, dc[f"blocks.{l}.mixer.hook_state"][:, 0]),
+                           ReadoutReplace(l, [h], b, rc[f"blocks.{l}.mixer.hook_head_out"])]
+                logits = run_with_patches(model, rec, patches)
+                margin = float(_margins(_candidates(logits[:, qp], cand), d, r)[0])
+                out.append({"source": int(pairs.source_id[i]), "pair": int(pairs.group[i]), "layer": l, "head": h,
+                            "row": i, "boundary": b, "clean_margin": clean, "margin": margin,
+                            "shift": margin - clean})
+    return pd.DataFrame(out)
