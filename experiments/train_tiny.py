@@ -49,8 +49,9 @@ EVAL_VOCAB = {"is_in": "cities", "colon": "colours", "belongs": "instruments", "
 EVAL = dict(split="heldout", n_sources=128, n_facts=4, presentations=3, filler_tokens=512, seed=0)
 
 # Training distribution and curriculum.
-FILLER_START, FILLER_END = 32, 512     # filler tokens between the last presentation and the query
-CURRICULUM_FRACTION = 0.6               # the filler ceiling reaches FILLER_END after this fraction of the steps
+FILLER_START, FILLER_END = 8, 512      # filler tokens between the last presentation and the query
+GAP_START = 2                           # filler between presentations grows from this to GAP_RANGE[1] with the curriculum
+CURRICULUM_FRACTION = 0.75              # the filler ceiling reaches FILLER_END after this fraction of the steps
 BATCH_RECALL, BATCH_FILLER = 7, 1       # rows per step: recall sequences, pure filler (LM only) rows
 FACT_COUNTS = (2, 3, 4, 4, 5, 6)
 PRESENTATION_COUNTS = (2, 3, 3)
@@ -81,10 +82,20 @@ def learning_rate(step: int, steps: int, peak: float = PEAK_LR) -> float:
     return peak * (1 - (1 - FINAL_LR_FRACTION) * min(1.0, progress))
 
 
-def filler_ceiling(step: int, steps: int, start: int = FILLER_START, end: int = FILLER_END) -> int:
-    """The longest filler gap sampled at `step`: linear from `start` to `end` over CURRICULUM_FRACTION of the run."""
+def curriculum_progress(step: int, steps: int) -> float:
+    """0 -> 1 over CURRICULUM_FRACTION of the run, quadratic so that more (cheap) steps see short sequences."""
     ramp = max(1, int(CURRICULUM_FRACTION * steps))
-    return int(round(start + (end - start) * min(1.0, step / ramp)))
+    return min(1.0, step / ramp) ** 2
+
+
+def filler_ceiling(step: int, steps: int, start: int = FILLER_START, end: int = FILLER_END) -> int:
+    """The longest filler gap (before the query) sampled at `step`."""
+    return int(round(start + (end - start) * curriculum_progress(step, steps)))
+
+
+def gap_ceiling(step: int, steps: int) -> int:
+    """The longest filler between presentations sampled at `step`."""
+    return int(round(GAP_START + (GAP_RANGE[1] - GAP_START) * curriculum_progress(step, steps)))
 
 
 def param_groups(model: torch.nn.Module, lr: float, weight_decay: float = WEIGHT_DECAY,
@@ -111,15 +122,15 @@ def param_groups(model: torch.nn.Module, lr: float, weight_decay: float = WEIGHT
     return [g for g in groups if g["params"]]
 
 
-def make_batch(tokenizer, rng: random.Random, step: int, filler_tokens: int, n_recall: int = BATCH_RECALL,
-               n_filler: int = BATCH_FILLER, seed: int = 0) -> dict:
+def make_batch(tokenizer, rng: random.Random, step: int, filler_tokens: int, max_gap: int = GAP_RANGE[1],
+               n_recall: int = BATCH_RECALL, n_filler: int = BATCH_FILLER, seed: int = 0) -> dict:
     """One training batch: `n_recall` train-split recall rows of one random template/vocabulary/layout, and
     `n_filler` rows of plain train-split filler of the same length (LM loss only)."""
     template = rng.choice(sorted(TEMPLATES))
     vocab = rng.choice(sorted(VALUE_VOCABS))
     n_facts = rng.choice(FACT_COUNTS)
     presentations = rng.choice(PRESENTATION_COUNTS)
-    gap = rng.randint(*GAP_RANGE)
+    gap = rng.randint(min(GAP_RANGE[0], max_gap), max_gap)
     start = (seed * 100_003 + step) * n_recall
     batch = build_pairs(tokenizer, filler_sources("train", n_recall, seed=0, start=start), n_facts=n_facts,
                         presentations=presentations, filler_tokens=filler_tokens, gap_tokens=gap, template=template,
@@ -130,15 +141,24 @@ def make_batch(tokenizer, rng: random.Random, step: int, filler_tokens: int, n_r
     for j in range(n_filler):
         src = FillerSource(id=TRAIN_SOURCE_OFFSET + (seed * 100_003 + step) * max(1, n_filler) + j, split="train")
         rows.append(torch.tensor(src.token_ids(tokenizer, T), dtype=torch.long)[None])
+    # Re-presented values (2nd and later presentation of a fact) are recall targets too: the token before each is
+    # predicted from the earlier binding. Stored as (row, position of the token before the value, value id).
+    spans = batch.value_spans[:, :, 1:, 0]                       # (N, K, R-1) start of each later value token
+    row_index = torch.arange(len(batch))[:, None, None].expand_as(spans)
+    keep = spans >= 0
+    value_pos = spans[keep]
+    represented = (row_index[keep], value_pos - 1, tokens[row_index[keep], value_pos])
     return {"tokens": torch.cat(rows), "query_pos": batch.query_pos, "answer_id": batch.recipient_answer_id,
+            "represented": represented,
             "candidate_ids": batch.candidate_ids, "answer_index": batch.recipient_answer_index,
             "n_recall": len(batch), "template": template, "vocab": vocab, "n_facts": n_facts,
             "presentations": presentations, "gap": gap}
 
 
 def batch_losses(model: RecurrentLM, batch: dict) -> dict:
-    """LM loss on every next-token target in the batch, the recall loss (full-vocabulary cross-entropy of the
-    answer at query_pos) and recall accuracy over the candidates."""
+    """LM loss on every next-token target in the batch; the recall loss: full-vocabulary cross-entropy of the answer
+    at query_pos plus that of every re-presented value (each half of the weight); recall accuracy over the
+    candidates at query_pos."""
     tokens = batch["tokens"]
     logits = model(tokens)
     V = logits.shape[-1]
@@ -146,6 +166,9 @@ def batch_losses(model: RecurrentLM, batch: dict) -> dict:
     rows = torch.arange(batch["n_recall"])
     at_query = logits[rows, batch["query_pos"]].float()
     recall = F.cross_entropy(at_query, batch["answer_id"])
+    rows_r, pos_r, ids_r = batch["represented"]
+    if len(pos_r):
+        recall = 0.5 * recall + 0.5 * F.cross_entropy(logits[rows_r, pos_r].float(), ids_r)
     with torch.no_grad():
         cand = at_query.gather(1, batch["candidate_ids"])
         acc = (cand.argmax(1) == batch["answer_index"]).float().mean()
@@ -239,8 +262,8 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     filler_end = 64 if smoke else FILLER_END
 
     log_path = out / "train_log.csv"
-    columns = ["step", "loss", "lm_loss", "recall_loss", "recall_acc", "filler_len", "seq_len", "template", "lr",
-               "seconds"]
+    columns = ["step", "loss", "lm_loss", "recall_loss", "recall_acc", "filler_len", "gap", "seq_len", "template",
+               "lr", "seconds"]
     history = []
     t0 = time.time()
     with open(log_path, "w", newline="") as fh:
@@ -253,7 +276,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
                 group["lr"] = lr * group["lr_scale"]
             ceiling = filler_ceiling(step, steps, end=filler_end)
             filler_len = data_rng.randint(max(FILLER_START, ceiling // 2), ceiling)
-            batch = make_batch(tokenizer, data_rng, step, filler_len, seed=seed)
+            batch = make_batch(tokenizer, data_rng, step, filler_len, max_gap=gap_ceiling(step, steps), seed=seed)
             losses = batch_losses(model, batch)
             if not torch.isfinite(losses["loss"]):
                 raise FloatingPointError(f"non-finite loss {losses['loss'].item()} at step {step} of {name}; "
@@ -263,7 +286,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
             torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
             optimizer.step()
             row = {"step": step, **{k: round(float(v.detach()), 5) for k, v in losses.items()}, "filler_len": filler_len,
-                   "seq_len": int(batch["tokens"].shape[1]), "template": batch["template"], "lr": f"{lr:.3e}",
+                   "gap": batch["gap"], "seq_len": int(batch["tokens"].shape[1]), "template": batch["template"], "lr": f"{lr:.3e}",
                    "seconds": round(time.time() - t0, 2)}
             writer.writerow(row)
             fh.flush()
@@ -285,7 +308,8 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
                "train_seconds": round(train_seconds, 1), "eval_seconds": round(eval_seconds, 1),
                "parameters": n_params, "final_losses": final, "eval": ev,
                "training": {"batch_recall_rows": BATCH_RECALL, "batch_filler_rows": BATCH_FILLER,
-                            "filler_curriculum": [FILLER_START, filler_end, CURRICULUM_FRACTION],
+                            "filler_curriculum": [FILLER_START, filler_end, CURRICULUM_FRACTION, "quadratic"],
+                            "gap_curriculum": [GAP_START, GAP_RANGE[1]],
                             "fact_counts": FACT_COUNTS, "presentation_counts": PRESENTATION_COUNTS,
                             "gap_range": GAP_RANGE, "templates": sorted(TEMPLATES), "vocabs": sorted(VALUE_VOCABS),
                             "peak_lr": PEAK_LR, "schedule": "WSD", "warmup": WARMUP_FRACTION,
