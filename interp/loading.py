@@ -126,8 +126,15 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     model.eval()
     if (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
-        model.tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        # AutoTokenizer peeks at config.json, whose fla model_type transformers does not know; that is expected.
+        previous = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            model.tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        finally:
+            hf_logging.set_verbosity(previous)
     return model
 
 

@@ -1,0 +1,268 @@
+"""The `recurscope` command: list models, scan heads on dev sources, confirm them on held-out sources, patch one
+pair, or run the whole study (scan, confirmation, report) in one go."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+# ---- shared options ------------------------------------------------------------------------------------------
+def _model_args(p):
+    p.add_argument("model", nargs="?", default="tiny-gla", help="a bundled name (see `recurscope models`) or a local checkpoint directory")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--batch-size", type=int, default=16)
+
+
+def _pair_args(p, split):
+    p.add_argument("--sources", default=split, choices=["dev", "heldout"], help="which split of sources (never overlap)")
+    p.add_argument("--n-sources", type=int, default=16)
+    p.add_argument("--corpus", default=None, help="take filler from a local corpus (a WikiText .raw file, a PG19 or .txt folder)")
+    p.add_argument("--n-facts", type=int, default=4)
+    p.add_argument("--presentations", type=int, default=3)
+    p.add_argument("--filler", type=int, default=512, help="filler tokens between the last presentation and the query")
+    p.add_argument("--template", default="is_in")
+    p.add_argument("--vocab", default="cities")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _load(args):
+    from interp.loading import load_model
+
+    model = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
+    if model.tokenizer is None:
+        raise SystemExit(f"error: {args.model} has no tokenizer in its directory; recall pairs need one "
+                         "(save the model's tokenizer.json beside config.json)")
+    return model
+
+
+def _pairs(model, args):
+    from interp.data import build_pairs
+
+    kwargs = dict(n_facts=args.n_facts, presentations=args.presentations, filler_tokens=args.filler,
+                  template=args.template, vocab=args.vocab, seed=args.seed,
+                  max_length=getattr(model.cfg, "max_position_embeddings", None) if model.attention_layers else None)
+    if args.corpus:
+        from interp.data import corpus_sources, read_text_folder, read_wikitext
+
+        path = Path(args.corpus)
+        docs = read_wikitext(path) if path.is_file() else read_text_folder(path)
+        srcs = corpus_sources(docs, split=args.sources, n=args.n_sources)
+        return build_pairs(model.tokenizer, srcs, **kwargs)
+    return build_pairs(model.tokenizer, split=args.sources, n_sources=args.n_sources, **kwargs)
+
+
+def _work_args(args, keys):
+    return {k: getattr(args, k) for k in keys}
+
+
+PAIR_KEYS = ("sources", "n_sources", "corpus", "n_facts", "presentations", "filler", "template", "vocab", "seed")
+
+
+# ---- commands --------------------------------------------------------------------------------------------------
+def cmd_models(args):
+    from interp.loading import CHECKPOINT_DIR, bundled_names, load_model
+
+    names = bundled_names()
+    if not names:
+        print("no bundled checkpoints")
+        return 0
+    print(f"{'name':<18}{'family':<18}{'layers':>7}{'heads':>7}{'state K x V':>13}{'params':>10}  clean recall")
+    for name in names:
+        m = load_model(name)
+        K, V = m.cfg.state_shape()
+        params = sum(p.numel() for p in m.parameters())
+        summary = CHECKPOINT_DIR / name / "eval_summary.json"
+        recall = "–"
+        if summary.is_file():
+            s = json.loads(summary.read_text())
+            overall = s.get("overall") or s.get("clean_recall") or {}
+            if isinstance(overall, dict) and "estimate" in overall:
+                recall = f"{100 * overall['estimate']:.1f}% [{100 * overall['low']:.1f}, {100 * overall['high']:.1f}]"
+        family = m.cfg.model_type + ("+attn" if m.attention_layers else "")
+        if m.cfg.model_type == "gated_deltanet2" and m.cfg.erase_arm != "gdn2":
+            family += f"/{m.cfg.erase_arm}"
+        print(f"{name:<18}{family:<18}{m.cfg.num_hidden_layers:>7}{m.n_state_heads:>7}{f'{K} x {V}':>13}"
+              f"{params / 1e6:>9.2f}M  {recall}")
+    return 0
+
+
+def cmd_scan(args):
+    from interp.results import RunDir
+    from interp.scan import run_scan
+
+    model = _load(args)
+    pairs = _pairs(model, args)
+    run = RunDir.create_or_open(args.out, kind="scan", model_name=args.model, checkpoint_path=model.checkpoint_dir,
+                                args=_work_args(args, PAIR_KEYS), seeds=[args.seed],
+                                sources=sorted(set(pairs.source_id.tolist())), split=args.sources)
+    bar = tqdm(desc="scan: (pair, head) rows", unit="row")
+
+    def progress(done, total):
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+    result = run_scan(model, pairs, run_dir=run, batch_size=max(args.batch_size, 1), progress=progress)
+    bar.close()
+    from interp.plots import plot_head_scan
+
+    plot_head_scan(result.scores, run.figure_path("scan_heatmap"), selected=result.winner,
+                   title=f"{args.model}: state-swap donor-margin shift per head")
+    best = result.heads.iloc[0]
+    print(f"scan of {len(result.heads)} heads on {pairs.source_id.unique().numel()} {args.sources} sources: "
+          f"winner L{result.winner[0]}H{result.winner[1]} (J = {best['J']:+.3f}, won {int(best['wins'])}/"
+          f"{int(best['n_sources'])} sources" + (f", leave-one-source-out {'stable' if result.loso.stable else 'unstable'}"
+                                                 if result.loso is not None else "") + f"); results in {run.path}")
+    return 0
+
+
+def cmd_confirm(args):
+    import pandas as pd
+
+    from interp.confirm import heads_from_scan, run_confirm
+    from interp.plots import plot_intervention_effects
+    from interp.results import RunDir
+
+    model = _load(args)
+    heads = heads_from_scan(args.from_scan, model, top_k=args.top_k)
+    scan_heads = pd.read_csv(Path(args.from_scan) / "scan_heads.csv")
+    pairs = _pairs(model, args)
+    run = RunDir.create_or_open(args.out, kind="confirm", model_name=args.model, checkpoint_path=model.checkpoint_dir,
+                                args={**_work_args(args, PAIR_KEYS), "heads": heads, "from_scan": str(args.from_scan)},
+                                seeds=[args.seed], sources=sorted(set(pairs.source_id.tolist())), split=args.sources)
+    bar = tqdm(total=7, desc="confirm: interventions", unit="arm")
+    result = run_confirm(model, pairs, heads, run_dir=run, scan_heads=scan_heads, seed=args.seed,
+                         batch_size=args.batch_size, progress=lambda arm: (bar.set_postfix_str(arm), bar.update(1)))
+    bar.close()
+    summary = result.summary.assign(model=args.model)
+    plot_intervention_effects(summary, run.figure_path("effects"),
+                              title=f"{args.model}: {', '.join(f'L{l}H{h}' for l, h in heads)} on held-out sources")
+    _print_summary(result.summary)
+    print(f"results in {run.path}")
+    return result
+
+
+def _print_summary(summary):
+    from interp.report import LABELS
+
+    print(f"{'intervention':<36}{'donor-margin shift':>28}{'donor answer':>16}")
+    for arm, label in LABELS.items():
+        sub = summary[summary["intervention"] == arm].set_index("metric")
+        if sub.empty:
+            continue
+        m, d = sub.loc["donor_margin_shift"], sub.loc["donor_answer"]
+        print(f"{label:<36}{m['estimate']:>+10.2f} [{m['low']:+.2f}, {m['high']:+.2f}]{100 * d['estimate']:>14.1f}%")
+
+
+def cmd_patch(args):
+    from interp import interventions as iv
+    from interp.metrics import example_metrics
+
+    model = _load(args)
+    args.n_sources = args.source + 1
+    pairs = _pairs(model, args)
+    row = [i for i in range(len(pairs)) if int(pairs.source_id[i]) == args.source][:1]
+    pairs = pairs.select(row) if hasattr(pairs, "select") else _take(pairs, row)
+    heads = [(args.layer, h) for h in args.head]
+    print(f"pair from {args.sources} source {args.source}: recipient answer "
+          f"{pairs.candidates[0][int(pairs.recipient_answer_index[0])]!r}, donor answer "
+          f"{pairs.candidates[0][int(pairs.donor_answer_index[0])]!r}; heads {heads}")
+    print(f"{'intervention':<18}{'margin':>9}{'shift':>9}  candidate logits {pairs.candidates[0]}")
+    for arm in ("write_block", "donor_write", "state_swap", "output_patch", "output_restore"):
+        res = getattr(iv, arm)(model, pairs, heads, batch_size=1)
+        m = example_metrics(pairs, res, intervention=arm).iloc[0]
+        print(f"{arm:<18}{m['margin']:>+9.2f}{m['donor_margin_shift']:>+9.2f}  {[round(v, 2) for v in res.logits[0].tolist()]}")
+    return 0
+
+
+def _take(pairs, rows):
+    import dataclasses
+
+    idx = torch.tensor(rows, dtype=torch.long)
+    out = {}
+    for f in dataclasses.fields(pairs):
+        v = getattr(pairs, f.name)
+        out[f.name] = v.index_select(0, idx) if isinstance(v, torch.Tensor) else ([v[i] for i in rows] if isinstance(v, list) else v)
+    return type(pairs)(**out)
+
+
+def cmd_run(args):
+    """The main job: scan on dev sources, confirm on held-out sources, write report.md with figures."""
+    from interp.confirm import heads_from_scan
+    from interp.report import write_report
+    from interp.scan import summarise_scan
+    import pandas as pd
+
+    out = Path(args.out)
+    scan_dir, confirm_dir = out / "scan", out / "confirm"
+    scan_args = argparse.Namespace(**{**vars(args), "sources": "dev", "n_sources": args.n_dev, "out": scan_dir})
+    cmd_scan(scan_args)
+    conf_args = argparse.Namespace(**{**vars(args), "sources": "heldout", "n_sources": args.n_heldout,
+                                      "out": confirm_dir, "from_scan": scan_dir, "top_k": 1})
+    result = cmd_confirm(conf_args)
+    from interp.results import RunDir
+
+    scan_rows = RunDir.open(scan_dir).table("scan_rows").read()
+    scan = summarise_scan(scan_rows)
+    figures = {"scan_heatmap": scan_dir / "figures" / "scan_heatmap.png", "effects": confirm_dir / "figures" / "effects.png"}
+    for key, src in list(figures.items()):
+        if src.is_file():
+            dst = out / src.name
+            dst.write_bytes(src.read_bytes())
+            figures[key] = dst
+    path = write_report(out, model_name=args.model, scan_dir=scan_dir, confirm_dir=confirm_dir,
+                        heads=result.heads, control_heads=result.control_heads, scan_heads=scan.heads,
+                        loso=scan.loso, summary=result.summary, figures=figures)
+    print(f"report: {path}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="recurscope", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("models", help="list the bundled checkpoints")
+    p.set_defaults(fn=cmd_models)
+    p = sub.add_parser("scan", help="head-selection scan (state swap per head) on dev sources")
+    _model_args(p)
+    _pair_args(p, "dev")
+    p.add_argument("--out", required=True)
+    p.set_defaults(fn=cmd_scan)
+    p = sub.add_parser("confirm", help="confirmatory patching of the scan's head on held-out sources")
+    _model_args(p)
+    _pair_args(p, "heldout")
+    p.add_argument("--from-scan", required=True, help="a scan result directory")
+    p.add_argument("--top-k", type=int, default=1, help="confirm the top-k heads jointly")
+    p.add_argument("--out", required=True)
+    p.set_defaults(fn=cmd_confirm)
+    p = sub.add_parser("patch", help="run the five interventions on one pair and print the table")
+    _model_args(p)
+    _pair_args(p, "heldout")
+    p.add_argument("--layer", type=int, required=True)
+    p.add_argument("--head", type=int, nargs="+", required=True)
+    p.add_argument("--source", type=int, default=0)
+    p.set_defaults(fn=cmd_patch)
+    p = sub.add_parser("run", help="the main job: scan on dev, confirm on held-out, write a report")
+    _model_args(p)
+    _pair_args(p, "dev")
+    p.add_argument("--n-dev", type=int, default=16)
+    p.add_argument("--n-heldout", type=int, default=32)
+    p.add_argument("--out", default="results/tiny-gla")
+    p.set_defaults(fn=cmd_run)
+    args = parser.parse_args(argv)
+    try:
+        result = args.fn(args)
+    except ValueError as err:  # bad input: say what is wrong and how to fix it, without a traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0 if not isinstance(result, int) else result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Confirmatory patching on held-out sources: the heads come from a scan's result directory (never re-chosen), and
+all five interventions plus both controls run on them; per-source rows, bootstrap summaries and figures.
+
+Protocol of "How Linear Attention Remembers", sections 2.2-3.2: write_block, donor_write, state_swap, output_patch,
+output_restore; controls: an equal-norm random update (standing in for the state swap) and the state swap on a
+control head chosen by the documented rule in `interventions.choose_control_heads`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import pandas as pd
+
+from interp import interventions as iv
+from interp.metrics import example_metrics, summarise_metrics
+
+CONFIRM_TABLE = "confirm_rows"
+CONFIRM_KEY = ("intervention", "row")
+ARMS = ("write_block", "donor_write", "state_swap", "output_patch", "output_restore", "random_update", "control_head")
+
+
+@dataclass
+class ConfirmResult:
+    rows: pd.DataFrame        # one per (intervention, example)
+    summary: pd.DataFrame     # per intervention and metric: estimate, low, high (source bootstrap)
+    heads: list               # the confirmed heads [(layer, head)]
+    control_heads: list
+
+
+def heads_from_scan(scan_dir, model=None, top_k: int = 1) -> list[tuple[int, int]]:
+    """The top-k heads by J from a scan result directory. With `model`, refuses a scan made on another checkpoint."""
+    scan_dir = Path(scan_dir)
+    manifest_path = scan_dir / "manifest.json"
+    heads_path = scan_dir / "scan_heads.csv"
+    if not manifest_path.is_file() or not heads_path.is_file():
+        raise ValueError(f"{scan_dir} is not a finished scan directory (needs manifest.json and scan_heads.csv); "
+                         "run `recurscope scan` first and pass its --out directory")
+    manifest = json.loads(manifest_path.read_text())
+    if model is not None:
+        from interp.results import checkpoint_hash
+
+        here = checkpoint_hash(model.checkpoint_dir) if getattr(model, "checkpoint_dir", None) else None
+        there = manifest.get("checkpoint_hash")
+        if here is not None and there is not None and here != there:
+            raise ValueError(f"the scan in {scan_dir} was made on another model ({manifest.get('model_name')}, "
+                             f"{there[:19]}...) than the one loaded ({here[:19]}...); confirm on the scanned checkpoint "
+                             "or run a new scan")
+    heads = pd.read_csv(heads_path).sort_values("J", ascending=False, kind="stable")
+    if len(heads) < top_k:
+        raise ValueError(f"the scan has {len(heads)} heads; cannot take the top {top_k}")
+    return [(int(r.layer), int(r.head)) for r in heads.head(top_k).itertuples()]
+
+
+def run_confirm(model, pairs, heads: Sequence, run_dir=None, *, scan_heads: Optional[pd.DataFrame] = None,
+                seed: int = 0, batch_size: int = 16, arms: Sequence[str] = ARMS,
+                progress: Optional[Callable[[str], None]] = None, n_resamples: int = 9999) -> ConfirmResult:
+    """Runs every arm jointly on `heads` over the held-out `pairs`; rows are appended per arm, so an interrupted
+    run resumes at the first arm whose rows are missing."""
+    heads = iv.normalise_heads(model, heads)
+    controls = iv.choose_control_heads(model, heads, scan=scan_heads)
+    log = None if run_dir is None else run_dir.table(CONFIRM_TABLE, key=list(CONFIRM_KEY))
+    done_arms = set() if log is None else {k[0] for k in log.done_keys()}
+    frames = []
+    for arm in arms:
+        if arm in done_arms:
+            continue
+        if progress:
+            progress(arm)
+        if arm == "random_update":
+            result = iv.random_update(model, pairs, heads, kind="state_swap", seed=seed, batch_size=batch_size)
+        elif arm == "control_head":
+            result = iv.control_head(model, pairs, heads, "state_swap", scan=scan_heads, batch_size=batch_size)
+        else:
+            result = getattr(iv, arm)(model, pairs, heads, batch_size=batch_size)
+        frame = example_metrics(pairs, result, intervention=arm)
+        frame["row"] = range(len(frame))
+        if log is not None:
+            log.append(frame.to_dict("records"))
+        frames.append(frame)
+    rows = log.read() if log is not None else pd.concat(frames, ignore_index=True)
+    summary = summarise_confirm(rows, n_resamples=n_resamples, seed=seed)
+    if run_dir is not None:
+        run_dir.write_table("confirm_summary", summary)
+    return ConfirmResult(rows, summary, heads, controls)
+
+
+def summarise_confirm(rows: pd.DataFrame, n_resamples: int = 9999, seed: int = 0) -> pd.DataFrame:
+    """Source-bootstrap 95% CIs per intervention, with clean and intervened accuracy for the figure's right panel."""
+    rows = rows.copy()
+    rows["clean_accuracy"] = rows["clean_correct"].astype(float)
+    rows["intervened_accuracy"] = rows["correct"].astype(float)
+    metrics = ["donor_margin_shift", "donor_answer", "target_margin_change", "clean_accuracy", "intervened_accuracy"]
+    target = rows[rows["is_target"]] if "is_target" in rows.columns else rows
+    return summarise_metrics(target, metrics, by=("intervention",), n_resamples=n_resamples, seed=seed)
