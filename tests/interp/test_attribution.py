@@ -212,3 +212,12 @@ def test_model_bad_inputs_raise_named_value_errors():
     hybrid = tiny_model("gdn_hybrid")
     with pytest.raises(ValueError, match=r"full-attention layer"):
         attribute_readout(hybrid, TOKENS, 1, 0, 3)
+
+
+def test_model_with_a_tokenizer_names_the_tokens():
+    from interp.data.tokenizer import build_word_tokenizer, token_strings
+
+    model = tiny_model("gdn")
+    model.tokenizer = build_word_tokenizer()
+    df = attribute_readout(model, TOKENS[0], 0, 0, 4)
+    assert list(df.token) == token_strings(model.tokenizer, TOKENS[0, :5].tolist())
