@@ -1,0 +1,217 @@
+"""Trains every QED ablation arm (gdn2, full, nogate, nogate_noproj, rand, noproj) on the same seeds with one recipe:
+the same data stream, steps and schedule; only `erase_arm` differs. Training mix: next-token prediction on generated
+filler plus S-NIAH answer retrieval at one training length.
+
+Usage:  python experiments/qed/train_arms.py [--arms gdn2 full ...] [--seeds 0 1] [--steps N] [--jobs 2] [--smoke]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import random
+import shlex
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from experiments.qed import common  # noqa: E402
+from experiments.train_tiny import learning_rate  # noqa: E402  (WSD schedule shared with the bundled models)
+from interp.data import FillerSource, build_niah, build_word_tokenizer, save_word_tokenizer  # noqa: E402
+from interp.loading import save_model  # noqa: E402
+from interp.models import RecurrentLM  # noqa: E402
+
+DEFAULT_OUT = common.ROOT / "results" / "qed" / "train"
+FULL_STEPS = 1200
+SMOKE_STEPS = 4
+NIAH_ROWS, FILLER_ROWS = 6, 2          # rows per step, all of the training length
+PEAK_LR, GRAD_CLIP = 3e-3, 1.0
+VAL_ROWS = 32                          # held-out filler rows for the validation loss
+DATA_SEED_OFFSET = 1_000_003           # S-NIAH training examples use seeds far from the evaluation seed
+
+
+def training_batch(tokenizer, step: int, seed: int, length: int = common.TRAIN_LENGTH,
+                   niah_rows: int = NIAH_ROWS, filler_rows: int = FILLER_ROWS) -> dict:
+    """One step's batch, a pure function of (step, seed): S-NIAH rows at random depths, then train-split filler."""
+    rng = random.Random(f"qed-train/{seed}/{step}")
+    niah = build_niah(tokenizer, niah_rows, length, depths=[rng.random() for _ in range(niah_rows)],
+                      seed=DATA_SEED_OFFSET + seed * 100_003 + step)
+    filler = [FillerSource(id=(seed * 100_003 + step) * filler_rows + j, split="train").token_ids(tokenizer, length)
+              for j in range(filler_rows)]
+    tokens = torch.cat([niah.input_ids, torch.tensor(filler, dtype=torch.long)])
+    return {"tokens": tokens, "n_niah": niah_rows, "query_pos": niah.query_pos, "answer_ids": niah.answer_ids,
+            "candidate_ids": niah.candidate_ids, "answer_index": niah.answer_index}
+
+
+def batch_losses(model: RecurrentLM, batch: dict) -> dict:
+    """LM loss on the filler rows (every next token) plus S-NIAH answer cross-entropy (full vocabulary) at query_pos."""
+    tokens, n = batch["tokens"], batch["n_niah"]
+    logits = model(tokens)
+    lm = common.lm_loss(logits[n:], tokens[n:])
+    at_query = logits[torch.arange(n), batch["query_pos"]].float()
+    niah = F.cross_entropy(at_query, batch["answer_ids"])
+    with torch.no_grad():
+        acc = (at_query[:, batch["candidate_ids"]].argmax(-1) == batch["answer_index"]).float().mean()
+    return {"loss": lm + niah, "lm_loss": lm, "niah_loss": niah, "niah_acc": acc}
+
+
+@torch.no_grad()
+def validation_loss(model: RecurrentLM, tokenizer, rows: int = VAL_ROWS, length: int = common.TRAIN_LENGTH,
+                    batch_size: int = 16) -> float:
+    """Mean next-token loss (nats) on `rows` held-out filler sources of `length` tokens; the same rows for every arm."""
+    model.eval()
+    total, count = 0.0, 0
+    for lo in range(0, rows, batch_size):
+        ids = [FillerSource(id=i, split="heldout").token_ids(tokenizer, length) for i in range(lo, min(rows, lo + batch_size))]
+        tokens = torch.tensor(ids, dtype=torch.long)
+        loss = common.lm_loss(model(tokens), tokens)
+        total += float(loss) * tokens.shape[0]
+        count += tokens.shape[0]
+    return total / count
+
+
+def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smoke: bool = False,
+              command: Optional[str] = None, log_every: int = 50) -> dict:
+    """Trains one (arm, seed) into `out` (checkpoint, tokenizer, train_log.csv, summary.json); returns the summary."""
+    common.check_arm(arm)
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1; received {steps}.")
+    torch.set_num_threads(int(threads))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # the same seed gives every arm the same initial weights for the shared parameters
+    tokenizer = build_word_tokenizer()
+    model = RecurrentLM(common.model_config(arm, tokenizer))
+    model.set_backend("chunked")
+    model.train()
+    optimizer = torch.optim.AdamW(common.qed_param_groups(model, PEAK_LR), lr=PEAK_LR, betas=(0.9, 0.95), eps=1e-8)
+    columns = ["step", "loss", "lm_loss", "niah_loss", "niah_acc", "lr", "lam_mean", "seconds"]
+    history, t0 = [], time.time()
+    with open(out / "train_log.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        for step in range(steps):
+            lr = learning_rate(step, steps, peak=PEAK_LR)
+            for group in optimizer.param_groups:
+                group["lr"] = lr * group["lr_scale"]
+            losses = batch_losses(model, training_batch(tokenizer, step, seed))
+            if not torch.isfinite(losses["loss"]):
+                raise FloatingPointError(f"non-finite loss {float(losses['loss'])} at step {step} of {arm} seed {seed}")
+            optimizer.zero_grad(set_to_none=True)
+            losses["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+            optimizer.step()
+            lams = [x for v in common.qed_lambdas(model).values() if v for x in v]
+            row = {"step": step, **{k: round(float(v.detach()), 5) for k, v in losses.items()}, "lr": f"{lr:.3e}",
+                   "lam_mean": round(float(np.mean(lams)), 5) if lams else "", "seconds": round(time.time() - t0, 2)}
+            writer.writerow(row)
+            fh.flush()
+            history.append(row)
+            if log_every and (step % log_every == 0 or step == steps - 1):
+                print(f"[{arm} s{seed}] step {step}/{steps} loss {row['loss']:.3f} niah_acc {row['niah_acc']:.2f} "
+                      f"{row['seconds']:.0f}s", flush=True)
+    train_seconds = time.time() - t0
+    model.eval()
+    model.tokenizer = tokenizer
+    tail = history[-max(1, min(20, steps)):]
+    final = {k: round(float(np.mean([r[k] for r in tail])), 4) for k in ("loss", "lm_loss", "niah_loss", "niah_acc")}
+    val = validation_loss(model, tokenizer, rows=4 if smoke else VAL_ROWS)
+    n_params = sum(p.numel() for p in model.parameters())
+    summary = {"arm": arm, "seed": seed, "steps": steps, "smoke": smoke, "parameters": n_params,
+               "qed_scalars": common.qed_scalar_count(model), "train_seconds": round(train_seconds, 1),
+               "val_loss": round(val, 5), "final": final, "lambda": common.qed_lambdas(model),
+               "command": command or "", "recipe": {
+                   "architecture": common.ARCHITECTURE, "train_length": common.TRAIN_LENGTH, "niah_rows": NIAH_ROWS,
+                   "filler_rows": FILLER_ROWS, "peak_lr": PEAK_LR, "schedule": "WSD (experiments/train_tiny.py)",
+                   "theta_lr_mult": common.THETA_LR_MULT, "weight_decay": common.WEIGHT_DECAY, "grad_clip": GRAD_CLIP,
+                   "threads": threads}}
+    save_model(model, out, extra_config={"recurscope": {k: summary[k] for k in ("arm", "seed", "steps", "smoke")}})
+    save_word_tokenizer(tokenizer, out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _done(out: Path, steps: int) -> bool:
+    f = out / "summary.json"
+    return f.is_file() and (out / "model.safetensors").is_file() and json.loads(f.read_text()).get("steps") == steps
+
+
+def summary_table(out_root: Path) -> pd.DataFrame:
+    """One row per trained (arm, seed) found under `out_root`."""
+    rows = []
+    for f in sorted(Path(out_root).glob("*/summary.json")):
+        s = json.loads(f.read_text())
+        lams = [x for v in s["lambda"].values() if v for x in v]
+        rows.append({"arm": s["arm"], "seed": s["seed"], "steps": s["steps"], "parameters": s["parameters"],
+                     "qed_scalars": s["qed_scalars"], "val_loss": s["val_loss"],
+                     "final_train_loss": s["final"]["loss"], "final_niah_acc": s["final"]["niah_acc"],
+                     "lambda_mean": float(np.mean(lams)) if lams else float("nan"),
+                     "lambda_min": min(lams) if lams else float("nan"), "lambda_max": max(lams) if lams else float("nan"),
+                     "train_seconds": s["train_seconds"]})
+    frame = pd.DataFrame(rows)
+    if len(frame):
+        frame["arm"] = pd.Categorical(frame["arm"], categories=common.ARMS, ordered=True)
+        frame = frame.sort_values(["arm", "seed"]).reset_index(drop=True)
+        frame["arm"] = frame["arm"].astype(str)
+    return frame
+
+
+def write_summary(out_root: Path) -> pd.DataFrame:
+    frame = summary_table(out_root)
+    frame.to_csv(Path(out_root) / "train_summary.csv", index=False)
+    (Path(out_root) / "train_summary.md").write_text(common.markdown_table(frame))
+    return frame
+
+
+def run(arms: Sequence[str], seeds: Sequence[int], steps: int, out_root: Path, jobs: int = 1, threads: int = 1,
+        smoke: bool = False, force: bool = False, command: Optional[str] = None) -> pd.DataFrame:
+    """Trains every (arm, seed) not already trained with `steps` steps (unless `force`), `jobs` at a time."""
+    for a in arms:
+        common.check_arm(a)
+    out_root = Path(out_root)
+    todo = [(a, s) for s in seeds for a in arms if force or not _done(out_root / f"{a}-s{s}", steps)]
+    if jobs <= 1 or len(todo) <= 1:
+        for a, s in todo:
+            train_one(a, s, steps, out_root / f"{a}-s{s}", threads, smoke, command)
+    else:
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+            futures = [pool.submit(train_one, a, s, steps, out_root / f"{a}-s{s}", threads, smoke, command)
+                       for a, s in todo]
+            for f in futures:
+                f.result()
+    return write_summary(out_root)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arms", nargs="+", default=list(common.ARMS), choices=common.ARMS)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {FULL_STEPS})")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--jobs", type=int, default=1, help="models trained in parallel processes")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_STEPS} steps per model")
+    parser.add_argument("--force", action="store_true", help="retrain models that already exist")
+    args = parser.parse_args(argv)
+    steps = args.steps if args.steps is not None else (SMOKE_STEPS if args.smoke else FULL_STEPS)
+    command = "python experiments/qed/train_arms.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    frame = run(args.arms, args.seeds, steps, args.out, args.jobs, args.threads, args.smoke, args.force, command)
+    print(frame.to_string(index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
