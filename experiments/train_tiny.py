@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import random
 import shlex
 import sys
@@ -40,7 +41,7 @@ ARCHITECTURES: dict[str, dict] = {
     "tiny-qed": dict(model_type="gated_deltanet2", hidden_size=128, num_hidden_layers=2, num_heads=2, head_dim=32,
                      expand_v=2.0, use_short_conv=True, hidden_ratio=2, erase_arm="full"),
 }
-DEFAULT_STEPS = {"tiny-gla": 700, "tiny-gdn": 700, "tiny-gdn-hybrid": 600, "tiny-gdn2": 600, "tiny-qed": 600}
+DEFAULT_STEPS = {"tiny-gla": 600, "tiny-gdn": 600, "tiny-gdn-hybrid": 600, "tiny-gdn2": 600, "tiny-qed": 600}
 SMOKE_STEPS = 3
 
 # Evaluation: every template, each with its own value vocabulary (fixed, so the evaluation never changes).
@@ -57,6 +58,7 @@ FACT_COUNTS = (2, 3, 4, 4, 5, 6)
 PRESENTATION_COUNTS = (2, 3, 3)
 GAP_RANGE = (4, 24)
 PEAK_LR, WARMUP_FRACTION, DECAY_FRACTION, FINAL_LR_FRACTION = 3e-3, 0.05, 0.25, 0.05
+INIT_STD = 0.02
 WEIGHT_DECAY, GRAD_CLIP, QED_LR_MULTIPLIER = 0.1, 1.0, 10.0
 TRAIN_SOURCE_OFFSET = 10 ** 9            # train-split source ids used for the pure filler rows
 
@@ -68,6 +70,26 @@ def model_config(name: str, tokenizer) -> ModelConfig:
     raw = dict(ARCHITECTURES[name], vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
     return ModelConfig.from_dict(raw)
+
+
+def init_weights(model: RecurrentLM, std: float = INIT_STD) -> None:
+    """GPT-style init (as fla trains its models): every Linear and the embedding ~ N(0, std), biases zero, and the
+    two residual writers per block (o_proj, down_proj) shrunk by sqrt(2 * layers). Gates, decays, convolutions and
+    norms keep the initialisation their modules chose. torch's default N(0, 1) embedding would swamp the residual
+    stream and make the token mixers' contribution tiny, which stalls learning of recall."""
+    n_layers = model.cfg.num_hidden_layers
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0.0, std)
+                if module.bias is not None:
+                    module.bias.zero_()
+                if name.endswith("o_proj") or name.endswith("down_proj"):
+                    module.weight.div_(math.sqrt(2 * n_layers))
+            elif isinstance(module, torch.nn.Embedding):
+                module.weight.normal_(0.0, std)
+                if module.padding_idx is not None:
+                    module.weight[module.padding_idx].zero_()
 
 
 def learning_rate(step: int, steps: int, peak: float = PEAK_LR) -> float:
@@ -255,6 +277,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
 
     tokenizer = build_word_tokenizer()
     model = RecurrentLM(model_config(name, tokenizer))
+    init_weights(model)
     model.set_backend("chunked")
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
@@ -312,7 +335,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
                             "gap_curriculum": [GAP_START, GAP_RANGE[1]],
                             "fact_counts": FACT_COUNTS, "presentation_counts": PRESENTATION_COUNTS,
                             "gap_range": GAP_RANGE, "templates": sorted(TEMPLATES), "vocabs": sorted(VALUE_VOCABS),
-                            "peak_lr": PEAK_LR, "schedule": "WSD", "warmup": WARMUP_FRACTION,
+                            "init_std": INIT_STD, "peak_lr": PEAK_LR, "schedule": "WSD", "warmup": WARMUP_FRACTION,
                             "decay": DECAY_FRACTION, "weight_decay": WEIGHT_DECAY, "grad_clip": GRAD_CLIP,
                             "qed_theta_lr_multiplier": QED_LR_MULTIPLIER, "split": "train"}}
     meta = {k: summary[k] for k in ("model", "command", "seed", "steps", "train_seconds", "parameters", "smoke")}

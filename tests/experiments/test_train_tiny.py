@@ -65,10 +65,41 @@ def test_smoke_checkpoint_reloads_with_identical_logits_and_tokenizer(smoke_run)
     with torch.no_grad():
         expected, got = model(tokens), loaded(tokens)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
-    # The trained weights differ from a fresh initialisation (the optimizer really stepped and was saved).
+
+
+
+def test_smoke_run_starts_from_the_seeded_init_and_moves_away(smoke_run, train_tiny):
+    out, model, _ = smoke_run
+    # train() seeds torch with `seed`, builds the model and applies init_weights; redo that and compare.
     torch.manual_seed(3)
-    fresh = type(model)(model.cfg)
-    assert not torch.equal(fresh.embed.weight, loaded.embed.weight)
+    fresh = train_tiny.RecurrentLM(model.cfg)
+    train_tiny.init_weights(fresh)
+    loaded = load_model(out)
+    start, end = dict(fresh.named_parameters()), dict(loaded.named_parameters())
+    moved = [n for n in start if not torch.equal(start[n], end[n])]
+    assert len(moved) == len(start)  # AdamW moves every parameter on the first step
+    step_size = max(float((start[n] - end[n]).abs().max()) for n in start)
+    assert step_size < 0.1  # a few steps at lr <= PEAK_LR stay near the init
+
+
+def test_init_weights_statistics(train_tiny):
+    tokenizer = train_tiny.build_word_tokenizer()
+    torch.manual_seed(0)
+    model = train_tiny.RecurrentLM(train_tiny.model_config("tiny-gla", tokenizer))
+    A_before = {n: p.clone() for n, p in model.named_parameters() if "gk_proj.1.bias" in n or "norm" in n}
+    train_tiny.init_weights(model)
+    std = train_tiny.INIT_STD
+    assert float(model.embed.weight[1:].std()) == pytest.approx(std, rel=0.05)
+    assert float(model.lm_head.weight.std()) == pytest.approx(std, rel=0.05)
+    layers = model.cfg.num_hidden_layers
+    o_proj = model.blocks[0].mixer.o_proj.weight
+    assert float(o_proj.std()) == pytest.approx(std / math.sqrt(2 * layers), rel=0.1)
+    assert torch.count_nonzero(model.embed.weight[tokenizer.pad_token_id]) == 0
+    for n, p in model.named_parameters():
+        if n in A_before and "bias" in n:
+            assert torch.count_nonzero(p) == 0
+        elif n in A_before:
+            assert torch.equal(p, A_before[n])  # norms untouched
 
 
 def test_qed_theta_gets_ten_times_the_learning_rate(train_tiny):
