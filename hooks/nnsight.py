@@ -3,37 +3,12 @@ every hook point, and batches several invokes (equal-length token tensors) into 
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from nnsight import NNsight
 
-# Hook points the mixers call only when a forward hook is registered on them (see `_has_hooks` in
-# interp/models/mixers.py). nnsight instruments a module by replacing its `forward`, not with a forward hook, so
-# without help these three would be invisible (hook_state, hook_write_scale) or unsafe to edit in place
-# (hook_write_key, which would alias k and move the erase too).
-GATED_HOOKS = ("hook_write_key", "hook_write_scale", "hook_state")
-
 _TOKENS = "tokens"   # the forward's only per-row argument; every other one must agree across invokes
-
-
-def _leave_unchanged(module, inputs, output):
-    """A forward hook that returns nothing: it only makes a gated hook point fire."""
-    return None
-
-
-@contextmanager
-def gated_hooks_firing(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """Makes every gated hook point (GATED_HOOKS) of `model` fire while the block runs, e.g. around a trace of a
-    plain `nnsight.NNsight(model)`; `RecurscopeNNsight` does this on its own. The hooks are removed afterwards."""
-    points = [point for name, point in model.hook_dict.items() if name.rsplit(".", 1)[-1] in GATED_HOOKS]
-    handles = [point.register_forward_hook(_leave_unchanged) for point in points]
-    try:
-        yield model
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _as_token_rows(tokens: Any, where: str) -> torch.Tensor:
@@ -62,8 +37,9 @@ def _same(a: Any, b: Any) -> bool:
 
 
 class RecurscopeNNsight(NNsight):
-    """`nnsight.NNsight` for a recurscope `RecurrentLM`: every hook point fires under a trace, and several invokes
-    (token tensors of equal length) run as one batch, each invoke seeing only its own rows.
+    """`nnsight.NNsight` for a recurscope `RecurrentLM` in which several invokes (token tensors of equal length) run
+    as one batch, each invoke seeing only its own rows. (A plain `NNsight(model)` reads and writes every hook point
+    too: the mixers call each of them on every forward; it only cannot batch several invokes.)
 
         model_nn = RecurscopeNNsight(model)
         with model_nn.trace(state_positions=[t]) as tracer:
@@ -83,11 +59,6 @@ class RecurscopeNNsight(NNsight):
                              f"recurrent_layers), got {type(model).__name__}; build one with interp.models.RecurrentLM "
                              "or interp.loading.load_model")
         super().__init__(model, **kwargs)
-
-    # ---- running: the gated hook points fire for the duration of every traced call ------------------------
-    def interleave(self, fn: Any, *args: Any, batcher: Any = None, **kwargs: Any) -> Any:
-        with gated_hooks_firing(self._module):
-            return super().interleave(fn, *args, batcher=batcher, **kwargs)
 
     # ---- batching several invokes ----------------------------------------------------------------------
     def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:

@@ -19,10 +19,6 @@ from interp.models.config import ModelConfig
 from interp.models.layers import GatedRMSNorm, RMSNorm, ShortConvolution, l2_normalise, rotary
 
 
-def _has_hooks(point: HookPoint) -> bool:
-    return bool(point._forward_hooks)
-
-
 def _split_heads(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.reshape(*t.shape[:-1], -1, dim)
 
@@ -54,13 +50,15 @@ class RecurrentMixer(nn.Module):
     def _recur(self, q, k, x, g, a, init_state, state_positions, scale):
         """Applies the write/state hooks and runs the kernel; returns (o, final_state)."""
         B, T, H, K = q.shape
-        u = self.hook_write_key(k.clone() if _has_hooks(self.hook_write_key) else k)
+        # Every hook point fires on every call, so that any hooking mechanism (TransformerLens hooks, nnsight's
+        # forward replacement, in-place edits) sees it; unpatched values are detected and cost nothing downstream.
+        u = self.hook_write_key(k.clone())
         x = self.hook_write_value(x)
-        ws = None
-        if _has_hooks(self.hook_write_scale):
-            ws = self.hook_write_scale(torch.ones(B, T, H, dtype=torch.float32, device=q.device))
+        ws = self.hook_write_scale(torch.ones(B, T, H, dtype=torch.float32, device=q.device))
+        if bool((ws == 1).all()):
+            ws = None
         extra = None
-        if u is not k and not torch.equal(u, k):
+        if not torch.equal(u, k):
             # A patched write key must not move the erase: block the k x^T write and add u x^T instead.
             scale_w = torch.zeros(B, T, H, dtype=torch.float32, device=q.device)
             extra = (u, x if ws is None else x * ws[..., None].to(x.dtype))
@@ -77,8 +75,6 @@ class RecurrentMixer(nn.Module):
         if not positions:
             return out.o, out.final_state
         states = out.states
-        if not _has_hooks(self.hook_state):
-            return out.o, out.final_state
         patched = self.hook_state(states.clone())
         if patched.shape != states.shape:
             raise ValueError(f"a hook_state hook must return shape {tuple(states.shape)}, got {tuple(patched.shape)}")

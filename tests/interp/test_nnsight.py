@@ -10,7 +10,7 @@ import nnsight
 import pytest
 import torch
 
-from hooks.nnsight import RecurscopeNNsight, gated_hooks_firing
+from hooks.nnsight import RecurscopeNNsight
 from hooks.patches import ReadoutReplace, StateReplace, WriteScale, run_with_patches
 from hooks.points import names_for
 from interp.models import ModelConfig, RecurrentLM
@@ -64,18 +64,21 @@ def test_reading_every_hook_point_equals_run_with_cache(kind):
     assert all(not point._forward_hooks for point in model.hook_dict.values())
 
 
-def test_plain_nnsight_misses_hook_state_unless_gated_hooks_fire():
+def test_plain_nnsight_reads_and_writes_hook_state():
+    # The mixers call every hook point on every forward, so nnsight's forward replacement sees hook_state too.
     model = _model("gla")
     tokens = _tokens(2)
     plain = nnsight.NNsight(model)
-    with pytest.raises(Exception, match="ran past"):
-        with plain.trace(tokens, state_positions=[4]):
-            plain.blocks[0].mixer.hook_state.output.save()
     _, cache = model.run_with_cache(tokens, state_positions=[4])
-    with gated_hooks_firing(model):
+    with torch.no_grad():
         with plain.trace(tokens, state_positions=[4]):
             state = plain.blocks[0].mixer.hook_state.output.save()
+        with plain.trace(tokens, state_positions=[4]):
+            plain.blocks[0].mixer.hook_state.output[:, 0, 1] = 0.0
+            patched = plain.output.save()
     assert _maxdiff(state, cache["blocks.0.mixer.hook_state"]) < TOL
+    clean = model(tokens)
+    assert (patched - clean)[:, 4:].abs().max() > 1e-4 and (patched - clean)[:, :4].abs().max() < TOL
 
 
 def test_writing_head_out_equals_tl_hook():
