@@ -235,7 +235,7 @@ def _swap_states(recipient: RecurrentCache, donor: RecurrentCache, heads: Sequen
     return out
 
 
-def _finish(name, heads, n, C, parts, return_full, extra_keys=()) -> InterventionResult:
+def _finish(name, heads, n, parts, return_full, extra_keys=()) -> InterventionResult:
     """Assembles per-chunk outputs (lists of (rows, tensor)) into full (N, ...) tensors."""
     def gather(key):
         items = parts.get(key)
@@ -260,7 +260,8 @@ def clean_run(model, pairs, batch_size: int = 16) -> dict[str, torch.Tensor]:
     check_pairs(model, pairs)
     device = _device(model)
     n = len(pairs)
-    out = {"recipient": torch.empty(n, pairs.candidate_ids.shape[1]), "donor": torch.empty(n, pairs.candidate_ids.shape[1])}
+    C = pairs.candidate_ids.shape[1]
+    out = {"recipient": torch.empty(n, C), "donor": torch.empty(n, C)}
     with torch.no_grad():
         for rows in _chunks(torch.arange(n), batch_size):
             m = len(rows)
@@ -303,7 +304,7 @@ def _write_intervention(name, model, pairs, heads, spans, batch_size, return_ful
             _store(parts, "logits", rows, _candidates(last, cand))
             if return_full:
                 _store(parts, "full", rows, last.float())
-    return _finish(name, heads, n, pairs.candidate_ids.shape[1], parts, return_full)
+    return _finish(name, heads, n, parts, return_full)
 
 
 def write_block(model, pairs, heads: HeadsArg, *, spans: SpansArg = "fact", batch_size: int = 16,
@@ -378,7 +379,7 @@ def _query_time(name, model, pairs, heads, boundary, batch_size, return_full, bo
             outputs = body(ctx, R, D, heads)
             for key, value in outputs.items():
                 _store(parts, key, rows, value)
-    return _finish(name, heads, n, pairs.candidate_ids.shape[1], parts, return_full, extra_keys)
+    return _finish(name, heads, n, parts, return_full, extra_keys)
 
 
 class _SuffixContext:
@@ -406,10 +407,6 @@ class _SuffixContext:
         qp = self.qp.repeat(reps)
         last = logits[torch.arange(tokens.shape[0], device=logits.device), qp]
         return _candidates(last, self.cand.repeat(reps, 1)), last.float()
-
-
-def _head_out_names(heads) -> list[str]:
-    return [f"blocks.{l}.mixer.hook_head_out" for l in _by_layer(heads)]
 
 
 def _copy_head_out(heads, m: int, src_block: int, dst_block: int, pos_mask: torch.Tensor, H: int, device,

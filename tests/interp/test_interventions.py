@@ -197,8 +197,8 @@ def test_output_patch_matches_readout_replace_reference(model, pairs):
         patches = [ReadoutReplace(l, [h], pos, dc[f"blocks.{l}.mixer.hook_head_out"]) for l, h in heads]
         ref = run_with_patches(model, pairs.recipient_ids[i:i + 1], patches)
         torch.testing.assert_close(r.logits[i], last_logits(model, pairs, i, ref), atol=ATOL, rtol=0)
-        torch.testing.assert_close(r.extra["donor_clean"][i], last_logits(model, pairs, i, model(pairs.donor_ids[i:i + 1])),
-                                   atol=ATOL, rtol=0)
+        donor = last_logits(model, pairs, i, model(pairs.donor_ids[i:i + 1]))
+        torch.testing.assert_close(r.extra["donor_clean"][i], donor, atol=ATOL, rtol=0)
 
 
 def test_clean_logits_match_a_plain_forward(model, pairs):
