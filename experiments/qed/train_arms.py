@@ -98,8 +98,9 @@ def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smok
     model.set_backend("chunked")
     model.train()
     optimizer = torch.optim.AdamW(common.qed_param_groups(model, PEAK_LR), lr=PEAK_LR, betas=(0.9, 0.95), eps=1e-8)
-    columns = ["step", "loss", "lm_loss", "niah_loss", "niah_acc", "lr", "lam_mean", "seconds"]
-    history, t0 = [], time.time()
+    columns = ["step", "loss", "lm_loss", "niah_loss", "niah_acc", "lr", "lam_mean", "reference_fallback", "skipped",
+               "seconds"]
+    history, skipped_steps, fallback_steps, t0 = [], [], 0, time.time()
     with open(out / "train_log.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=columns)
         writer.writeheader()
@@ -107,16 +108,39 @@ def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smok
             lr = learning_rate(step, steps, peak=PEAK_LR)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group["lr_scale"]
-            losses = batch_losses(model, training_batch(tokenizer, step, seed))
+            batch = training_batch(tokenizer, step, seed)
+            losses = batch_losses(model, batch)
             if not torch.isfinite(losses["loss"]):
                 raise FloatingPointError(f"non-finite loss {float(losses['loss'])} at step {step} of {arm} seed {seed}")
             optimizer.zero_grad(set_to_none=True)
             losses["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-            optimizer.step()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+            fallback = not bool(torch.isfinite(grad_norm))
+            if fallback:
+                # The chunked backward overflows (NaN gradients, finite loss) once per-token log decays reach about
+                # -30; the reference step loop computes the same gradients stably, so this step is redone with it.
+                model.set_backend("reference")
+                optimizer.zero_grad(set_to_none=True)
+                losses = batch_losses(model, batch)
+                losses["loss"].backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+                model.set_backend("chunked")
+                fallback_steps += 1
+            skipped = not bool(torch.isfinite(grad_norm))
+            if skipped:
+                # A finite loss with a non-finite gradient: skip the update (as a loss scaler would) and record
+                # which parameters it hit; too many skips stop the run.
+                bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+                skipped_steps.append({"step": step, "parameters": bad[:8]})
+                if len(skipped_steps) > max(3, steps // 10):
+                    raise FloatingPointError(f"{len(skipped_steps)} steps of {arm} seed {seed} had non-finite "
+                                             f"gradients (last at step {step}: {bad[:8]})")
+            else:
+                optimizer.step()
             lams = [x for v in common.qed_lambdas(model).values() if v for x in v]
             row = {"step": step, **{k: round(float(v.detach()), 5) for k, v in losses.items()}, "lr": f"{lr:.3e}",
-                   "lam_mean": round(float(np.mean(lams)), 5) if lams else "", "seconds": round(time.time() - t0, 2)}
+                   "lam_mean": round(float(np.mean(lams)), 5) if lams else "", "reference_fallback": int(fallback),
+                   "skipped": int(skipped), "seconds": round(time.time() - t0, 2)}
             writer.writerow(row)
             fh.flush()
             history.append(row)
@@ -132,7 +156,8 @@ def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smok
     n_params = sum(p.numel() for p in model.parameters())
     summary = {"arm": arm, "seed": seed, "steps": steps, "smoke": smoke, "parameters": n_params,
                "qed_scalars": common.qed_scalar_count(model), "train_seconds": round(train_seconds, 1),
-               "val_loss": round(val, 5), "final": final, "lambda": common.qed_lambdas(model),
+               "val_loss": round(val, 5), "final": final, "skipped_steps": skipped_steps,
+               "reference_fallback_steps": fallback_steps, "lambda": common.qed_lambdas(model),
                "command": command or "", "recipe": {
                    "architecture": common.ARCHITECTURE, "train_length": common.TRAIN_LENGTH, "niah_rows": NIAH_ROWS,
                    "filler_rows": FILLER_ROWS, "peak_lr": PEAK_LR, "schedule": "WSD (experiments/train_tiny.py)",
@@ -160,7 +185,8 @@ def summary_table(out_root: Path) -> pd.DataFrame:
                      "final_train_loss": s["final"]["loss"], "final_niah_acc": s["final"]["niah_acc"],
                      "lambda_mean": float(np.mean(lams)) if lams else float("nan"),
                      "lambda_min": min(lams) if lams else float("nan"), "lambda_max": max(lams) if lams else float("nan"),
-                     "train_seconds": s["train_seconds"]})
+                     "reference_fallback_steps": s.get("reference_fallback_steps", 0),
+                     "skipped_steps": len(s.get("skipped_steps", [])), "train_seconds": s["train_seconds"]})
     frame = pd.DataFrame(rows)
     if len(frame):
         frame["arm"] = pd.Categorical(frame["arm"], categories=common.ARMS, ordered=True)
