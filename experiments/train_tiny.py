@@ -41,7 +41,7 @@ ARCHITECTURES: dict[str, dict] = {
     "tiny-qed": dict(model_type="gated_deltanet2", hidden_size=128, num_hidden_layers=2, num_heads=2, head_dim=32,
                      expand_v=2.0, use_short_conv=True, hidden_ratio=2, erase_arm="full"),
 }
-DEFAULT_STEPS = {"tiny-gla": 600, "tiny-gdn": 600, "tiny-gdn-hybrid": 600, "tiny-gdn2": 600, "tiny-qed": 600}
+DEFAULT_STEPS = {"tiny-gla": 500, "tiny-gdn": 500, "tiny-gdn-hybrid": 500, "tiny-gdn2": 500, "tiny-qed": 500}
 SMOKE_STEPS = 3
 
 # Evaluation: every template, each with its own value vocabulary (fixed, so the evaluation never changes).
@@ -90,6 +90,27 @@ def init_weights(model: RecurrentLM, std: float = INIT_STD) -> None:
                 module.weight.normal_(0.0, std)
                 if module.padding_idx is not None:
                     module.weight[module.padding_idx].zero_()
+        for block in model.blocks:
+            if block.is_recurrent:
+                _long_memory_gates(block.mixer)
+
+
+def _long_memory_gates(mixer: torch.nn.Module) -> None:
+    """Spreads the initial per-step log-decays from about -0.04 to -0.001 (memory horizons of ~25 to ~1000 tokens),
+    so that some channels hold a binding across 512 filler tokens from the start. A decay that forgets within a few
+    dozen tokens passes back an exponentially small gradient from a query hundreds of tokens later."""
+    if hasattr(mixer, "gk_proj"):  # GLA: log-decay = logsigmoid(bias + ...) / gate_logit_normalizer
+        bias = mixer.gk_proj[1].bias
+        head_k = mixer.head_k if hasattr(mixer, "head_k") else bias.numel()
+        spread = torch.linspace(0.0, 5.0, head_k)  # logsigmoid(0)/16 = -0.043 ... logsigmoid(5)/16 = -0.0004
+        bias.copy_(spread.repeat(bias.numel() // head_k))
+    elif hasattr(mixer, "A_log") and hasattr(mixer, "dt_bias"):  # GDN / GDN-2: log-decay = -exp(A_log) softplus(dt)
+        mixer.A_log.zero_()
+        n = mixer.dt_bias.numel()
+        per_head = mixer.head_k if n == mixer.head_k * mixer.num_heads else n  # GDN-2: per key channel
+        dt = torch.logspace(math.log10(1e-3), math.log10(4e-2), per_head) if per_head > 1 else torch.tensor([1e-2])
+        dt = dt.repeat(n // per_head)
+        mixer.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
 
 def learning_rate(step: int, steps: int, peak: float = PEAK_LR) -> float:
