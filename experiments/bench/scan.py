@@ -1,7 +1,8 @@
 """Times the head-selection scan two ways on a GLA-340M-shaped model with random weights: the batched scan
 (interp.scan.run_scan: one prefix forward of recipient and donor per pair, then every head's query suffix in one
 batch) against the naive scan (interp.scan.naive_head_shifts: one full patched forward per head), side by side in
-one run, each also as a ratio to one clean plus one donor full forward of the same pairs.
+one run, each also as a ratio to one clean plus one donor full forward of the same pairs (the faster of running
+them as one 2-row batch or one row at a time).
 
 Shape (fla's GLA-340M config): 24 layers, hidden 1024, 4 heads, expand_k 0.5, expand_v 1 (state 128 x 256 per
 head, 96 heads), vocab 32000. Pairs: word-tokenizer recall pairs of about 600 tokens (4 facts x 3 presentations,
@@ -93,13 +94,15 @@ def main():
     ref = slow.set_index(["source", "pair", "layer", "head"])["shift"]
     diff = (fast.loc[ref.index] - ref).abs().max()
 
+    # The reference is the faster of the two ways to run one clean + one donor forward (conservative for the scan).
+    t_ref = min(t_pair, t_clean)
     print()
-    print(f"{'one clean + one donor forward, batched (2 rows)':<60} {t_pair:9.2f} s   1.00x")
-    print(f"{'one clean + one donor forward, one row at a time':<60} {t_clean:9.2f} s   {t_clean / t_pair:5.2f}x")
-    print(f"{'batched scan, all ' + str(len(heads)) + ' heads':<60} {t_fast:9.2f} s   {t_fast / t_pair:5.2f}x")
-    print(f"{label:<60} {t_naive_all:9.2f} s   {t_naive_all / t_pair:5.2f}x")
+    print(f"{'one clean + one donor forward, batched (2 rows)':<60} {t_pair:9.2f} s   {t_pair / t_ref:5.2f}x")
+    print(f"{'one clean + one donor forward, one row at a time':<60} {t_clean:9.2f} s   {t_clean / t_ref:5.2f}x")
+    print(f"{'batched scan, all ' + str(len(heads)) + ' heads':<60} {t_fast:9.2f} s   {t_fast / t_ref:5.2f}x")
+    print(f"{label:<60} {t_naive_all:9.2f} s   {t_naive_all / t_ref:5.2f}x")
     print(f"naive / batched: {t_naive_all / t_fast:.1f}x;  batched scan vs target (<= 3x clean+donor): "
-          f"{t_fast / t_pair:.2f}x {'OK' if t_fast / t_pair <= 3 else 'MISSED'}")
+          f"{t_fast / t_ref:.2f}x {'OK' if t_fast / t_ref <= 3 else 'MISSED'}")
     print(f"max |shift(batched) - shift(naive)| over {len(ref)} (pair, head) rows: {diff:.2e}")
 
 
