@@ -96,10 +96,19 @@ def test_init_weights_statistics(train_tiny):
     assert float(o_proj.std()) == pytest.approx(std / math.sqrt(2 * layers), rel=0.1)
     assert torch.count_nonzero(model.embed.weight[tokenizer.pad_token_id]) == 0
     for n, p in model.named_parameters():
-        if n in A_before and "bias" in n:
-            assert torch.count_nonzero(p) == 0
-        elif n in A_before:
+        if n in A_before and "bias" not in n:
             assert torch.equal(p, A_before[n])  # norms untouched
+    # Long-memory gates: GLA's per-step log-decay logsigmoid(bias) / 16 spans [logsigmoid(0), logsigmoid(5)] / 16.
+    mixer = model.blocks[0].mixer
+    decay = torch.nn.functional.logsigmoid(mixer.gk_proj[1].bias) / model.cfg.gate_logit_normalizer
+    assert float(decay.min()) == pytest.approx(math.log(0.5) / 16, rel=1e-4)
+    assert float(decay.max()) == pytest.approx(-math.log1p(math.exp(-5)) / 16, rel=1e-4)
+    # GDN: -exp(A_log) * softplus(dt_bias) spans [-0.04, -0.001] over the heads.
+    gdn = train_tiny.RecurrentLM(train_tiny.model_config("tiny-gdn", tokenizer))
+    train_tiny.init_weights(gdn)
+    for block in gdn.blocks:
+        g = -block.mixer.A_log.exp() * torch.nn.functional.softplus(block.mixer.dt_bias)
+        assert torch.allclose(g.detach(), torch.tensor([-1e-3, -4e-2]), rtol=1e-4)
 
 
 def test_qed_theta_gets_ten_times_the_learning_rate(train_tiny):
