@@ -89,10 +89,10 @@ def test_init_weights_statistics(train_tiny):
     A_before = {n: p.clone() for n, p in model.named_parameters() if "gk_proj.1.bias" in n or "norm" in n}
     train_tiny.init_weights(model)
     std = train_tiny.INIT_STD
-    assert float(model.embed.weight[1:].std()) == pytest.approx(std, rel=0.05)
-    assert float(model.lm_head.weight.std()) == pytest.approx(std, rel=0.05)
+    assert float(model.embed.weight[1:].detach().std()) == pytest.approx(std, rel=0.05)
+    assert float(model.lm_head.weight.detach().std()) == pytest.approx(std, rel=0.05)
     layers = model.cfg.num_hidden_layers
-    o_proj = model.blocks[0].mixer.o_proj.weight
+    o_proj = model.blocks[0].mixer.o_proj.weight.detach()
     assert float(o_proj.std()) == pytest.approx(std / math.sqrt(2 * layers), rel=0.1)
     assert torch.count_nonzero(model.embed.weight[tokenizer.pad_token_id]) == 0
     for n, p in model.named_parameters():
@@ -100,7 +100,7 @@ def test_init_weights_statistics(train_tiny):
             assert torch.equal(p, A_before[n])  # norms untouched
     # Long-memory gates: GLA's per-step log-decay logsigmoid(bias) / 16 spans [logsigmoid(0), logsigmoid(5)] / 16.
     mixer = model.blocks[0].mixer
-    decay = torch.nn.functional.logsigmoid(mixer.gk_proj[1].bias) / model.cfg.gate_logit_normalizer
+    decay = torch.nn.functional.logsigmoid(mixer.gk_proj[1].bias.detach()) / model.cfg.gate_logit_normalizer
     assert float(decay.min()) == pytest.approx(math.log(0.5) / 16, rel=1e-4)
     assert float(decay.max()) == pytest.approx(-math.log1p(math.exp(-5)) / 16, rel=1e-4)
     # GDN: -exp(A_log) * softplus(dt_bias) spans [-0.04, -0.001] over the heads.
