@@ -48,7 +48,9 @@ def _pairwise_channel(xs, ym, G, max_span):
         rows = slice(i, i + SUB)
         pivot = G0[..., i:i + 1, :]
         xq = X[..., rows, :] * (G[..., rows, :] - pivot).exp()[..., None, :, :]
-        yk = ym[..., : i + SUB, :] * (pivot - G[..., : i + SUB, :]).exp()
+        # Clamped so that a block spanning more decay than max_span stays finite (also in the backward pass);
+        # only those blocks' diagonal entries can be affected, and they are recomputed exactly below.
+        yk = ym[..., : i + SUB, :] * (pivot - G[..., : i + SUB, :]).clamp(max=max_span).exp()
         prod = xq.flatten(-3, -2) @ yk.transpose(-1, -2)  # (..., n*SUB, i+SUB)
         out[..., rows, : i + SUB] = prod.unflatten(-2, (n, -1))
     span = float((G0[..., 0:C:SUB, :] - G0[..., SUB::SUB, :]).detach().max()) if C >= SUB else 0.0

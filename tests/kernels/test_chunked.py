@@ -218,3 +218,25 @@ def test_output_final_state_false_returns_none():
     q, k, x, g, a = make_inputs("gdn", 1, 20, 1, 4, 4)
     out = kernels.recurrence(q, k, x, g, a, backend="chunked", output_final_state=False)
     assert out.final_state is None and out.states is None
+
+
+def test_gradients_stay_finite_and_exact_under_decays_that_overflow_a_sub_chunk():
+    # Up to -12 per step: a 16-step block spans ~190 nats, past the float32 pivot range, so the exact
+    # diagonal-block path takes over; its backward must not see inf * 0 from the pivoted factors.
+    torch.manual_seed(7)
+    B, T, H, K, V = 1, 100, 2, 8, 6
+    q = torch.randn(B, T, H, K)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
+    x = torch.randn(B, T, H, V)
+    g = torch.rand(B, T, H, K) * -12
+    a = torch.rand(B, T, H, K) * k
+    leaves = [t.clone().requires_grad_() for t in (q, k, x, g, a)]
+    out = kernels.recurrence(*leaves, backend="chunked")
+    (out.o.sum() + out.final_state.sum()).backward()
+    ref = [t.double().requires_grad_() for t in (q, k, x, g, a)]
+    out_ref = kernels.recurrence(*ref, backend="reference")
+    (out_ref.o.sum() + out_ref.final_state.sum()).backward()
+    for mine, theirs in zip(leaves, ref):
+        assert torch.isfinite(mine.grad).all()
+        scale = theirs.grad.abs().max() + 1e-12
+        assert ((mine.grad.double() - theirs.grad).abs().max() / scale) < 1e-4
