@@ -59,6 +59,7 @@ PRESENTATION_COUNTS = (2, 3, 3)
 GAP_RANGE = (4, 24)
 PEAK_LR, WARMUP_FRACTION, DECAY_FRACTION, FINAL_LR_FRACTION = 3e-3, 0.05, 0.25, 0.05
 INIT_STD = 0.02
+GATE_WINDOW, GATE_ACCURACY, GATE_LEVELS = 20, 0.8, 12   # gated curriculum (--gated)
 WEIGHT_DECAY, GRAD_CLIP, QED_LR_MULTIPLIER = 0.1, 1.0, 10.0
 TRAIN_SOURCE_OFFSET = 10 ** 9            # train-split source ids used for the pure filler rows
 
@@ -278,8 +279,13 @@ def _summary_markdown(name: str, summary: dict) -> str:
 
 
 def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[Path] = None, smoke: bool = False,
-          threads: Optional[int] = None, progress: bool = True, command: Optional[str] = None) -> tuple[RecurrentLM, dict]:
-    """Trains `name`, saves it with its tokenizer, log and evaluation into `out`; returns (model, summary)."""
+          threads: Optional[int] = None, progress: bool = True, command: Optional[str] = None,
+          gated: bool = False, peak_lr: float = PEAK_LR, recall_rows: int = BATCH_RECALL) -> tuple[RecurrentLM, dict]:
+    """Trains `name`, saves it with its tokenizer, log and evaluation into `out`; returns (model, summary).
+
+    gated=True: the curriculum only advances while the training recall accuracy (mean of the last GATE_WINDOW steps)
+    is at least GATE_ACCURACY, so the model first learns recall on short sequences; the scheduled ramp stays a cap.
+    """
     from tqdm import tqdm
 
     if name not in ARCHITECTURES:
@@ -302,7 +308,8 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     model.set_backend("chunked")
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(param_groups(model, PEAK_LR), lr=PEAK_LR, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = torch.optim.AdamW(param_groups(model, peak_lr), lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
+    level, since_level = 0.0, 0
     filler_end = 64 if smoke else FILLER_END
 
     log_path = out / "train_log.csv"
@@ -315,12 +322,22 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
         writer.writeheader()
         bar = tqdm(range(steps), desc=f"train {name}", disable=not progress)
         for step in bar:
-            lr = learning_rate(step, steps)
+            lr = learning_rate(step, steps, peak_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group["lr_scale"]
-            ceiling = filler_ceiling(step, steps, end=filler_end)
+            if gated:
+                recent = [r["recall_acc"] for r in history[-GATE_WINDOW:]]
+                if since_level >= GATE_WINDOW and np.mean(recent) >= GATE_ACCURACY:
+                    level, since_level = min(1.0, level + 1.0 / GATE_LEVELS), 0
+                since_level += 1
+                progress_now = min(level, math.sqrt(curriculum_progress(step, steps))) ** 2
+                ceiling = int(round(FILLER_START + (filler_end - FILLER_START) * progress_now))
+                max_gap = int(round(GAP_START + (GAP_RANGE[1] - GAP_START) * progress_now))
+            else:
+                ceiling, max_gap = filler_ceiling(step, steps, end=filler_end), gap_ceiling(step, steps)
             filler_len = data_rng.randint(max(FILLER_START, ceiling // 2), ceiling)
-            batch = make_batch(tokenizer, data_rng, step, filler_len, max_gap=gap_ceiling(step, steps), seed=seed)
+            batch = make_batch(tokenizer, data_rng, step, filler_len, max_gap=max_gap, n_recall=recall_rows,
+                               seed=seed)
             losses = batch_losses(model, batch)
             if not torch.isfinite(losses["loss"]):
                 raise FloatingPointError(f"non-finite loss {losses['loss'].item()} at step {step} of {name}; "
@@ -356,7 +373,8 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
                             "gap_curriculum": [GAP_START, GAP_RANGE[1]],
                             "fact_counts": FACT_COUNTS, "presentation_counts": PRESENTATION_COUNTS,
                             "gap_range": GAP_RANGE, "templates": sorted(TEMPLATES), "vocabs": sorted(VALUE_VOCABS),
-                            "init_std": INIT_STD, "peak_lr": PEAK_LR, "schedule": "WSD", "warmup": WARMUP_FRACTION,
+                            "init_std": INIT_STD, "peak_lr": peak_lr, "recall_rows": recall_rows, "gated_curriculum": gated,
+                            "gate": [GATE_WINDOW, GATE_ACCURACY, GATE_LEVELS] if gated else None, "schedule": "WSD", "warmup": WARMUP_FRACTION,
                             "decay": DECAY_FRACTION, "weight_decay": WEIGHT_DECAY, "grad_clip": GRAD_CLIP,
                             "qed_theta_lr_multiplier": QED_LR_MULTIPLIER, "split": "train"}}
     meta = {k: summary[k] for k in ("model", "command", "seed", "steps", "train_seconds", "parameters", "smoke")}
@@ -377,6 +395,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a handful of steps and a tiny evaluation")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    parser.add_argument("--gated", action="store_true", help="advance the curriculum only once recall is learned")
+    parser.add_argument("--lr", type=float, default=PEAK_LR, help="peak learning rate")
+    parser.add_argument("--recall-rows", type=int, default=BATCH_RECALL, help="recall rows per step")
     args = parser.parse_args(argv)
     names = sorted(ARCHITECTURES) if args.model == "all" else [args.model]
     command = "python experiments/train_tiny.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
@@ -386,7 +407,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             out = args.out / name if len(names) > 1 else args.out
         _, summary = train(name, steps=args.steps, seed=args.seed, out=out, smoke=args.smoke, threads=args.threads,
-                           progress=not args.no_progress, command=command)
+                           progress=not args.no_progress, command=command, gated=args.gated, peak_lr=args.lr,
+                           recall_rows=args.recall_rows)
         o = summary["eval"]["overall"]
         print(f"{name}: clean recall {100 * o['accuracy']:.1f}% [{100 * o['ci_low']:.1f}, {100 * o['ci_high']:.1f}] "
               f"after {summary['steps']} steps, {summary['train_seconds']:.0f} s; saved to {out}")
