@@ -151,3 +151,17 @@ def test_unknown_model_name_is_a_value_error(train_tiny, tmp_path):
         train_tiny.train("tiny-transformer", smoke=True, out=tmp_path, progress=False)
     with pytest.raises(ValueError, match="steps must be >= 1"):
         train_tiny.train("tiny-gla", steps=0, smoke=True, out=tmp_path, progress=False)
+
+
+def test_cli_gated_smoke_run_trains_qed_and_records_options(train_tiny, tmp_path):
+    assert train_tiny.main(["--model", "tiny-qed", "--smoke", "--gated", "--lr", "1e-3", "--recall-rows", "3",
+                            "--out", str(tmp_path), "--no-progress", "--threads", "1"]) == 0
+    summary = json.loads((tmp_path / "eval_summary.json").read_text())
+    assert summary["training"]["gated_curriculum"] is True and summary["training"]["peak_lr"] == 1e-3
+    assert "--gated" in summary["command"]
+    loaded = load_model(tmp_path)
+    assert loaded.cfg.erase_arm == "full"
+    rows = list(csv.DictReader(open(tmp_path / "train_log.csv")))
+    assert all(math.isfinite(float(r["loss"])) for r in rows)
+    # No level-up is possible within GATE_WINDOW steps, so a smoke run stays at the shortest filler.
+    assert all(int(r["filler_len"]) == train_tiny.FILLER_START for r in rows)
