@@ -82,10 +82,10 @@ def cmd_models(args):
         summary = CHECKPOINT_DIR / name / "eval_summary.json"
         recall = "–"
         if summary.is_file():
-            s = json.loads(summary.read_text())
-            overall = s.get("overall") or s.get("clean_recall") or {}
-            if isinstance(overall, dict) and "estimate" in overall:
-                recall = f"{100 * overall['estimate']:.1f}% [{100 * overall['low']:.1f}, {100 * overall['high']:.1f}]"
+            overall = json.loads(summary.read_text()).get("eval", {}).get("overall", {})
+            if "accuracy" in overall:  # written by experiments/train_tiny.py
+                recall = (f"{100 * overall['accuracy']:.1f}% [{100 * overall['ci_low']:.1f}, "
+                          f"{100 * overall['ci_high']:.1f}] (n={overall['n_sources']} held-out sources)")
         family = m.cfg.model_type + ("+attn" if m.attention_layers else "")
         if m.cfg.model_type == "gated_deltanet2" and m.cfg.erase_arm != "gdn2":
             family += f"/{m.cfg.erase_arm}"

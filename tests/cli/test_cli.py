@@ -78,3 +78,12 @@ def test_bad_head_is_reported(study, capsys):
     root, ckpt, out = study
     assert main(["patch", str(ckpt), "--layer", "1", "--head", "9", *SMALL]) == 2
     assert "head 9 is out of range" in capsys.readouterr().err
+
+
+def test_models_lists_every_bundled_checkpoint(capsys):
+    from interp.loading import bundled_names
+
+    assert main(["models"]) == 0
+    text = capsys.readouterr().out
+    for name in bundled_names():
+        assert name in text
