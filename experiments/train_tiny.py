@@ -60,6 +60,7 @@ GAP_RANGE = (4, 24)
 PEAK_LR, WARMUP_FRACTION, DECAY_FRACTION, FINAL_LR_FRACTION = 3e-3, 0.05, 0.25, 0.05
 INIT_STD = 0.02
 GATE_WINDOW, GATE_ACCURACY, GATE_LEVELS = 20, 0.8, 12   # gated curriculum (--gated)
+EASY_STAGE = ("is_in", "cities", 2, 3)   # --gated level 0: template, vocab, facts, presentations
 WEIGHT_DECAY, GRAD_CLIP, QED_LR_MULTIPLIER = 0.1, 1.0, 10.0
 TRAIN_SOURCE_OFFSET = 10 ** 9            # train-split source ids used for the pure filler rows
 
@@ -167,13 +168,16 @@ def param_groups(model: torch.nn.Module, lr: float, weight_decay: float = WEIGHT
 
 
 def make_batch(tokenizer, rng: random.Random, step: int, filler_tokens: int, max_gap: int = GAP_RANGE[1],
-               n_recall: int = BATCH_RECALL, n_filler: int = BATCH_FILLER, seed: int = 0) -> dict:
+               n_recall: int = BATCH_RECALL, n_filler: int = BATCH_FILLER, seed: int = 0,
+               easy: bool = False) -> dict:
     """One training batch: `n_recall` train-split recall rows of one random template/vocabulary/layout, and
     `n_filler` rows of plain train-split filler of the same length (LM loss only)."""
     template = rng.choice(sorted(TEMPLATES))
     vocab = rng.choice(sorted(VALUE_VOCABS))
     n_facts = rng.choice(FACT_COUNTS)
     presentations = rng.choice(PRESENTATION_COUNTS)
+    if easy:  # the gated curriculum's first stage: one format, two facts
+        template, vocab, n_facts, presentations = EASY_STAGE
     gap = rng.randint(min(GAP_RANGE[0], max_gap), max_gap)
     start = (seed * 100_003 + step) * n_recall
     batch = build_pairs(tokenizer, filler_sources("train", n_recall, seed=0, start=start), n_facts=n_facts,
@@ -337,7 +341,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
                 ceiling, max_gap = filler_ceiling(step, steps, end=filler_end), gap_ceiling(step, steps)
             filler_len = data_rng.randint(max(FILLER_START, ceiling // 2), ceiling)
             batch = make_batch(tokenizer, data_rng, step, filler_len, max_gap=max_gap, n_recall=recall_rows,
-                               seed=seed)
+                               seed=seed, easy=gated and level == 0)
             losses = batch_losses(model, batch)
             if not torch.isfinite(losses["loss"]):
                 raise FloatingPointError(f"non-finite loss {losses['loss'].item()} at step {step} of {name}; "
@@ -374,7 +378,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
                             "fact_counts": FACT_COUNTS, "presentation_counts": PRESENTATION_COUNTS,
                             "gap_range": GAP_RANGE, "templates": sorted(TEMPLATES), "vocabs": sorted(VALUE_VOCABS),
                             "init_std": INIT_STD, "peak_lr": peak_lr, "recall_rows": recall_rows, "gated_curriculum": gated,
-                            "gate": [GATE_WINDOW, GATE_ACCURACY, GATE_LEVELS] if gated else None, "schedule": "WSD", "warmup": WARMUP_FRACTION,
+                            "gate": [GATE_WINDOW, GATE_ACCURACY, GATE_LEVELS, EASY_STAGE] if gated else None, "schedule": "WSD", "warmup": WARMUP_FRACTION,
                             "decay": DECAY_FRACTION, "weight_decay": WEIGHT_DECAY, "grad_clip": GRAD_CLIP,
                             "qed_theta_lr_multiplier": QED_LR_MULTIPLIER, "split": "train"}}
     meta = {k: summary[k] for k in ("model", "command", "seed", "steps", "train_seconds", "parameters", "smoke")}

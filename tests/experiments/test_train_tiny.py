@@ -165,3 +165,4 @@ def test_cli_gated_smoke_run_trains_qed_and_records_options(train_tiny, tmp_path
     assert all(math.isfinite(float(r["loss"])) for r in rows)
     # No level-up is possible within GATE_WINDOW steps, so a smoke run stays at the shortest filler.
     assert all(int(r["filler_len"]) == train_tiny.FILLER_START for r in rows)
+    assert all(r["template"] == train_tiny.EASY_STAGE[0] for r in rows)
