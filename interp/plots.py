@@ -16,7 +16,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
-from matplotlib.ticker import PercentFormatter
+from matplotlib.ticker import MaxNLocator, PercentFormatter
 
 from interp.stats import binomial_ci
 
@@ -178,6 +178,9 @@ def plot_intervention_effects(summary: pd.DataFrame, out_path, *, effect_metric:
     ax.set_yticks(range(len(rows)), [_label(r) for r in rows])
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlabel(f"{_label(effect_metric)} (logits, 95% CI)")
+    # Few ticks, scientific notation for tiny effects, so labels never collide.
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
+    ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 3))
     ax.legend(loc="best", fontsize="small", frameon=False)
     ax.grid(axis="x", alpha=0.3)
 
