@@ -2,6 +2,7 @@
 on filler next-token prediction plus the key-value recall task, then scored on held-out recall at K=4, F=512.
 
 Usage:  python experiments/train_tiny.py --model tiny-gla [--steps N] [--seed S] [--out DIR] [--threads T] [--smoke]
+        python experiments/train_tiny.py --model tiny-gdn --staged --max-minutes 40   # staged curriculum, time cap
         python experiments/train_tiny.py --model tiny-gdn --eval-only --out DIR   # re-score a saved checkpoint
 """
 from __future__ import annotations
@@ -29,8 +30,10 @@ from interp.stats import source_bootstrap_ci
 
 # Architectures. Sizes are chosen so that one shared CPU core trains a model in about a quarter of an hour.
 ARCHITECTURES: dict[str, dict] = {
+    # Unlike gla-340M, the tiny GLA uses fla's short convolution (width 4): with it one layer can bind a key to the
+    # value a few tokens later ("KEY is in VALUE"); without it that binding needs two layers and learns far slower.
     "tiny-gla": dict(model_type="gla", hidden_size=128, num_hidden_layers=2, num_heads=2, expand_k=0.5, expand_v=1.0,
-                     use_short_conv=False, hidden_ratio=2),
+                     use_short_conv=True, hidden_ratio=2),
     "tiny-gdn": dict(model_type="gated_deltanet", hidden_size=128, num_hidden_layers=2, num_heads=2, head_dim=32,
                      expand_v=2.0, use_short_conv=True, hidden_ratio=2),
     "tiny-gdn-hybrid": dict(model_type="gated_deltanet", hidden_size=128, num_hidden_layers=3, num_heads=2,
@@ -62,6 +65,36 @@ INIT_STD = 0.02
 GATE_WINDOW, GATE_ACCURACY, GATE_LEVELS = 20, 0.8, 12   # gated curriculum (--gated)
 EASY_STAGE = ("is_in", "cities", 2, 3)   # --gated level 0: template, vocab, facts, presentations
 WEIGHT_DECAY, GRAD_CLIP, QED_LR_MULTIPLIER = 0.1, 1.0, 10.0
+
+# Staged curriculum (--staged): start from a setting known to learn binding within a few hundred steps (one template,
+# two facts, short filler, 16 recall rows, lr 1e-3, recall loss weighted up), and widen one axis at a time once the
+# running training recall is high. Templates are mixed before the filler grows because steps on short sequences are
+# ~10x cheaper than at F=512, so each format is learned where it costs least.
+ALL = None  # stage field value meaning "every template" / "every value vocabulary"
+STAGES: tuple[dict, ...] = (
+    dict(name="easy", templates=("is_in",), vocabs=("cities",), facts=(2,), presentations=(2,), gap=(2, 4),
+         filler=(8, 32)),
+    dict(name="K3", templates=("is_in",), vocabs=("cities",), facts=(2, 3), presentations=(2,), gap=(2, 4),
+         filler=(8, 32)),
+    dict(name="K4", templates=("is_in",), vocabs=("cities",), facts=(3, 4, 4), presentations=(2,), gap=(2, 4),
+         filler=(8, 32)),
+    dict(name="templates", templates=ALL, vocabs=ALL, facts=(3, 4, 4), presentations=(2,), gap=(2, 4),
+         filler=(8, 32)),
+    dict(name="R3-gap24", templates=ALL, vocabs=ALL, facts=(3, 4, 4), presentations=(2, 3, 3), gap=(4, 24),
+         filler=(8, 32)),
+    dict(name="F64", templates=ALL, vocabs=ALL, facts=(3, 4, 4), presentations=(2, 3, 3), gap=(4, 24),
+         filler=(16, 64)),
+    dict(name="F128", templates=ALL, vocabs=ALL, facts=(3, 4, 4), presentations=(2, 3, 3), gap=(4, 24),
+         filler=(32, 128)),
+    dict(name="F256", templates=ALL, vocabs=ALL, facts=(3, 4, 4), presentations=(2, 3, 3), gap=(4, 24),
+         filler=(64, 256)),
+    dict(name="F512", templates=ALL, vocabs=ALL, facts=(2, 3, 4, 4, 5), presentations=(2, 3, 3), gap=(4, 24),
+         filler=(128, 512)),
+)
+ADVANCE_WINDOW, ADVANCE_ACCURACY = 20, 0.85   # advance when the last 20 steps of a stage average >= 85% recall
+STAGED_LR, STAGED_WARMUP_STEPS = 1e-3, 20     # constant after warmup: the run length is set by the clock
+STAGED_RECALL_ROWS, STAGED_RECALL_WEIGHT = 16, 4.0
+STAGED_MAX_STEPS = 20_000                     # cap when neither --steps nor --max-minutes ends the run sooner
 TRAIN_SOURCE_OFFSET = 10 ** 9            # train-split source ids used for the pure filler rows
 
 
@@ -179,6 +212,26 @@ def make_batch(tokenizer, rng: random.Random, step: int, filler_tokens: int, max
     if easy:  # the gated curriculum's first stage: one format, two facts
         template, vocab, n_facts, presentations = EASY_STAGE
     gap = rng.randint(min(GAP_RANGE[0], max_gap), max_gap)
+    return _assemble_batch(tokenizer, step, filler_tokens, gap, template, vocab, n_facts, presentations,
+                           n_recall, n_filler, seed)
+
+
+def make_stage_batch(tokenizer, rng: random.Random, step: int, stage: dict, n_recall: int = STAGED_RECALL_ROWS,
+                     n_filler: int = BATCH_FILLER, seed: int = 0) -> dict:
+    """One training batch drawn from a STAGES entry: template, vocabulary, fact count, presentations, gap and filler
+    length sampled from the stage's choices and ranges; plus `n_filler` plain filler rows (the LM-loss floor)."""
+    template = rng.choice(sorted(TEMPLATES) if stage["templates"] is ALL else stage["templates"])
+    vocab = rng.choice(sorted(VALUE_VOCABS) if stage["vocabs"] is ALL else stage["vocabs"])
+    n_facts = rng.choice(stage["facts"])
+    presentations = rng.choice(stage["presentations"])
+    gap = rng.randint(*stage["gap"])
+    filler_tokens = rng.randint(*stage["filler"])
+    return _assemble_batch(tokenizer, step, filler_tokens, gap, template, vocab, n_facts, presentations,
+                           n_recall, n_filler, seed)
+
+
+def _assemble_batch(tokenizer, step: int, filler_tokens: int, gap: int, template: str, vocab: str, n_facts: int,
+                    presentations: int, n_recall: int, n_filler: int, seed: int) -> dict:
     start = (seed * 100_003 + step) * n_recall
     batch = build_pairs(tokenizer, filler_sources("train", n_recall, seed=0, start=start), n_facts=n_facts,
                         presentations=presentations, filler_tokens=filler_tokens, gap_tokens=gap, template=template,
@@ -200,13 +253,30 @@ def make_batch(tokenizer, rng: random.Random, step: int, filler_tokens: int, max
             "represented": represented,
             "candidate_ids": batch.candidate_ids, "answer_index": batch.recipient_answer_index,
             "n_recall": len(batch), "template": template, "vocab": vocab, "n_facts": n_facts,
-            "presentations": presentations, "gap": gap}
+            "presentations": presentations, "gap": gap, "filler_tokens": filler_tokens}
 
 
-def batch_losses(model: RecurrentLM, batch: dict) -> dict:
+def should_advance(stage_accuracies: list[float], window: int = ADVANCE_WINDOW,
+                   threshold: float = ADVANCE_ACCURACY) -> bool:
+    """True once a stage has run at least `window` steps and the mean training recall accuracy of its last `window`
+    steps is >= `threshold`. `stage_accuracies` holds only the current stage's steps, so a new stage must earn its
+    own window before the next advance."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1; received {window}.")
+    if len(stage_accuracies) < window:
+        return False
+    return float(np.mean(stage_accuracies[-window:])) >= threshold
+
+
+def staged_learning_rate(step: int, peak: float = STAGED_LR, warmup: int = STAGED_WARMUP_STEPS) -> float:
+    """Linear warmup over `warmup` steps, then constant (the staged run's length is not known in advance)."""
+    return peak * min(1.0, (step + 1) / max(1, warmup))
+
+
+def batch_losses(model: RecurrentLM, batch: dict, recall_weight: float = 1.0) -> dict:
     """LM loss on every next-token target in the batch; the recall loss: full-vocabulary cross-entropy of the answer
     at query_pos plus that of every re-presented value (each half of the weight); recall accuracy over the
-    candidates at query_pos."""
+    candidates at query_pos. loss = lm_loss + recall_weight * recall_loss."""
     tokens = batch["tokens"]
     logits = model(tokens)
     V = logits.shape[-1]
@@ -220,7 +290,7 @@ def batch_losses(model: RecurrentLM, batch: dict) -> dict:
     with torch.no_grad():
         cand = at_query.gather(1, batch["candidate_ids"])
         acc = (cand.argmax(1) == batch["answer_index"]).float().mean()
-    return {"loss": lm + recall, "lm_loss": lm, "recall_loss": recall, "recall_acc": acc}
+    return {"loss": lm + recall_weight * recall, "lm_loss": lm, "recall_loss": recall, "recall_acc": acc}
 
 
 @torch.no_grad()
@@ -277,6 +347,12 @@ def _summary_markdown(name: str, summary: dict) -> str:
               f"threads: {summary['threads']}", f"- training wall time: {summary['train_seconds']:.0f} s, "
               f"evaluation: {summary['eval_seconds']:.0f} s", f"- parameters: {summary['parameters']:,}",
               f"- final training losses (mean of last 20 steps): {summary['final_losses']}"]
+    if "curriculum" in summary:
+        c = summary["curriculum"]
+        lines.append(f"- staged curriculum: reached stage {c['stage_reached']} ({c['stage_reached_name']}) of "
+                     f"{len(c['stages']) - 1}; advances (step, stage): "
+                     + (", ".join(f"{a['step']}->{a['name']}" for a in c["advances"]) or "none")
+                     + f"; stopped by {summary['stopped_by']}")
     if summary.get("smoke"):
         lines.append("- SMOKE RUN: a handful of steps and a reduced evaluation; these numbers mean nothing.")
     return "\n".join(lines) + "\n"
@@ -284,19 +360,33 @@ def _summary_markdown(name: str, summary: dict) -> str:
 
 def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[Path] = None, smoke: bool = False,
           threads: Optional[int] = None, progress: bool = True, command: Optional[str] = None,
-          gated: bool = False, peak_lr: float = PEAK_LR, recall_rows: int = BATCH_RECALL) -> tuple[RecurrentLM, dict]:
+          gated: bool = False, peak_lr: Optional[float] = None, recall_rows: Optional[int] = None,
+          staged: bool = False, max_minutes: Optional[float] = None) -> tuple[RecurrentLM, dict]:
     """Trains `name`, saves it with its tokenizer, log and evaluation into `out`; returns (model, summary).
 
     gated=True: the curriculum only advances while the training recall accuracy (mean of the last GATE_WINDOW steps)
     is at least GATE_ACCURACY, so the model first learns recall on short sequences; the scheduled ramp stays a cap.
+    staged=True: the STAGES curriculum (see should_advance); the weights at each advance are saved under
+    out/stages/<k>-<name>/ so a run cut short keeps the furthest stage reached.
+    max_minutes: training stops cleanly at the first step that would start after this wall-clock time; the model is
+    then evaluated and saved as usual.
     """
     from tqdm import tqdm
 
     if name not in ARCHITECTURES:
         raise ValueError(f"model must be one of {sorted(ARCHITECTURES)}; received {name!r}.")
-    steps = (SMOKE_STEPS if smoke else DEFAULT_STEPS[name]) if steps is None else int(steps)
+    if gated and staged:
+        raise ValueError("gated and staged are two different curricula; pass at most one of them.")
+    if max_minutes is not None and not max_minutes > 0:
+        raise ValueError(f"max_minutes must be > 0 (a wall-clock limit on training); received {max_minutes!r}.")
+    if steps is None:
+        steps = SMOKE_STEPS if smoke else (STAGED_MAX_STEPS if staged else DEFAULT_STEPS[name])
+    steps = int(steps)
     if steps < 1:
         raise ValueError(f"steps must be >= 1; received {steps}.")
+    peak_lr = (STAGED_LR if staged else PEAK_LR) if peak_lr is None else float(peak_lr)
+    recall_rows = (STAGED_RECALL_ROWS if staged else BATCH_RECALL) if recall_rows is None else int(recall_rows)
+    recall_weight = STAGED_RECALL_WEIGHT if staged else 1.0
     if threads is not None:
         torch.set_num_threads(int(threads))
     out = Path(out) if out is not None else CHECKPOINT_DIR / name
@@ -315,34 +405,49 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     optimizer = torch.optim.AdamW(param_groups(model, peak_lr), lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
     level, since_level = 0.0, 0
     filler_end = 64 if smoke else FILLER_END
+    stage_index, stage_accs, advances = 0, [], []
 
     log_path = out / "train_log.csv"
     columns = ["step", "loss", "lm_loss", "recall_loss", "recall_acc", "filler_len", "gap", "seq_len", "template",
-               "lr", "seconds"]
+               "lr", "seconds"] + (["stage"] if staged else [])
     history = []
+    stopped = "steps"
     t0 = time.time()
     with open(log_path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=columns)
         writer.writeheader()
         bar = tqdm(range(steps), desc=f"train {name}", disable=not progress)
         for step in bar:
-            lr = learning_rate(step, steps, peak_lr)
+            if max_minutes is not None and time.time() - t0 >= 60.0 * max_minutes:
+                stopped = "max_minutes"
+                break
+            lr = staged_learning_rate(step, peak_lr) if staged else learning_rate(step, steps, peak_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group["lr_scale"]
-            if gated:
-                recent = [r["recall_acc"] for r in history[-GATE_WINDOW:]]
-                if since_level >= GATE_WINDOW and np.mean(recent) >= GATE_ACCURACY:
-                    level, since_level = min(1.0, level + 1.0 / GATE_LEVELS), 0
-                since_level += 1
-                progress_now = min(level, math.sqrt(curriculum_progress(step, steps))) ** 2
-                ceiling = int(round(FILLER_START + (filler_end - FILLER_START) * progress_now))
-                max_gap = int(round(GAP_START + (GAP_RANGE[1] - GAP_START) * progress_now))
+            if staged:
+                if stage_index + 1 < len(STAGES) and should_advance(stage_accs):
+                    _save_stage_snapshot(model, tokenizer, out, stage_index, step)
+                    stage_index, stage_accs = stage_index + 1, []
+                    advances.append({"step": step, "stage": stage_index, "name": STAGES[stage_index]["name"],
+                                     "seconds": round(time.time() - t0, 1)})
+                batch = make_stage_batch(tokenizer, data_rng, step, STAGES[stage_index], n_recall=recall_rows,
+                                         seed=seed)
+                filler_len = batch["filler_tokens"]
             else:
-                ceiling, max_gap = filler_ceiling(step, steps, end=filler_end), gap_ceiling(step, steps)
-            filler_len = data_rng.randint(max(FILLER_START, ceiling // 2), ceiling)
-            batch = make_batch(tokenizer, data_rng, step, filler_len, max_gap=max_gap, n_recall=recall_rows,
-                               seed=seed, easy=gated and level == 0)
-            losses = batch_losses(model, batch)
+                if gated:
+                    recent = [r["recall_acc"] for r in history[-GATE_WINDOW:]]
+                    if since_level >= GATE_WINDOW and np.mean(recent) >= GATE_ACCURACY:
+                        level, since_level = min(1.0, level + 1.0 / GATE_LEVELS), 0
+                    since_level += 1
+                    progress_now = min(level, math.sqrt(curriculum_progress(step, steps))) ** 2
+                    ceiling = int(round(FILLER_START + (filler_end - FILLER_START) * progress_now))
+                    max_gap = int(round(GAP_START + (GAP_RANGE[1] - GAP_START) * progress_now))
+                else:
+                    ceiling, max_gap = filler_ceiling(step, steps, end=filler_end), gap_ceiling(step, steps)
+                filler_len = data_rng.randint(max(FILLER_START, ceiling // 2), ceiling)
+                batch = make_batch(tokenizer, data_rng, step, filler_len, max_gap=max_gap, n_recall=recall_rows,
+                                   seed=seed, easy=gated and level == 0)
+            losses = batch_losses(model, batch, recall_weight=recall_weight)
             if not torch.isfinite(losses["loss"]):
                 raise FloatingPointError(f"non-finite loss {losses['loss'].item()} at step {step} of {name}; "
                                          "lower PEAK_LR or check the data")
@@ -353,12 +458,18 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
             row = {"step": step, **{k: round(float(v.detach()), 5) for k, v in losses.items()}, "filler_len": filler_len,
                    "gap": batch["gap"], "seq_len": int(batch["tokens"].shape[1]), "template": batch["template"], "lr": f"{lr:.3e}",
                    "seconds": round(time.time() - t0, 2)}
+            if staged:
+                row["stage"] = stage_index
+                stage_accs.append(row["recall_acc"])
             writer.writerow(row)
             fh.flush()
             history.append(row)
             bar.set_postfix(loss=f"{row['loss']:.3f}", recall=f"{row['recall_loss']:.3f}",
-                            acc=f"{row['recall_acc']:.2f}", F=filler_len)
+                            acc=f"{row['recall_acc']:.2f}", F=filler_len, **({"stage": stage_index} if staged else {}))
     train_seconds = time.time() - t0
+    steps_done = len(history)
+    if steps_done == 0:
+        raise ValueError(f"max_minutes={max_minutes} left no time for a single training step; raise it.")
     model.eval()
     model.tokenizer = tokenizer
 
@@ -369,25 +480,51 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
                   filler_tokens=32 if smoke else EVAL["filler_tokens"], progress=progress)
     eval_seconds = time.time() - t1
     summary = {"model": name, "command": command or f"python experiments/train_tiny.py --model {name}",
-               "seed": seed, "steps": steps, "threads": torch.get_num_threads(), "smoke": smoke,
+               "seed": seed, "steps": steps_done, "max_steps": steps, "max_minutes": max_minutes,
+               "stopped_by": stopped, "threads": torch.get_num_threads(), "smoke": smoke,
                "train_seconds": round(train_seconds, 1), "eval_seconds": round(eval_seconds, 1),
-               "parameters": n_params, "final_losses": final, "eval": ev,
-               "training": {"batch_recall_rows": BATCH_RECALL, "batch_filler_rows": BATCH_FILLER,
-                            "filler_curriculum": [FILLER_START, filler_end, CURRICULUM_FRACTION, "quadratic"],
-                            "gap_curriculum": [GAP_START, GAP_RANGE[1]],
-                            "fact_counts": FACT_COUNTS, "presentation_counts": PRESENTATION_COUNTS,
-                            "gap_range": GAP_RANGE, "templates": sorted(TEMPLATES), "vocabs": sorted(VALUE_VOCABS),
-                            "init_std": INIT_STD, "peak_lr": peak_lr, "recall_rows": recall_rows, "gated_curriculum": gated,
-                            "gate": [GATE_WINDOW, GATE_ACCURACY, GATE_LEVELS, EASY_STAGE] if gated else None, "schedule": "WSD", "warmup": WARMUP_FRACTION,
-                            "decay": DECAY_FRACTION, "weight_decay": WEIGHT_DECAY, "grad_clip": GRAD_CLIP,
-                            "qed_theta_lr_multiplier": QED_LR_MULTIPLIER, "split": "train"}}
+               "parameters": n_params, "final_losses": final, "eval": ev}
+    if staged:
+        summary["curriculum"] = {"kind": "staged", "stage_reached": stage_index,
+                                 "stage_reached_name": STAGES[stage_index]["name"], "advances": advances,
+                                 "stages": [{k: (v if v is not ALL else "all") for k, v in st.items()}
+                                            for st in STAGES],
+                                 "advance_rule": {"window": ADVANCE_WINDOW, "accuracy": ADVANCE_ACCURACY}}
+        summary["training"] = {"batch_recall_rows": recall_rows, "batch_filler_rows": BATCH_FILLER,
+                               "recall_weight": recall_weight, "init_std": INIT_STD, "peak_lr": peak_lr,
+                               "recall_rows": recall_rows, "schedule": f"linear warmup {STAGED_WARMUP_STEPS} steps, "
+                               "then constant", "weight_decay": WEIGHT_DECAY, "grad_clip": GRAD_CLIP,
+                               "qed_theta_lr_multiplier": QED_LR_MULTIPLIER, "split": "train"}
+    else:
+        summary["training"] = {
+            "batch_recall_rows": BATCH_RECALL, "batch_filler_rows": BATCH_FILLER,
+            "filler_curriculum": [FILLER_START, filler_end, CURRICULUM_FRACTION, "quadratic"],
+            "gap_curriculum": [GAP_START, GAP_RANGE[1]],
+            "fact_counts": FACT_COUNTS, "presentation_counts": PRESENTATION_COUNTS,
+            "gap_range": GAP_RANGE, "templates": sorted(TEMPLATES), "vocabs": sorted(VALUE_VOCABS),
+            "init_std": INIT_STD, "peak_lr": peak_lr, "recall_rows": recall_rows, "gated_curriculum": gated,
+            "gate": [GATE_WINDOW, GATE_ACCURACY, GATE_LEVELS, EASY_STAGE] if gated else None, "schedule": "WSD",
+            "warmup": WARMUP_FRACTION, "decay": DECAY_FRACTION, "weight_decay": WEIGHT_DECAY, "grad_clip": GRAD_CLIP,
+            "qed_theta_lr_multiplier": QED_LR_MULTIPLIER, "split": "train"}
     meta = {k: summary[k] for k in ("model", "command", "seed", "steps", "train_seconds", "parameters", "smoke")}
     meta["clean_recall_k4_f512"] = ev["overall"]["accuracy"]
+    if staged:
+        meta["stage_reached"] = stage_index
     save_model(model, out, extra_config={"recurscope": meta})
     save_word_tokenizer(tokenizer, out)
     (out / "eval_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "eval_summary.md").write_text(_summary_markdown(name, summary))
     return model, summary
+
+
+def _save_stage_snapshot(model: RecurrentLM, tokenizer, out: Path, stage_index: int, step: int) -> Path:
+    """Saves the weights that passed stage `stage_index` (loadable like any checkpoint) under out/stages/."""
+    path = out / "stages" / f"{stage_index}-{STAGES[stage_index]['name']}"
+    meta = {"stage_passed": stage_index, "stage_name": STAGES[stage_index]["name"], "step": step}
+    save_model(model, path, extra_config={"recurscope": meta})
+    save_word_tokenizer(tokenizer, path)
+    model.train()  # in case saving switched modes
+    return path
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -400,8 +537,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     parser.add_argument("--gated", action="store_true", help="advance the curriculum only once recall is learned")
-    parser.add_argument("--lr", type=float, default=PEAK_LR, help="peak learning rate")
-    parser.add_argument("--recall-rows", type=int, default=BATCH_RECALL, help="recall rows per step")
+    parser.add_argument("--staged", action="store_true",
+                        help="staged curriculum (STAGES): widen one axis at a time once training recall >= 85%%")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="stop training after this many wall-clock minutes, then evaluate and save")
+    parser.add_argument("--lr", type=float, default=None,
+                        help=f"peak learning rate (default {PEAK_LR}, or {STAGED_LR} with --staged)")
+    parser.add_argument("--recall-rows", type=int, default=None,
+                        help=f"recall rows per step (default {BATCH_RECALL}, or {STAGED_RECALL_ROWS} with --staged)")
     args = parser.parse_args(argv)
     names = sorted(ARCHITECTURES) if args.model == "all" else [args.model]
     command = "python experiments/train_tiny.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
@@ -412,7 +555,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             out = args.out / name if len(names) > 1 else args.out
         _, summary = train(name, steps=args.steps, seed=args.seed, out=out, smoke=args.smoke, threads=args.threads,
                            progress=not args.no_progress, command=command, gated=args.gated, peak_lr=args.lr,
-                           recall_rows=args.recall_rows)
+                           recall_rows=args.recall_rows, staged=args.staged, max_minutes=args.max_minutes)
         o = summary["eval"]["overall"]
         print(f"{name}: clean recall {100 * o['accuracy']:.1f}% [{100 * o['ci_low']:.1f}, {100 * o['ci_high']:.1f}] "
               f"after {summary['steps']} steps, {summary['train_seconds']:.0f} s; saved to {out}")

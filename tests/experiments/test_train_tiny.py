@@ -166,3 +166,96 @@ def test_cli_gated_smoke_run_trains_qed_and_records_options(train_tiny, tmp_path
     # No level-up is possible within GATE_WINDOW steps, so a smoke run stays at the shortest filler.
     assert all(int(r["filler_len"]) == train_tiny.FILLER_START for r in rows)
     assert all(r["template"] == train_tiny.EASY_STAGE[0] for r in rows)
+
+
+def test_staged_advance_rule_on_a_synthetic_accuracy_sequence(train_tiny):
+    window, threshold = train_tiny.ADVANCE_WINDOW, train_tiny.ADVANCE_ACCURACY
+    # Fewer than `window` steps in a stage never advance, even at perfect accuracy.
+    assert not train_tiny.should_advance([1.0] * (window - 1))
+    assert train_tiny.should_advance([1.0] * window)
+    # Only the last `window` steps count: a bad start is forgiven once the recent window is good...
+    assert train_tiny.should_advance([0.0] * 50 + [threshold] * window)
+    # ...and one step below the mean threshold within the window blocks the advance.
+    just_below = [1.0] * (window - 1) + [window * threshold - (window - 1) - 0.01]
+    assert float(sum(just_below)) / window < threshold
+    assert not train_tiny.should_advance([1.0] * 30 + just_below)
+    # Replaying a rising sequence step by step: the first advance comes at the first step where the mean of the
+    # trailing window reaches the threshold (computed independently here).
+    accs = [min(1.0, 0.25 + 0.01 * i) for i in range(200)]
+    first = next(i for i in range(window, len(accs) + 1) if sum(accs[i - window:i]) / window >= threshold)
+    got = next(i for i in range(len(accs) + 1) if train_tiny.should_advance(accs[:i]))
+    assert got == first
+    with pytest.raises(ValueError, match="window"):
+        train_tiny.should_advance([1.0], window=0)
+
+
+def test_stages_widen_monotonically_to_the_evaluation_setting(train_tiny):
+    stages = train_tiny.STAGES
+    assert stages[0]["templates"] == ("is_in",) and stages[0]["facts"] == (2,)
+    for earlier, later in zip(stages, stages[1:]):
+        assert max(later["facts"]) >= max(earlier["facts"])
+        assert max(later["presentations"]) >= max(earlier["presentations"])
+        assert later["gap"][1] >= earlier["gap"][1] and later["filler"][1] >= earlier["filler"][1]
+    last = stages[-1]
+    ev = train_tiny.EVAL
+    assert last["templates"] is train_tiny.ALL and last["vocabs"] is train_tiny.ALL
+    assert ev["n_facts"] in last["facts"] and ev["presentations"] in last["presentations"]
+    assert last["filler"][1] == ev["filler_tokens"] and last["gap"][1] == train_tiny.GAP_RANGE[1]
+
+
+def test_stage_batch_follows_its_stage(train_tiny):
+    import random
+    tokenizer = train_tiny.build_word_tokenizer()
+    stage = train_tiny.STAGES[1]
+    rng = random.Random(0)
+    for step in range(4):
+        batch = train_tiny.make_stage_batch(tokenizer, rng, step, stage, n_recall=3, seed=1)
+        assert batch["template"] in stage["templates"] and batch["vocab"] in stage["vocabs"]
+        assert batch["n_facts"] in stage["facts"] and batch["presentations"] in stage["presentations"]
+        assert stage["gap"][0] <= batch["gap"] <= stage["gap"][1]
+        assert stage["filler"][0] <= batch["filler_tokens"] <= stage["filler"][1]
+        assert batch["tokens"].shape[0] == 3 + train_tiny.BATCH_FILLER  # recall rows + the LM-loss floor
+        # The answer at query_pos is the value bound to the queried key: it is among the candidates.
+        picked = batch["candidate_ids"].gather(1, batch["answer_index"][:, None])[:, 0]
+        assert torch.equal(picked, batch["answer_id"])
+
+
+def test_max_minutes_stops_training_cleanly_then_evaluates_and_saves(train_tiny, tmp_path, monkeypatch):
+    # A fake clock that advances 1 s per call: a 0.05-minute (3 s) limit must stop the run after a few steps,
+    # far fewer than the 1000 allowed, with the log, the evaluation and the weights all written.
+    import time as real_time
+    ticks = iter(range(10 ** 6))
+    monkeypatch.setattr(train_tiny.time, "time", lambda: float(next(ticks)))
+    model, summary = train_tiny.train("tiny-gdn", steps=1000, smoke=True, staged=True, max_minutes=0.05,
+                                      out=tmp_path, progress=False, threads=1)
+    monkeypatch.setattr(train_tiny.time, "time", real_time.time)
+    assert summary["stopped_by"] == "max_minutes"
+    rows = list(csv.DictReader(open(tmp_path / "train_log.csv")))
+    assert 1 <= len(rows) < 10 and summary["steps"] == len(rows) and summary["max_steps"] == 1000
+    assert all(int(r["stage"]) == 0 for r in rows)  # no stage can pass within ADVANCE_WINDOW steps
+    for r in rows:
+        # loss = lm + STAGED_RECALL_WEIGHT * recall
+        expected = float(r["lm_loss"]) + train_tiny.STAGED_RECALL_WEIGHT * float(r["recall_loss"])
+        assert abs(float(r["loss"]) - expected) < 1e-3
+    written = json.loads((tmp_path / "eval_summary.json").read_text())
+    assert written["curriculum"]["stage_reached"] == 0 and written["stopped_by"] == "max_minutes"
+    assert set(written["eval"]["per_template"]) == set(train_tiny.TEMPLATES)
+    assert load_model(tmp_path).cfg.model_type == "gated_deltanet"
+    with pytest.raises(ValueError, match="max_minutes"):
+        train_tiny.train("tiny-gdn", smoke=True, max_minutes=0, out=tmp_path, progress=False)
+    with pytest.raises(ValueError, match="at most one"):
+        train_tiny.train("tiny-gdn", smoke=True, staged=True, gated=True, out=tmp_path, progress=False)
+
+
+def test_staged_run_saves_a_loadable_snapshot_at_each_advance(train_tiny, tmp_path, monkeypatch):
+    # Force an advance after every step: 3 smoke steps run stages 0, 1, 2 and leave snapshots of stages 0 and 1.
+    monkeypatch.setattr(train_tiny, "should_advance", lambda accs: len(accs) >= 1)
+    _, summary = train_tiny.train("tiny-gla", smoke=True, staged=True, out=tmp_path, progress=False, threads=1)
+    rows = list(csv.DictReader(open(tmp_path / "train_log.csv")))
+    assert [int(r["stage"]) for r in rows] == [0, 1, 2]
+    assert [a["stage"] for a in summary["curriculum"]["advances"]] == [1, 2]
+    for k in (0, 1):
+        snap = tmp_path / "stages" / f"{k}-{train_tiny.STAGES[k]['name']}"
+        loaded = load_model(snap)
+        assert json.loads((snap / "config.json").read_text())["recurscope"]["stage_passed"] == k
+        assert loaded.cfg.use_short_conv  # the tiny GLA uses the short convolution
