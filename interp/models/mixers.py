@@ -182,6 +182,18 @@ class GLAMixer(RecurrentMixer):
 class _DeltaBase(RecurrentMixer):
     """Shared by Gated DeltaNet and GDN-2: q/k/v projections with short conv + SiLU, L2-normalised q and k."""
 
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.num_heads = cfg.num_heads
+        self.num_v_heads = cfg.num_v_heads or cfg.num_heads
+        self.groups = self.num_v_heads // self.num_heads
+        self.head_k, self.head_v = cfg.head_dim, int(cfg.head_dim * cfg.expand_v)
+        self.key_dim, self.value_dim = self.num_heads * self.head_k, self.num_v_heads * self.head_v
+        self.q_proj = nn.Linear(d, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.value_dim, bias=False)
+
     def _qkv(self, h, layer_cache, new_conv):
         if hasattr(self, "q_conv1d"):
             q = self._conv_or_act("q", self.q_proj(h), layer_cache, new_conv)
@@ -205,16 +217,8 @@ class GatedDeltaNetMixer(_DeltaBase):
     """Gated DeltaNet: g = -exp(A_log) softplus(a_proj x + dt_bias) per head, a = beta k, x = beta v."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
+        super().__init__(cfg)
         d = cfg.hidden_size
-        self.num_heads = cfg.num_heads
-        self.num_v_heads = cfg.num_v_heads or cfg.num_heads
-        self.groups = self.num_v_heads // self.num_heads
-        self.head_k, self.head_v = cfg.head_dim, int(cfg.head_dim * cfg.expand_v)
-        self.key_dim, self.value_dim = self.num_heads * self.head_k, self.num_v_heads * self.head_v
-        self.q_proj = nn.Linear(d, self.key_dim, bias=False)
-        self.k_proj = nn.Linear(d, self.key_dim, bias=False)
-        self.v_proj = nn.Linear(d, self.value_dim, bias=False)
         self.a_proj = nn.Linear(d, self.num_v_heads, bias=False)
         self.b_proj = nn.Linear(d, self.num_v_heads, bias=False)
         self.A_log = nn.Parameter(torch.log(torch.empty(self.num_v_heads).uniform_(1, 16)))
@@ -255,16 +259,8 @@ class GatedDeltaNet2Mixer(_DeltaBase):
     """
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
+        super().__init__(cfg)
         d = cfg.hidden_size
-        self.num_heads = cfg.num_heads
-        self.num_v_heads = cfg.num_v_heads or cfg.num_heads
-        self.groups = self.num_v_heads // self.num_heads
-        self.head_k, self.head_v = cfg.head_dim, int(cfg.head_dim * cfg.expand_v)
-        self.key_dim, self.value_dim = self.num_heads * self.head_k, self.num_v_heads * self.head_v
-        self.q_proj = nn.Linear(d, self.key_dim, bias=False)
-        self.k_proj = nn.Linear(d, self.key_dim, bias=False)
-        self.v_proj = nn.Linear(d, self.value_dim, bias=False)
         self._convs(cfg)
         self.f_proj = nn.Sequential(nn.Linear(d, self.head_v, bias=False), nn.Linear(self.head_v, self.key_dim, bias=False))
         self.b_proj = nn.Linear(d, self.key_dim, bias=False)
