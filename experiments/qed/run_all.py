@@ -27,11 +27,11 @@ README = HERE / "README.md"
 START, END = "<!-- generated:start -->", "<!-- generated:end -->"
 
 PROFILES = {
-    "full": dict(steps=train_arms.FULL_STEPS, n=500, multipliers=[1, 2, 4, 8, 16], strength_multipliers=[1, 2, 4, 8, 16],
+    "full": dict(steps=train_arms.FULL_STEPS, lr=train_arms.PEAK_LR, n=500, multipliers=[1, 2, 4, 8, 16], strength_multipliers=[1, 2, 4, 8, 16],
                  diag_sequences=128, diag_length=2048, matrix_samples=4000, val_rows=32, repeats=15),
-    "reduced": dict(steps=250, n=100, multipliers=[1, 2, 4, 8, 16], strength_multipliers=[2, 8],
+    "reduced": dict(steps=200, lr=1.5e-3, n=100, multipliers=[1, 2, 4, 8, 16], strength_multipliers=[2, 8],
                     diag_sequences=8, diag_length=1024, matrix_samples=2000, val_rows=32, repeats=9),
-    "smoke": dict(steps=train_arms.SMOKE_STEPS, n=8, multipliers=[1, 2], strength_multipliers=[2],
+    "smoke": dict(steps=train_arms.SMOKE_STEPS, lr=train_arms.PEAK_LR, n=8, multipliers=[1, 2], strength_multipliers=[2],
                   diag_sequences=2, diag_length=64, matrix_samples=64, val_rows=4, repeats=3),
 }
 
@@ -47,14 +47,14 @@ def _pct(x: float) -> str:
 def readme_tables(root: Path, profile: str) -> str:
     """Markdown for every result table found under `root` (train/, eval/, cost/)."""
     p = PROFILES[profile]
-    out = [f"Profile `{profile}`: {p['steps']} steps per model, {p['n']} S-NIAH examples per length, strength sweep at "
+    out = [f"Profile `{profile}`: {p['steps']} steps per model at peak lr {p['lr']:g}, {p['n']} S-NIAH examples per length, strength sweep at "
            f"{[common.TRAIN_LENGTH * m for m in p['strength_multipliers']]} tokens, diagnostics on "
            f"{p['diag_sequences']} sequences x {p['diag_length']} tokens per model. Written by "
            f"`python experiments/qed/run_all.py --profile {profile}` from `{root.relative_to(common.ROOT)}/`.", ""]
     train = root / "train" / "train_summary.csv"
     if train.is_file():
         t = pd.read_csv(train)
-        cols = ["arm", "seed", "steps", "parameters", "qed_scalars", "val_loss", "lambda_mean", "lambda_min",
+        cols = ["arm", "seed", "steps", "peak_lr", "parameters", "qed_scalars", "val_loss", "lambda_mean", "lambda_min",
                 "lambda_max", "final_niah_acc", "reference_fallback_steps", "skipped_steps", "train_seconds"]
         out += ["### Training and validation loss", "",
                 "val_loss: mean next-token loss (nats) on 32 held-out filler rows of 256 tokens, the same rows for "
@@ -174,7 +174,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.readme_only:
         if not args.skip_train:
             print(train_arms.run(common.ARMS, [0, 1], p["steps"], root / "train", jobs=args.jobs,
-                                 smoke=args.profile == "smoke").to_string(index=False))
+                                 smoke=args.profile == "smoke", peak_lr=p["lr"]).to_string(index=False))
         if not args.skip_eval:
             evaluate.run(root / "train", root / "eval", common.ARMS, [0, 1], p["n"], p["multipliers"],
                          common.STRENGTHS, ["full"], p["strength_multipliers"], p["diag_sequences"], p["diag_length"],

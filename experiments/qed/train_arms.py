@@ -82,7 +82,7 @@ def validation_loss(model: RecurrentLM, tokenizer, rows: int = VAL_ROWS, length:
 
 
 def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smoke: bool = False,
-              command: Optional[str] = None, log_every: int = 50) -> dict:
+              command: Optional[str] = None, log_every: int = 50, peak_lr: float = PEAK_LR) -> dict:
     """Trains one (arm, seed) into `out` (checkpoint, tokenizer, train_log.csv, summary.json); returns the summary."""
     common.check_arm(arm)
     if steps < 1:
@@ -97,7 +97,7 @@ def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smok
     model = RecurrentLM(common.model_config(arm, tokenizer))
     model.set_backend("chunked")
     model.train()
-    optimizer = torch.optim.AdamW(common.qed_param_groups(model, PEAK_LR), lr=PEAK_LR, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = torch.optim.AdamW(common.qed_param_groups(model, peak_lr), lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
     columns = ["step", "loss", "lm_loss", "niah_loss", "niah_acc", "lr", "lam_mean", "reference_fallback", "skipped",
                "seconds"]
     history, skipped_steps, fallback_steps, t0 = [], [], 0, time.time()
@@ -105,7 +105,7 @@ def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smok
         writer = csv.DictWriter(fh, fieldnames=columns)
         writer.writeheader()
         for step in range(steps):
-            lr = learning_rate(step, steps, peak=PEAK_LR)
+            lr = learning_rate(step, steps, peak=peak_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group["lr_scale"]
             batch = training_batch(tokenizer, step, seed)
@@ -160,7 +160,7 @@ def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smok
                "reference_fallback_steps": fallback_steps, "lambda": common.qed_lambdas(model),
                "command": command or "", "recipe": {
                    "architecture": common.ARCHITECTURE, "train_length": common.TRAIN_LENGTH, "niah_rows": NIAH_ROWS,
-                   "filler_rows": FILLER_ROWS, "peak_lr": PEAK_LR, "schedule": "WSD (experiments/train_tiny.py)",
+                   "filler_rows": FILLER_ROWS, "peak_lr": peak_lr, "schedule": "WSD (experiments/train_tiny.py)",
                    "theta_lr_mult": common.THETA_LR_MULT, "weight_decay": common.WEIGHT_DECAY, "grad_clip": GRAD_CLIP,
                    "threads": threads}}
     save_model(model, out, extra_config={"recurscope": {k: summary[k] for k in ("arm", "seed", "steps", "smoke")}})
@@ -169,9 +169,12 @@ def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smok
     return summary
 
 
-def _done(out: Path, steps: int) -> bool:
+def _done(out: Path, steps: int, peak_lr: float) -> bool:
     f = out / "summary.json"
-    return f.is_file() and (out / "model.safetensors").is_file() and json.loads(f.read_text()).get("steps") == steps
+    if not (f.is_file() and (out / "model.safetensors").is_file()):
+        return False
+    s = json.loads(f.read_text())
+    return s.get("steps") == steps and s["recipe"]["peak_lr"] == peak_lr
 
 
 def summary_table(out_root: Path) -> pd.DataFrame:
@@ -180,7 +183,8 @@ def summary_table(out_root: Path) -> pd.DataFrame:
     for f in sorted(Path(out_root).glob("*/summary.json")):
         s = json.loads(f.read_text())
         lams = [x for v in s["lambda"].values() if v for x in v]
-        rows.append({"arm": s["arm"], "seed": s["seed"], "steps": s["steps"], "parameters": s["parameters"],
+        rows.append({"arm": s["arm"], "seed": s["seed"], "steps": s["steps"], "peak_lr": s["recipe"]["peak_lr"],
+                     "parameters": s["parameters"],
                      "qed_scalars": s["qed_scalars"], "val_loss": s["val_loss"],
                      "final_train_loss": s["final"]["loss"], "final_niah_acc": s["final"]["niah_acc"],
                      "lambda_mean": float(np.mean(lams)) if lams else float("nan"),
@@ -203,18 +207,18 @@ def write_summary(out_root: Path) -> pd.DataFrame:
 
 
 def run(arms: Sequence[str], seeds: Sequence[int], steps: int, out_root: Path, jobs: int = 1, threads: int = 1,
-        smoke: bool = False, force: bool = False, command: Optional[str] = None) -> pd.DataFrame:
+        smoke: bool = False, force: bool = False, command: Optional[str] = None, peak_lr: float = PEAK_LR) -> pd.DataFrame:
     """Trains every (arm, seed) not already trained with `steps` steps (unless `force`), `jobs` at a time."""
     for a in arms:
         common.check_arm(a)
     out_root = Path(out_root)
-    todo = [(a, s) for s in seeds for a in arms if force or not _done(out_root / f"{a}-s{s}", steps)]
+    todo = [(a, s) for s in seeds for a in arms if force or not _done(out_root / f"{a}-s{s}", steps, peak_lr)]
     if jobs <= 1 or len(todo) <= 1:
         for a, s in todo:
-            train_one(a, s, steps, out_root / f"{a}-s{s}", threads, smoke, command)
+            train_one(a, s, steps, out_root / f"{a}-s{s}", threads, smoke, command, peak_lr=peak_lr)
     else:
         with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-            futures = [pool.submit(train_one, a, s, steps, out_root / f"{a}-s{s}", threads, smoke, command)
+            futures = [pool.submit(train_one, a, s, steps, out_root / f"{a}-s{s}", threads, smoke, command, 50, peak_lr)
                        for a, s in todo]
             for f in futures:
                 f.result()
@@ -231,10 +235,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_STEPS} steps per model")
     parser.add_argument("--force", action="store_true", help="retrain models that already exist")
+    parser.add_argument("--lr", type=float, default=PEAK_LR, help=f"peak learning rate (default {PEAK_LR})")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (SMOKE_STEPS if args.smoke else FULL_STEPS)
     command = "python experiments/qed/train_arms.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    frame = run(args.arms, args.seeds, steps, args.out, args.jobs, args.threads, args.smoke, args.force, command)
+    frame = run(args.arms, args.seeds, steps, args.out, args.jobs, args.threads, args.smoke, args.force, command,
+                args.lr)
     print(frame.to_string(index=False))
     return 0
 
