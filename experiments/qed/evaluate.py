@@ -105,6 +105,7 @@ def token_head_quantities(model: RecurrentLM, tokens: torch.Tensor) -> dict[int,
         H = q.shape[2]
         out[layer] = {"e": kernels.erase_eigenvalue(k, a).reshape(-1), "e_gdn2": common.gdn2_eigenvalue(k, b).reshape(-1),
                       "rho": (q * k).sum(-1).reshape(-1), "sbar_d_norm": sd.reshape(-1),
+                      "k_shortfall": (1 - (k * k).sum(-1)).reshape(-1),
                       "k": k.reshape(-1, k.shape[-1]), "a": a.reshape(-1, a.shape[-1]), "g": g.reshape(-1, g.shape[-1]),
                       "head": torch.arange(H).repeat(q.shape[0] * q.shape[1]),
                       "pos": torch.arange(T).repeat_interleave(H).repeat(q.shape[0])}
@@ -125,7 +126,7 @@ def erase_factor_norms(k: torch.Tensor, a: torch.Tensor, g: torch.Tensor) -> dic
 def diagnose(model: RecurrentLM, tokens: torch.Tensor, arm: str, seed: int, matrix_samples: int = 2000,
              batch: int = 1) -> tuple[dict, Optional[dict]]:
     """Summary statistics over every token-head of every layer, and the most amplifying non-normal example."""
-    parts = {key: [] for key in ("e", "e_gdn2", "rho", "sbar_d_norm")}
+    parts = {key: [] for key in ("e", "e_gdn2", "rho", "sbar_d_norm", "k_shortfall")}
     mats = {key: [] for key in ("k", "a", "g")}
     where = []
     for lo in range(0, tokens.shape[0], batch):
@@ -144,6 +145,9 @@ def diagnose(model: RecurrentLM, tokens: torch.Tensor, arm: str, seed: int, matr
            "e_min": float(e.min()), "e_max": float(e.max()), "n_abs_e_gt_1": int((e.abs() > 1).sum()),
            "n_e_outside_0_1": int(((e <= 0) | (e >= 1)).sum()),
            "max_abs_e_minus_gdn2": float((e - e_gdn2).abs().max()),
+           # L2 normalisation has an eps, so ||k||^2 < 1 and a projected arm's e moves by lam |k.(b*q)| (1 - ||k||^2)
+           # <= lam_max * max(1 - ||k||^2); this column is that shortfall
+           "max_k_norm_shortfall": float(cat["k_shortfall"].max()),
            "rho_mean": float(rho.mean()), "rho_min": float(rho.min()), "rho_max": float(rho.max()),
            "abs_rho_mean": float(rho.abs().mean()),
            "sbar_d_mean": float(sd.mean()), "sbar_d_median": float(sd.median()), "sbar_d_max": float(sd.max()),

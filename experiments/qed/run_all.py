@@ -27,11 +27,11 @@ README = HERE / "README.md"
 START, END = "<!-- generated:start -->", "<!-- generated:end -->"
 
 PROFILES = {
-    "full": dict(steps=train_arms.FULL_STEPS, lr=train_arms.PEAK_LR, n=500, multipliers=[1, 2, 4, 8, 16], strength_multipliers=[1, 2, 4, 8, 16],
+    "full": dict(steps=train_arms.FULL_STEPS, lr=train_arms.PEAK_LR, max_minutes=None, n=500, multipliers=[1, 2, 4, 8, 16], strength_multipliers=[1, 2, 4, 8, 16],
                  diag_sequences=128, diag_length=2048, matrix_samples=4000, val_rows=32, repeats=15),
-    "reduced": dict(steps=200, lr=1.5e-3, n=100, multipliers=[1, 2, 4, 8, 16], strength_multipliers=[2, 8],
+    "reduced": dict(steps=300, lr=train_arms.PEAK_LR, max_minutes=6.0, n=100, multipliers=[1, 2, 4, 8, 16], strength_multipliers=[2, 8],
                     diag_sequences=8, diag_length=1024, matrix_samples=2000, val_rows=32, repeats=9),
-    "smoke": dict(steps=train_arms.SMOKE_STEPS, lr=train_arms.PEAK_LR, n=8, multipliers=[1, 2], strength_multipliers=[2],
+    "smoke": dict(steps=train_arms.SMOKE_STEPS, lr=train_arms.PEAK_LR, max_minutes=None, n=8, multipliers=[1, 2], strength_multipliers=[2],
                   diag_sequences=2, diag_length=64, matrix_samples=64, val_rows=4, repeats=3),
 }
 
@@ -47,18 +47,23 @@ def _pct(x: float) -> str:
 def readme_tables(root: Path, profile: str) -> str:
     """Markdown for every result table found under `root` (train/, eval/, cost/)."""
     p = PROFILES[profile]
-    out = [f"Profile `{profile}`: {p['steps']} steps per model at peak lr {p['lr']:g}, {p['n']} S-NIAH examples per length, strength sweep at "
-           f"{[common.TRAIN_LENGTH * m for m in p['strength_multipliers']]} tokens, diagnostics on "
-           f"{p['diag_sequences']} sequences x {p['diag_length']} tokens per model. Written by "
+    limit = f" (wall-clock cap {p['max_minutes']:g} min each)" if p.get("max_minutes") else ""
+    out = [f"Profile `{profile}`: at most {p['steps']} steps per model{limit}, staged S-NIAH curriculum "
+           f"{' -> '.join(str(x) for x in train_arms.STAGE_LENGTHS)} tokens, lr {p['lr']:g}, {p['n']} S-NIAH "
+           f"examples per length, strength sweep at {[common.TRAIN_LENGTH * m for m in p['strength_multipliers']]} "
+           f"tokens, diagnostics on {p['diag_sequences']} sequences x {p['diag_length']} tokens per model. Written by "
            f"`python experiments/qed/run_all.py --profile {profile}` from `{root.relative_to(common.ROOT)}/`.", ""]
     train = root / "train" / "train_summary.csv"
     if train.is_file():
         t = pd.read_csv(train)
-        cols = ["arm", "seed", "steps", "peak_lr", "parameters", "qed_scalars", "val_loss", "lambda_mean", "lambda_min",
-                "lambda_max", "final_niah_acc", "reference_fallback_steps", "skipped_steps", "train_seconds"]
+        cols = ["arm", "seed", "steps", "stopped_by", "parameters", "qed_scalars", "val_loss", "lambda_mean",
+                "lambda_min", "lambda_max", "step_to_64", "step_to_128", "step_to_256", "final_niah_acc",
+                "reference_fallback_steps", "skipped_steps", "train_seconds"]
         out += ["### Training and validation loss", "",
                 "val_loss: mean next-token loss (nats) on 32 held-out filler rows of 256 tokens, the same rows for "
-                "every arm. final_niah_acc: training-batch S-NIAH accuracy, mean of the last 20 steps. "
+                "every arm. step_to_L: the step at which the curriculum moved to haystack length L (empty: never). "
+                "final_niah_acc: training-batch S-NIAH accuracy over the 90 number candidates, mean of the last 20 "
+                "steps. "
                 "reference_fallback_steps: steps whose chunked backward gave non-finite gradients and were redone "
                 "with the reference backend.", "", common.markdown_table(t[[c for c in cols if c in t]])]
     ev = root / "eval"
@@ -107,7 +112,7 @@ def readme_tables(root: Path, profile: str) -> str:
         d["order"] = d["arm"].map({x: i for i, x in enumerate(common.ARMS)})
         d = d.sort_values(["order", "seed"]).drop(columns="order")
         cols1 = ["arm", "seed", "token_heads", "lambda_mean", "e_min", "e_max", "n_abs_e_gt_1", "n_e_outside_0_1",
-                 "max_abs_e_minus_gdn2", "min_strength_leaving_0_1"]
+                 "max_abs_e_minus_gdn2", "max_k_norm_shortfall", "min_strength_leaving_0_1"]
         cols2 = ["arm", "seed", "rho_mean", "abs_rho_mean", "rho_min", "rho_max", "sbar_d_mean", "sbar_d_median",
                  "sbar_d_max", "lam_rho_sbar_d_mean"]
         cols3 = ["arm", "seed", "matrix_samples", "frac_M_spec_in_disk_and_norm_gt_1", "max_sigma_M",
@@ -115,7 +120,8 @@ def readme_tables(root: Path, profile: str) -> str:
         out += ["### Eigenvalue and readout diagnostics (trained models, every token-head)", "",
                 "e_t = 1 - a_t^T k_t from the model's own erase vector (hook_erase, hook_k); max_abs_e_minus_gdn2 "
                 "compares it with the GDN-2 value 1 - sum b k^2 (b recomputed from hook_resid_pre with the block's "
-                "b_proj); min_strength_leaving_0_1: the smallest s at which some sample's e_t would leave (0, 1) "
+                "b_proj); max_k_norm_shortfall: max of 1 - ||k_t||^2 (the L2 norm's eps), which bounds a projected arm's "
+                "deviation by lam_max times it; min_strength_leaving_0_1: the smallest s at which some sample's e_t would leave (0, 1) "
                 "(unprojected arms only).", "", common.markdown_table(d[[c for c in cols1 if c in d]]), "",
                 "rho_t = q_t^T k_t; ||Sbar_t^T d_t|| with Sbar_t = D_t S_{t-1} from captured states (hook_state) and "
                 "d_t = P_perp_k(b * q); lam_rho_sbar_d_mean = mean of lam |rho| ||Sbar^T d||, the one-step output "
@@ -174,7 +180,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.readme_only:
         if not args.skip_train:
             print(train_arms.run(common.ARMS, [0, 1], p["steps"], root / "train", jobs=args.jobs,
-                                 smoke=args.profile == "smoke", peak_lr=p["lr"]).to_string(index=False))
+                                 smoke=args.profile == "smoke", peak_lr=p["lr"],
+                                 max_minutes=p["max_minutes"]).to_string(index=False))
         if not args.skip_eval:
             evaluate.run(root / "train", root / "eval", common.ARMS, [0, 1], p["n"], p["multipliers"],
                          common.STRENGTHS, ["full"], p["strength_multipliers"], p["diag_sequences"], p["diag_length"],

@@ -1,8 +1,10 @@
 """Trains every QED ablation arm (gdn2, full, nogate, nogate_noproj, rand, noproj) on the same seeds with one recipe:
-the same data stream, steps and schedule; only `erase_arm` differs. Training mix: next-token prediction on generated
-filler plus S-NIAH answer retrieval at one training length.
+the same initial weights, data stream, step budget and schedule; only `erase_arm` differs. Training mix: S-NIAH answer
+retrieval (weighted up) plus a floor of next-token loss on generated filler, with a staged curriculum over the
+haystack length (32 -> 64 -> 128 -> 256 tokens) that advances once the running training accuracy is >= 85%.
 
-Usage:  python experiments/qed/train_arms.py [--arms gdn2 full ...] [--seeds 0 1] [--steps N] [--jobs 2] [--smoke]
+Usage:  python experiments/qed/train_arms.py [--arms gdn2 full ...] [--seeds 0 1] [--steps N] [--max-minutes M]
+                                             [--jobs 2] [--smoke]
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from experiments.qed import common  # noqa: E402
-from experiments.train_tiny import learning_rate  # noqa: E402  (WSD schedule shared with the bundled models)
+from experiments.train_tiny import init_weights, should_advance, staged_learning_rate  # noqa: E402  (shared recipe)
 from interp.data import FillerSource, build_niah, build_word_tokenizer, save_word_tokenizer  # noqa: E402
 from interp.loading import save_model  # noqa: E402
 from interp.models import RecurrentLM  # noqa: E402
@@ -35,8 +37,14 @@ from interp.models import RecurrentLM  # noqa: E402
 DEFAULT_OUT = common.ROOT / "results" / "qed" / "train"
 FULL_STEPS = 1200
 SMOKE_STEPS = 4
-NIAH_ROWS, FILLER_ROWS = 6, 2          # rows per step, all of the training length
-PEAK_LR, GRAD_CLIP = 3e-3, 1.0
+# Staged curriculum: S-NIAH is learned first where it is cheap and easy (a 32-token haystack, a step ~10x cheaper than
+# at 256), then the haystack doubles each time the last ADVANCE_WINDOW steps of a stage average >= ADVANCE_ACCURACY
+# training accuracy over the 90 number candidates. The last stage is the training length.
+STAGE_LENGTHS = (32, 64, 128, common.TRAIN_LENGTH)
+ADVANCE_WINDOW, ADVANCE_ACCURACY = 20, 0.85
+NIAH_ROWS, FILLER_ROWS = 16, 2         # rows per step, all of the current stage's length
+NIAH_WEIGHT = 4.0                      # loss = filler LM loss (the floor) + NIAH_WEIGHT * answer cross-entropy
+PEAK_LR, WARMUP_STEPS, GRAD_CLIP = 1e-3, 20, 1.0   # linear warmup, then constant: the clock may end the run
 VAL_ROWS = 32                          # held-out filler rows for the validation loss
 DATA_SEED_OFFSET = 1_000_003           # S-NIAH training examples use seeds far from the evaluation seed
 
@@ -54,8 +62,9 @@ def training_batch(tokenizer, step: int, seed: int, length: int = common.TRAIN_L
             "candidate_ids": niah.candidate_ids, "answer_index": niah.answer_index}
 
 
-def batch_losses(model: RecurrentLM, batch: dict) -> dict:
-    """LM loss on the filler rows (every next token) plus S-NIAH answer cross-entropy (full vocabulary) at query_pos."""
+def batch_losses(model: RecurrentLM, batch: dict, niah_weight: float = 1.0) -> dict:
+    """LM loss on the filler rows (every next token) plus `niah_weight` x the S-NIAH answer cross-entropy (full
+    vocabulary) at query_pos; niah_acc is the argmax over the number candidates."""
     tokens, n = batch["tokens"], batch["n_niah"]
     logits = model(tokens)
     lm = common.lm_loss(logits[n:], tokens[n:])
@@ -63,7 +72,7 @@ def batch_losses(model: RecurrentLM, batch: dict) -> dict:
     niah = F.cross_entropy(at_query, batch["answer_ids"])
     with torch.no_grad():
         acc = (at_query[:, batch["candidate_ids"]].argmax(-1) == batch["answer_index"]).float().mean()
-    return {"loss": lm + niah, "lm_loss": lm, "niah_loss": niah, "niah_acc": acc}
+    return {"loss": lm + niah_weight * niah, "lm_loss": lm, "niah_loss": niah, "niah_acc": acc}
 
 
 @torch.no_grad()
@@ -81,35 +90,90 @@ def validation_loss(model: RecurrentLM, tokenizer, rows: int = VAL_ROWS, length:
     return total / count
 
 
+def stage_for_step(stage_index: int, stage_accuracies: list[float], stage_lengths: Sequence[int] = STAGE_LENGTHS,
+                   window: int = ADVANCE_WINDOW, threshold: float = ADVANCE_ACCURACY) -> tuple[int, bool]:
+    """The curriculum stage for the next step: (stage_index + 1, True) when a later stage exists and the current
+    stage's last `window` training accuracies average >= `threshold` (experiments/train_tiny.should_advance), else
+    (stage_index, False). `stage_accuracies` holds only the current stage's steps."""
+    if not 0 <= stage_index < len(stage_lengths):
+        raise ValueError(f"stage_index must lie in [0, {len(stage_lengths) - 1}] for stage_lengths={tuple(stage_lengths)};"
+                         f" received {stage_index}.")
+    if stage_index + 1 < len(stage_lengths) and should_advance(stage_accuracies, window, threshold):
+        return stage_index + 1, True
+    return stage_index, False
+
+
+def initial_model(arm: str, seed: int, tokenizer) -> RecurrentLM:
+    """The arm's model with the seed's shared initial weights: a gdn2 model is built and initialised
+    (experiments/train_tiny.init_weights: N(0, 0.02), residual writers / sqrt(2L), long-memory decays) under
+    torch.manual_seed(seed) and copied into the arm's model, so only the arm's own qed_theta (and rand's fixed z)
+    can differ between arms."""
+    torch.manual_seed(seed)
+    reference = RecurrentLM(common.model_config("gdn2", tokenizer))
+    init_weights(reference)
+    model = RecurrentLM(common.model_config(arm, tokenizer))
+    result = model.load_state_dict(reference.state_dict(), strict=False)
+    own = [k for k in result.missing_keys if not k.endswith(("qed_theta", "qed_z"))]
+    if own or result.unexpected_keys:
+        raise RuntimeError(f"arm {arm!r} does not share gdn2's parameters: missing {own}, "
+                           f"unexpected {result.unexpected_keys}")
+    return model
+
+
+def _parse_stage_lengths(stage_lengths: Sequence[int]) -> tuple[int, ...]:
+    lengths = tuple(int(x) for x in stage_lengths)
+    if not lengths or list(lengths) != sorted(lengths) or lengths[-1] != common.TRAIN_LENGTH:
+        raise ValueError(f"stage_lengths must be increasing and end at the training length {common.TRAIN_LENGTH}; "
+                         f"received {tuple(stage_lengths)}.")
+    return lengths
+
+
 def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smoke: bool = False,
-              command: Optional[str] = None, log_every: int = 50, peak_lr: float = PEAK_LR) -> dict:
-    """Trains one (arm, seed) into `out` (checkpoint, tokenizer, train_log.csv, summary.json); returns the summary."""
+              command: Optional[str] = None, log_every: int = 50, peak_lr: float = PEAK_LR,
+              max_minutes: Optional[float] = None, stage_lengths: Sequence[int] = STAGE_LENGTHS,
+              niah_rows: int = NIAH_ROWS, niah_weight: float = NIAH_WEIGHT) -> dict:
+    """Trains one (arm, seed) into `out` (checkpoint, tokenizer, train_log.csv, summary.json); returns the summary.
+
+    At most `steps` optimizer steps, fewer if `max_minutes` of wall-clock training run out first (recorded in
+    summary["stopped_by"]). The batch of a step is a pure function of (seed, step, stage length)."""
     common.check_arm(arm)
     if steps < 1:
         raise ValueError(f"steps must be >= 1; received {steps}.")
+    if max_minutes is not None and not max_minutes > 0:
+        raise ValueError(f"max_minutes must be > 0 (a wall-clock limit on training); received {max_minutes!r}.")
+    stage_lengths = _parse_stage_lengths(stage_lengths)
     torch.set_num_threads(int(threads))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     random.seed(seed)
     np.random.seed(seed)
-    torch.manual_seed(seed)  # the same seed gives every arm the same initial weights for the shared parameters
     tokenizer = build_word_tokenizer()
-    model = RecurrentLM(common.model_config(arm, tokenizer))
+    model = initial_model(arm, seed, tokenizer)
     model.set_backend("chunked")
     model.train()
     optimizer = torch.optim.AdamW(common.qed_param_groups(model, peak_lr), lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
-    columns = ["step", "loss", "lm_loss", "niah_loss", "niah_acc", "lr", "lam_mean", "reference_fallback", "skipped",
-               "seconds"]
+    columns = ["step", "stage", "length", "loss", "lm_loss", "niah_loss", "niah_acc", "lr", "lam_mean",
+               "reference_fallback", "skipped", "seconds"]
     history, skipped_steps, fallback_steps, t0 = [], [], 0, time.time()
+    stage, stage_accs, advances, stopped_by = 0, [], [], "steps"
     with open(out / "train_log.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=columns)
         writer.writeheader()
         for step in range(steps):
-            lr = learning_rate(step, steps, peak=peak_lr)
+            if max_minutes is not None and time.time() - t0 >= 60.0 * max_minutes:
+                stopped_by = "max_minutes"
+                break
+            stage, advanced = stage_for_step(stage, stage_accs, stage_lengths)
+            if advanced:
+                stage_accs = []
+                advances.append({"step": step, "stage": stage, "length": stage_lengths[stage],
+                                 "seconds": round(time.time() - t0, 1)})
+            length = stage_lengths[stage]
+            lr = staged_learning_rate(step, peak_lr, WARMUP_STEPS)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group["lr_scale"]
-            batch = training_batch(tokenizer, step, seed)
-            losses = batch_losses(model, batch)
+            batch = training_batch(tokenizer, step, seed, length=length, niah_rows=niah_rows)
+            losses = batch_losses(model, batch, niah_weight)
             if not torch.isfinite(losses["loss"]):
                 raise FloatingPointError(f"non-finite loss {float(losses['loss'])} at step {step} of {arm} seed {seed}")
             optimizer.zero_grad(set_to_none=True)
@@ -117,11 +181,11 @@ def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smok
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
             fallback = not bool(torch.isfinite(grad_norm))
             if fallback:
-                # The chunked backward overflows (NaN gradients, finite loss) once per-token log decays reach about
-                # -30; the reference step loop computes the same gradients stably, so this step is redone with it.
+                # Guard kept after the chunked backward's overflow fix (commit 9b677e4): a step with non-finite
+                # gradients is recomputed with the reference step loop and counted.
                 model.set_backend("reference")
                 optimizer.zero_grad(set_to_none=True)
-                losses = batch_losses(model, batch)
+                losses = batch_losses(model, batch, niah_weight)
                 losses["loss"].backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
                 model.set_backend("chunked")
@@ -138,29 +202,43 @@ def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smok
             else:
                 optimizer.step()
             lams = [x for v in common.qed_lambdas(model).values() if v for x in v]
-            row = {"step": step, **{k: round(float(v.detach()), 5) for k, v in losses.items()}, "lr": f"{lr:.3e}",
+            row = {"step": step, "stage": stage, "length": length,
+                   **{k: round(float(v.detach()), 5) for k, v in losses.items()}, "lr": f"{lr:.3e}",
                    "lam_mean": round(float(np.mean(lams)), 5) if lams else "", "reference_fallback": int(fallback),
                    "skipped": int(skipped), "seconds": round(time.time() - t0, 2)}
             writer.writerow(row)
             fh.flush()
             history.append(row)
-            if log_every and (step % log_every == 0 or step == steps - 1):
-                print(f"[{arm} s{seed}] step {step}/{steps} loss {row['loss']:.3f} niah_acc {row['niah_acc']:.2f} "
-                      f"{row['seconds']:.0f}s", flush=True)
+            stage_accs.append(row["niah_acc"])
+            if log_every and (step % log_every == 0 or step == steps - 1 or advanced):
+                print(f"[{arm} s{seed}] step {step}/{steps} len {length} loss {row['loss']:.3f} "
+                      f"niah_acc {row['niah_acc']:.2f} {row['seconds']:.0f}s", flush=True)
+    steps_done = len(history)
+    if steps_done == 0:
+        raise ValueError(f"max_minutes={max_minutes} left no time for a single training step; raise it.")
     train_seconds = time.time() - t0
     model.eval()
     model.tokenizer = tokenizer
-    tail = history[-max(1, min(20, steps)):]
+    tail = history[-min(20, steps_done):]
     final = {k: round(float(np.mean([r[k] for r in tail])), 4) for k in ("loss", "lm_loss", "niah_loss", "niah_acc")}
+    at_train_length = [r for r in history if r["length"] == common.TRAIN_LENGTH][-20:]
+    final["niah_acc_at_train_length"] = (round(float(np.mean([r["niah_acc"] for r in at_train_length])), 4)
+                                         if at_train_length else None)
     val = validation_loss(model, tokenizer, rows=4 if smoke else VAL_ROWS)
     n_params = sum(p.numel() for p in model.parameters())
-    summary = {"arm": arm, "seed": seed, "steps": steps, "smoke": smoke, "parameters": n_params,
+    summary = {"arm": arm, "seed": seed, "steps": steps_done, "max_steps": steps, "max_minutes": max_minutes,
+               "stopped_by": stopped_by, "smoke": smoke, "parameters": n_params,
                "qed_scalars": common.qed_scalar_count(model), "train_seconds": round(train_seconds, 1),
                "val_loss": round(val, 5), "final": final, "skipped_steps": skipped_steps,
                "reference_fallback_steps": fallback_steps, "lambda": common.qed_lambdas(model),
+               "curriculum": {"stage_lengths": list(stage_lengths), "stage_reached": stage,
+                              "length_reached": stage_lengths[stage], "advances": advances,
+                              "advance_rule": {"window": ADVANCE_WINDOW, "accuracy": ADVANCE_ACCURACY}},
                "command": command or "", "recipe": {
-                   "architecture": common.ARCHITECTURE, "train_length": common.TRAIN_LENGTH, "niah_rows": NIAH_ROWS,
-                   "filler_rows": FILLER_ROWS, "peak_lr": peak_lr, "schedule": "WSD (experiments/train_tiny.py)",
+                   "architecture": common.ARCHITECTURE, "init": "experiments/train_tiny.init_weights",
+                   "train_length": common.TRAIN_LENGTH, "stage_lengths": list(stage_lengths), "niah_rows": niah_rows,
+                   "filler_rows": FILLER_ROWS, "niah_weight": niah_weight, "peak_lr": peak_lr,
+                   "schedule": f"linear warmup {WARMUP_STEPS} steps, then constant",
                    "theta_lr_mult": common.THETA_LR_MULT, "weight_decay": common.WEIGHT_DECAY, "grad_clip": GRAD_CLIP,
                    "threads": threads}}
     save_model(model, out, extra_config={"recurscope": {k: summary[k] for k in ("arm", "seed", "steps", "smoke")}})
@@ -169,12 +247,14 @@ def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smok
     return summary
 
 
-def _done(out: Path, steps: int, peak_lr: float) -> bool:
+def _done(out: Path, steps: int, peak_lr: float, max_minutes: Optional[float] = None) -> bool:
+    """True when `out` holds a model trained with this step budget, time limit, lr and the staged recipe."""
     f = out / "summary.json"
     if not (f.is_file() and (out / "model.safetensors").is_file()):
         return False
     s = json.loads(f.read_text())
-    return s.get("steps") == steps and s["recipe"]["peak_lr"] == peak_lr
+    return (s.get("max_steps") == steps and s.get("max_minutes") == max_minutes
+            and s["recipe"]["peak_lr"] == peak_lr and s["recipe"].get("stage_lengths") == list(STAGE_LENGTHS))
 
 
 def summary_table(out_root: Path) -> pd.DataFrame:
@@ -183,10 +263,14 @@ def summary_table(out_root: Path) -> pd.DataFrame:
     for f in sorted(Path(out_root).glob("*/summary.json")):
         s = json.loads(f.read_text())
         lams = [x for v in s["lambda"].values() if v for x in v]
-        rows.append({"arm": s["arm"], "seed": s["seed"], "steps": s["steps"], "peak_lr": s["recipe"]["peak_lr"],
-                     "parameters": s["parameters"],
+        cur = s.get("curriculum", {})
+        adv = {a["length"]: a["step"] for a in cur.get("advances", [])}
+        rows.append({"arm": s["arm"], "seed": s["seed"], "steps": s["steps"], "stopped_by": s.get("stopped_by", ""),
+                     "peak_lr": s["recipe"]["peak_lr"], "parameters": s["parameters"],
                      "qed_scalars": s["qed_scalars"], "val_loss": s["val_loss"],
                      "final_train_loss": s["final"]["loss"], "final_niah_acc": s["final"]["niah_acc"],
+                     "length_reached": cur.get("length_reached", common.TRAIN_LENGTH),
+                     **{f"step_to_{L}": adv.get(L, float("nan")) for L in cur.get("stage_lengths", [])[1:]},
                      "lambda_mean": float(np.mean(lams)) if lams else float("nan"),
                      "lambda_min": min(lams) if lams else float("nan"), "lambda_max": max(lams) if lams else float("nan"),
                      "reference_fallback_steps": s.get("reference_fallback_steps", 0),
@@ -207,19 +291,22 @@ def write_summary(out_root: Path) -> pd.DataFrame:
 
 
 def run(arms: Sequence[str], seeds: Sequence[int], steps: int, out_root: Path, jobs: int = 1, threads: int = 1,
-        smoke: bool = False, force: bool = False, command: Optional[str] = None, peak_lr: float = PEAK_LR) -> pd.DataFrame:
-    """Trains every (arm, seed) not already trained with `steps` steps (unless `force`), `jobs` at a time."""
+        smoke: bool = False, force: bool = False, command: Optional[str] = None, peak_lr: float = PEAK_LR,
+        max_minutes: Optional[float] = None) -> pd.DataFrame:
+    """Trains every (arm, seed) not already trained with this budget (unless `force`), `jobs` at a time."""
     for a in arms:
         common.check_arm(a)
     out_root = Path(out_root)
-    todo = [(a, s) for s in seeds for a in arms if force or not _done(out_root / f"{a}-s{s}", steps, peak_lr)]
+    todo = [(a, s) for s in seeds for a in arms
+            if force or not _done(out_root / f"{a}-s{s}", steps, peak_lr, max_minutes)]
     if jobs <= 1 or len(todo) <= 1:
         for a, s in todo:
-            train_one(a, s, steps, out_root / f"{a}-s{s}", threads, smoke, command, peak_lr=peak_lr)
+            train_one(a, s, steps, out_root / f"{a}-s{s}", threads, smoke, command, peak_lr=peak_lr,
+                      max_minutes=max_minutes)
     else:
         with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-            futures = [pool.submit(train_one, a, s, steps, out_root / f"{a}-s{s}", threads, smoke, command, 50, peak_lr)
-                       for a, s in todo]
+            futures = [pool.submit(train_one, a, s, steps, out_root / f"{a}-s{s}", threads, smoke, command, 50, peak_lr,
+                                   max_minutes) for a, s in todo]
             for f in futures:
                 f.result()
     return write_summary(out_root)
@@ -229,7 +316,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arms", nargs="+", default=list(common.ARMS), choices=common.ARMS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {FULL_STEPS})")
+    parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps per model (default {FULL_STEPS})")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="wall-clock limit on each model's training (the same for every arm)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--jobs", type=int, default=1, help="models trained in parallel processes")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
@@ -240,7 +329,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     steps = args.steps if args.steps is not None else (SMOKE_STEPS if args.smoke else FULL_STEPS)
     command = "python experiments/qed/train_arms.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     frame = run(args.arms, args.seeds, steps, args.out, args.jobs, args.threads, args.smoke, args.force, command,
-                args.lr)
+                args.lr, args.max_minutes)
     print(frame.to_string(index=False))
     return 0
 
