@@ -1,8 +1,9 @@
 """How the bundled tiny checkpoints were made: small GLA / Gated DeltaNet / hybrid / GDN-2 / QED models trained on a CPU
 on filler next-token prediction plus the key-value recall task, then scored on held-out recall at K=4, F=512.
 
-Usage:  python experiments/train_tiny.py --model tiny-gla [--steps N] [--seed S] [--out DIR] [--threads T] [--smoke]
-        python experiments/train_tiny.py --model tiny-gdn --staged --max-minutes 40   # staged curriculum, time cap
+Usage:  python experiments/train_tiny.py --model tiny-gla [--max-minutes M] [--steps N] [--seed S] [--out DIR]
+                                          [--threads T] [--smoke]      # staged curriculum (the default)
+        python experiments/train_tiny.py --model tiny-gla --ramp       # the old scheduled ramp (500 steps)
         python experiments/train_tiny.py --model tiny-gdn --eval-only --out DIR   # re-score a saved checkpoint
 """
 from __future__ import annotations
@@ -92,9 +93,10 @@ STAGES: tuple[dict, ...] = (
          filler=(128, 512)),
 )
 ADVANCE_WINDOW, ADVANCE_ACCURACY = 20, 0.85   # advance when the last 20 steps of a stage average >= 85% recall
+PER_TEMPLATE_WINDOW = 8                        # --advance-per-template: each template's last 8 steps, too
 STAGED_LR, STAGED_WARMUP_STEPS = 1e-3, 20     # constant after warmup: the run length is set by the clock
 STAGED_RECALL_ROWS, STAGED_RECALL_WEIGHT = 16, 4.0
-STAGED_MAX_STEPS = 20_000                     # cap when neither --steps nor --max-minutes ends the run sooner
+STAGED_MAX_STEPS = 2_000                      # default step cap of a staged run (--steps / --max-minutes override)
 TRAIN_SOURCE_OFFSET = 10 ** 9            # train-split source ids used for the pure filler rows
 
 
@@ -268,6 +270,21 @@ def should_advance(stage_accuracies: list[float], window: int = ADVANCE_WINDOW,
     return float(np.mean(stage_accuracies[-window:])) >= threshold
 
 
+def should_advance_every_template(stage_records: list[tuple[str, float]], window: int = ADVANCE_WINDOW,
+                                  per_template_window: int = PER_TEMPLATE_WINDOW,
+                                  threshold: float = ADVANCE_ACCURACY) -> bool:
+    """should_advance on the stage's accuracies, and also every template seen in the stage has at least
+    `per_template_window` steps whose last `per_template_window` average >= `threshold` (so one format that lags,
+    hidden in the pooled mean, holds the stage back). `stage_records`: (template, accuracy) per step of the stage."""
+    if not should_advance([acc for _, acc in stage_records], window, threshold):
+        return False
+    by_template: dict[str, list[float]] = {}
+    for template, acc in stage_records:
+        by_template.setdefault(template, []).append(acc)
+    return all(len(accs) >= per_template_window and float(np.mean(accs[-per_template_window:])) >= threshold
+               for accs in by_template.values())
+
+
 def staged_learning_rate(step: int, peak: float = STAGED_LR, warmup: int = STAGED_WARMUP_STEPS) -> float:
     """Linear warmup over `warmup` steps, then constant (the staged run's length is not known in advance)."""
     return peak * min(1.0, (step + 1) / max(1, warmup))
@@ -361,13 +378,17 @@ def _summary_markdown(name: str, summary: dict) -> str:
 def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[Path] = None, smoke: bool = False,
           threads: Optional[int] = None, progress: bool = True, command: Optional[str] = None,
           gated: bool = False, peak_lr: Optional[float] = None, recall_rows: Optional[int] = None,
-          staged: bool = False, max_minutes: Optional[float] = None) -> tuple[RecurrentLM, dict]:
+          staged: Optional[bool] = None, max_minutes: Optional[float] = None,
+          advance_per_template: bool = False) -> tuple[RecurrentLM, dict]:
     """Trains `name`, saves it with its tokenizer, log and evaluation into `out`; returns (model, summary).
 
     gated=True: the curriculum only advances while the training recall accuracy (mean of the last GATE_WINDOW steps)
     is at least GATE_ACCURACY, so the model first learns recall on short sequences; the scheduled ramp stays a cap.
-    staged=True: the STAGES curriculum (see should_advance); the weights at each advance are saved under
-    out/stages/<k>-<name>/ so a run cut short keeps the furthest stage reached.
+    staged=True (the default unless gated): the STAGES curriculum (see should_advance); the weights at each advance
+    are saved under out/stages/<k>-<name>/ so a run cut short keeps the furthest stage reached. staged=False without
+    gated: the original scheduled ramp (the recipe of the first bundled checkpoints).
+    advance_per_template: a staged advance also needs every template of the stage to pass on its own
+    (should_advance_every_template).
     max_minutes: training stops cleanly at the first step that would start after this wall-clock time; the model is
     then evaluated and saved as usual.
     """
@@ -377,6 +398,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
         raise ValueError(f"model must be one of {sorted(ARCHITECTURES)}; received {name!r}.")
     if gated and staged:
         raise ValueError("gated and staged are two different curricula; pass at most one of them.")
+    staged = (not gated) if staged is None else bool(staged)
     if max_minutes is not None and not max_minutes > 0:
         raise ValueError(f"max_minutes must be > 0 (a wall-clock limit on training); received {max_minutes!r}.")
     if steps is None:
@@ -425,7 +447,9 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
             for group in optimizer.param_groups:
                 group["lr"] = lr * group["lr_scale"]
             if staged:
-                if stage_index + 1 < len(STAGES) and should_advance(stage_accs):
+                ready = (should_advance_every_template(stage_accs) if advance_per_template
+                         else should_advance([acc for _, acc in stage_accs]))
+                if stage_index + 1 < len(STAGES) and ready:
                     _save_stage_snapshot(model, tokenizer, out, stage_index, step)
                     stage_index, stage_accs = stage_index + 1, []
                     advances.append({"step": step, "stage": stage_index, "name": STAGES[stage_index]["name"],
@@ -460,7 +484,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
                    "seconds": round(time.time() - t0, 2)}
             if staged:
                 row["stage"] = stage_index
-                stage_accs.append(row["recall_acc"])
+                stage_accs.append((row["template"], row["recall_acc"]))
             writer.writerow(row)
             fh.flush()
             history.append(row)
@@ -489,7 +513,9 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
                                  "stage_reached_name": STAGES[stage_index]["name"], "advances": advances,
                                  "stages": [{k: (v if v is not ALL else "all") for k, v in st.items()}
                                             for st in STAGES],
-                                 "advance_rule": {"window": ADVANCE_WINDOW, "accuracy": ADVANCE_ACCURACY}}
+                                 "advance_rule": {"window": ADVANCE_WINDOW, "accuracy": ADVANCE_ACCURACY,
+                                                  "per_template_window": PER_TEMPLATE_WINDOW
+                                                  if advance_per_template else None}}
         summary["training"] = {"batch_recall_rows": recall_rows, "batch_filler_rows": BATCH_FILLER,
                                "recall_weight": recall_weight, "init_std": INIT_STD, "peak_lr": peak_lr,
                                "recall_rows": recall_rows, "schedule": f"linear warmup {STAGED_WARMUP_STEPS} steps, "
@@ -505,7 +531,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
             "init_std": INIT_STD, "peak_lr": peak_lr, "recall_rows": recall_rows, "gated_curriculum": gated,
             "gate": [GATE_WINDOW, GATE_ACCURACY, GATE_LEVELS, EASY_STAGE] if gated else None, "schedule": "WSD",
             "warmup": WARMUP_FRACTION, "decay": DECAY_FRACTION, "weight_decay": WEIGHT_DECAY, "grad_clip": GRAD_CLIP,
-            "qed_theta_lr_multiplier": QED_LR_MULTIPLIER, "split": "train"}
+            "qed_theta_lr_multiplier": QED_LR_MULTIPLIER, "split": "train", "recall_weight": recall_weight}
     meta = {k: summary[k] for k in ("model", "command", "seed", "steps", "train_seconds", "parameters", "smoke")}
     meta["clean_recall_k4_f512"] = ev["overall"]["accuracy"]
     if staged:
@@ -538,14 +564,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     parser.add_argument("--gated", action="store_true", help="advance the curriculum only once recall is learned")
     parser.add_argument("--staged", action="store_true",
-                        help="staged curriculum (STAGES): widen one axis at a time once training recall >= 85%%")
+                        help="staged curriculum (STAGES; the default): widen one axis at a time once training "
+                             "recall >= 85%%")
+    parser.add_argument("--ramp", action="store_true",
+                        help="the original scheduled filler ramp (500 steps, lr 3e-3) instead of the staged curriculum")
+    parser.add_argument("--advance-per-template", action="store_true",
+                        help="staged: advance only when every template of the stage also passes on its own")
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="stop training after this many wall-clock minutes, then evaluate and save")
     parser.add_argument("--lr", type=float, default=None,
-                        help=f"peak learning rate (default {PEAK_LR}, or {STAGED_LR} with --staged)")
+                        help=f"peak learning rate (default {STAGED_LR}; {PEAK_LR} with --ramp/--gated)")
     parser.add_argument("--recall-rows", type=int, default=None,
-                        help=f"recall rows per step (default {BATCH_RECALL}, or {STAGED_RECALL_ROWS} with --staged)")
+                        help=f"recall rows per step (default {STAGED_RECALL_ROWS}; {BATCH_RECALL} with --ramp/--gated)")
     args = parser.parse_args(argv)
+    if sum([args.staged, args.ramp, args.gated]) > 1:
+        parser.error("--staged, --ramp and --gated are alternative curricula; pass at most one.")
+    staged = not (args.ramp or args.gated)
     names = sorted(ARCHITECTURES) if args.model == "all" else [args.model]
     command = "python experiments/train_tiny.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     for name in names:
@@ -555,7 +589,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             out = args.out / name if len(names) > 1 else args.out
         _, summary = train(name, steps=args.steps, seed=args.seed, out=out, smoke=args.smoke, threads=args.threads,
                            progress=not args.no_progress, command=command, gated=args.gated, peak_lr=args.lr,
-                           recall_rows=args.recall_rows, staged=args.staged, max_minutes=args.max_minutes)
+                           recall_rows=args.recall_rows, staged=staged, max_minutes=args.max_minutes,
+                           advance_per_template=args.advance_per_template)
         o = summary["eval"]["overall"]
         print(f"{name}: clean recall {100 * o['accuracy']:.1f}% [{100 * o['ci_low']:.1f}, {100 * o['ci_high']:.1f}] "
               f"after {summary['steps']} steps, {summary['train_seconds']:.0f} s; saved to {out}")

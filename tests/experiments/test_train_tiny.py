@@ -41,8 +41,11 @@ def test_smoke_run_writes_every_file_with_finite_losses(smoke_run, train_tiny):
     for r in rows:
         for key in ("loss", "lm_loss", "recall_loss", "lr", "seconds"):
             assert math.isfinite(float(r[key])), (key, r)
-        assert abs(float(r["loss"]) - float(r["lm_loss"]) - float(r["recall_loss"])) < 1e-3
     written = json.loads((out / "eval_summary.json").read_text())
+    weight = written["training"]["recall_weight"]
+    assert weight == train_tiny.STAGED_RECALL_WEIGHT  # the staged curriculum is the default
+    for r in rows:
+        assert abs(float(r["loss"]) - float(r["lm_loss"]) - weight * float(r["recall_loss"])) < 1e-3
     assert written["steps"] == train_tiny.SMOKE_STEPS and written["smoke"] is True
     assert written["parameters"] == sum(p.numel() for p in model.parameters())
     assert set(written["eval"]["per_template"]) == set(train_tiny.TEMPLATES)
@@ -153,6 +156,19 @@ def test_unknown_model_name_is_a_value_error(train_tiny, tmp_path):
         train_tiny.train("tiny-gla", steps=0, smoke=True, out=tmp_path, progress=False)
 
 
+def test_ramp_recipe_still_runs_with_its_old_loss(train_tiny, tmp_path):
+    assert train_tiny.main(["--model", "tiny-gdn2", "--smoke", "--ramp", "--out", str(tmp_path), "--no-progress",
+                            "--threads", "1"]) == 0
+    summary = json.loads((tmp_path / "eval_summary.json").read_text())
+    assert "curriculum" not in summary and summary["training"]["peak_lr"] == train_tiny.PEAK_LR
+    rows = list(csv.DictReader(open(tmp_path / "train_log.csv")))
+    assert "stage" not in rows[0]
+    for r in rows:  # the ramp recipe weighs LM and recall loss equally
+        assert abs(float(r["loss"]) - float(r["lm_loss"]) - float(r["recall_loss"])) < 1e-3
+    with pytest.raises(SystemExit):
+        train_tiny.main(["--model", "tiny-gdn2", "--smoke", "--ramp", "--gated", "--out", str(tmp_path)])
+
+
 def test_cli_gated_smoke_run_trains_qed_and_records_options(train_tiny, tmp_path):
     assert train_tiny.main(["--model", "tiny-qed", "--smoke", "--gated", "--lr", "1e-3", "--recall-rows", "3",
                             "--out", str(tmp_path), "--no-progress", "--threads", "1"]) == 0
@@ -259,3 +275,24 @@ def test_staged_run_saves_a_loadable_snapshot_at_each_advance(train_tiny, tmp_pa
         loaded = load_model(snap)
         assert json.loads((snap / "config.json").read_text())["recurscope"]["stage_passed"] == k
         assert loaded.cfg.use_short_conv  # the tiny GLA uses the short convolution
+
+
+def test_per_template_advance_holds_back_a_lagging_template(train_tiny):
+    window, per = train_tiny.ADVANCE_WINDOW, train_tiny.PER_TEMPLATE_WINDOW
+    # Four templates at 100% and one at 40%, interleaved: the pooled mean (88%) passes the plain rule...
+    names = ["is_in", "colon", "likes", "value_of", "belongs"]
+    records = [(names[i % 5], 0.4 if names[i % 5] == "belongs" else 1.0) for i in range(5 * per)]
+    accs = [a for _, a in records]
+    assert sum(accs[-window:]) / window >= train_tiny.ADVANCE_ACCURACY
+    assert train_tiny.should_advance(accs)
+    # ...but not the per-template rule, until the lagging template's own last `per` steps pass.
+    assert not train_tiny.should_advance_every_template(records)
+    # Append perfect "belongs" steps: it passes at the first count k where its own last `per` steps average
+    # ((per - k) * 0.4 + k) / per reaches the threshold (computed independently here).
+    first_k = next(k for k in range(per + 1) if ((per - k) * 0.4 + k) / per >= train_tiny.ADVANCE_ACCURACY)
+    assert 0 < first_k < per
+    got = next(k for k in range(per + 1)
+               if train_tiny.should_advance_every_template(records + [("belongs", 1.0)] * k))
+    assert got == first_k
+    # A template with fewer than `per` steps in the stage cannot have passed yet.
+    assert not train_tiny.should_advance_every_template([("is_in", 1.0)] * window + [("colon", 1.0)] * (per - 1))
