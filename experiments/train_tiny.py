@@ -93,6 +93,7 @@ STAGES: tuple[dict, ...] = (
          filler=(128, 512)),
 )
 ADVANCE_WINDOW, ADVANCE_ACCURACY = 20, 0.85   # advance when the last 20 steps of a stage average >= 85% recall
+FOCUS_FRACTION = 0.5                           # --focus-template: share of batches of that template
 PER_TEMPLATE_WINDOW = 8                        # --advance-per-template: each template's last 8 steps, too
 STAGED_LR, STAGED_WARMUP_STEPS = 1e-3, 20     # constant after warmup: the run length is set by the clock
 STAGED_RECALL_ROWS, STAGED_RECALL_WEIGHT = 16, 4.0
@@ -219,10 +220,17 @@ def make_batch(tokenizer, rng: random.Random, step: int, filler_tokens: int, max
 
 
 def make_stage_batch(tokenizer, rng: random.Random, step: int, stage: dict, n_recall: int = STAGED_RECALL_ROWS,
-                     n_filler: int = BATCH_FILLER, seed: int = 0) -> dict:
+                     n_filler: int = BATCH_FILLER, seed: int = 0, focus_template: Optional[str] = None) -> dict:
     """One training batch drawn from a STAGES entry: template, vocabulary, fact count, presentations, gap and filler
-    length sampled from the stage's choices and ranges; plus `n_filler` plain filler rows (the LM-loss floor)."""
-    template = rng.choice(sorted(TEMPLATES) if stage["templates"] is ALL else stage["templates"])
+    length sampled from the stage's choices and ranges; plus `n_filler` plain filler rows (the LM-loss floor).
+    focus_template: in a stage with every template, this one is drawn with probability FOCUS_FRACTION."""
+    templates = sorted(TEMPLATES) if stage["templates"] is ALL else stage["templates"]
+    if focus_template is not None and focus_template not in TEMPLATES:
+        raise ValueError(f"focus_template must be one of {sorted(TEMPLATES)}; received {focus_template!r}.")
+    if focus_template is not None and focus_template in templates and rng.random() < FOCUS_FRACTION:
+        template = focus_template
+    else:
+        template = rng.choice(templates)
     vocab = rng.choice(sorted(VALUE_VOCABS) if stage["vocabs"] is ALL else stage["vocabs"])
     n_facts = rng.choice(stage["facts"])
     presentations = rng.choice(stage["presentations"])
@@ -379,7 +387,8 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
           threads: Optional[int] = None, progress: bool = True, command: Optional[str] = None,
           gated: bool = False, peak_lr: Optional[float] = None, recall_rows: Optional[int] = None,
           staged: Optional[bool] = None, max_minutes: Optional[float] = None,
-          advance_per_template: bool = False) -> tuple[RecurrentLM, dict]:
+          advance_per_template: bool = False, init_from: Optional[Path] = None, start_stage: int = 0,
+          focus_template: Optional[str] = None) -> tuple[RecurrentLM, dict]:
     """Trains `name`, saves it with its tokenizer, log and evaluation into `out`; returns (model, summary).
 
     gated=True: the curriculum only advances while the training recall accuracy (mean of the last GATE_WINDOW steps)
@@ -389,6 +398,8 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     gated: the original scheduled ramp (the recipe of the first bundled checkpoints).
     advance_per_template: a staged advance also needs every template of the stage to pass on its own
     (should_advance_every_template).
+    init_from: a checkpoint directory (e.g. a stage snapshot) whose weights replace the fresh init; start_stage: the
+    STAGES index to begin at; focus_template: draw this template in FOCUS_FRACTION of the all-template batches.
     max_minutes: training stops cleanly at the first step that would start after this wall-clock time; the model is
     then evaluated and saved as usual.
     """
@@ -421,13 +432,22 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     tokenizer = build_word_tokenizer()
     model = RecurrentLM(model_config(name, tokenizer))
     init_weights(model)
+    if init_from is not None:
+        from interp.loading import load_model
+        start = load_model(init_from)
+        if start.cfg.to_dict() != model.cfg.to_dict():
+            raise ValueError(f"init_from {init_from} holds a different architecture than {name}; pass a checkpoint "
+                             f"of {name} (e.g. one of its stage snapshots).")
+        model.load_state_dict(start.state_dict())
+    if not 0 <= start_stage < len(STAGES):
+        raise ValueError(f"start_stage must be in [0, {len(STAGES) - 1}]; received {start_stage}.")
     model.set_backend("chunked")
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(param_groups(model, peak_lr), lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
     level, since_level = 0.0, 0
     filler_end = 64 if smoke else FILLER_END
-    stage_index, stage_accs, advances = 0, [], []
+    stage_index, stage_accs, advances = start_stage, [], []
 
     log_path = out / "train_log.csv"
     columns = ["step", "loss", "lm_loss", "recall_loss", "recall_acc", "filler_len", "gap", "seq_len", "template",
@@ -455,7 +475,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
                     advances.append({"step": step, "stage": stage_index, "name": STAGES[stage_index]["name"],
                                      "seconds": round(time.time() - t0, 1)})
                 batch = make_stage_batch(tokenizer, data_rng, step, STAGES[stage_index], n_recall=recall_rows,
-                                         seed=seed)
+                                         seed=seed, focus_template=focus_template)
                 filler_len = batch["filler_tokens"]
             else:
                 if gated:
@@ -515,7 +535,10 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
                                             for st in STAGES],
                                  "advance_rule": {"window": ADVANCE_WINDOW, "accuracy": ADVANCE_ACCURACY,
                                                   "per_template_window": PER_TEMPLATE_WINDOW
-                                                  if advance_per_template else None}}
+                                                  if advance_per_template else None},
+                                 "init_from": None if init_from is None else str(init_from),
+                                 "start_stage": start_stage, "focus_template": focus_template,
+                                 "focus_fraction": FOCUS_FRACTION if focus_template else None}
         summary["training"] = {"batch_recall_rows": recall_rows, "batch_filler_rows": BATCH_FILLER,
                                "recall_weight": recall_weight, "init_std": INIT_STD, "peak_lr": peak_lr,
                                "recall_rows": recall_rows, "schedule": f"linear warmup {STAGED_WARMUP_STEPS} steps, "
@@ -570,6 +593,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="the original scheduled filler ramp (500 steps, lr 3e-3) instead of the staged curriculum")
     parser.add_argument("--advance-per-template", action="store_true",
                         help="staged: advance only when every template of the stage also passes on its own")
+    parser.add_argument("--init-from", type=Path, default=None, help="start from this checkpoint's weights")
+    parser.add_argument("--start-stage", type=int, default=0, help="staged: the STAGES index to begin at")
+    parser.add_argument("--focus-template", default=None, choices=sorted(TEMPLATES),
+                        help="staged: draw this template in half of the all-template batches")
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="stop training after this many wall-clock minutes, then evaluate and save")
     parser.add_argument("--lr", type=float, default=None,
@@ -590,7 +617,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         _, summary = train(name, steps=args.steps, seed=args.seed, out=out, smoke=args.smoke, threads=args.threads,
                            progress=not args.no_progress, command=command, gated=args.gated, peak_lr=args.lr,
                            recall_rows=args.recall_rows, staged=staged, max_minutes=args.max_minutes,
-                           advance_per_template=args.advance_per_template)
+                           advance_per_template=args.advance_per_template, init_from=args.init_from,
+                           start_stage=args.start_stage, focus_template=args.focus_template)
         o = summary["eval"]["overall"]
         print(f"{name}: clean recall {100 * o['accuracy']:.1f}% [{100 * o['ci_low']:.1f}, {100 * o['ci_high']:.1f}] "
               f"after {summary['steps']} steps, {summary['train_seconds']:.0f} s; saved to {out}")

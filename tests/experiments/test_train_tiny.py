@@ -296,3 +296,36 @@ def test_per_template_advance_holds_back_a_lagging_template(train_tiny):
     assert got == first_k
     # A template with fewer than `per` steps in the stage cannot have passed yet.
     assert not train_tiny.should_advance_every_template([("is_in", 1.0)] * window + [("colon", 1.0)] * (per - 1))
+
+
+def test_focus_template_share_and_init_from_start_stage(train_tiny, smoke_run, tmp_path):
+    import random
+    tokenizer = train_tiny.build_word_tokenizer()
+    stage = train_tiny.STAGES[3]  # every template, short filler
+    rng = random.Random(5)
+    n = 100
+    picks = [train_tiny.make_stage_batch(tokenizer, rng, s, stage, n_recall=1, n_filler=0,
+                                         focus_template="belongs")["template"] for s in range(n)]
+    expected = train_tiny.FOCUS_FRACTION + (1 - train_tiny.FOCUS_FRACTION) / len(train_tiny.TEMPLATES)
+    sd = math.sqrt(expected * (1 - expected) / n)
+    assert abs(picks.count("belongs") / n - expected) < 3 * sd
+    with pytest.raises(ValueError, match="focus_template"):
+        train_tiny.make_stage_batch(tokenizer, rng, 0, stage, focus_template="nope")
+    # Continue the tiny-gdn smoke checkpoint at stage 5: every logged step is at stage 5, and the run starts from
+    # those weights (its first-step LM loss equals the checkpoint's loss on the same batch, computed here).
+    out, _, _ = smoke_run
+    _, summary = train_tiny.train("tiny-gdn", smoke=True, init_from=out, start_stage=5, out=tmp_path,
+                                  progress=False, threads=1)
+    rows = list(csv.DictReader(open(tmp_path / "train_log.csv")))
+    assert all(int(r["stage"]) == 5 for r in rows) and summary["curriculum"]["start_stage"] == 5
+    data_rng = random.Random("train-tiny/tiny-gdn/0")
+    batch = train_tiny.make_stage_batch(tokenizer, data_rng, 0, train_tiny.STAGES[5], seed=0)
+    start = load_model(out)
+    start.set_backend("chunked")
+    with torch.no_grad():
+        lm = float(train_tiny.batch_losses(start, batch)["lm_loss"])
+    assert lm == pytest.approx(float(rows[0]["lm_loss"]), abs=1e-3)
+    with pytest.raises(ValueError, match="different architecture"):
+        train_tiny.train("tiny-gla", smoke=True, init_from=out, out=tmp_path, progress=False)
+    with pytest.raises(ValueError, match="start_stage"):
+        train_tiny.train("tiny-gdn", smoke=True, start_stage=len(train_tiny.STAGES), out=tmp_path, progress=False)
