@@ -126,7 +126,7 @@ def cmd_scan(args):
 def cmd_confirm(args):
     import pandas as pd
 
-    from interp.confirm import heads_from_scan, run_confirm
+    from interp.confirm import ARMS, heads_from_scan, run_confirm
     from interp.plots import plot_intervention_effects
     from interp.results import RunDir
 
@@ -137,7 +137,7 @@ def cmd_confirm(args):
     run = RunDir.create_or_open(args.out, kind="confirm", model_name=args.model, checkpoint_path=model.checkpoint_dir,
                                 args={**_work_args(args, PAIR_KEYS), "heads": heads, "from_scan": str(args.from_scan)},
                                 seeds=[args.seed], sources=sorted(set(pairs.source_id.tolist())), split=args.sources)
-    bar = tqdm(total=7, desc="confirm: interventions", unit="arm")
+    bar = tqdm(total=len(ARMS), desc="confirm: interventions", unit="arm")
     result = run_confirm(model, pairs, heads, run_dir=run, scan_heads=scan_heads, seed=args.seed,
                          batch_size=args.batch_size, progress=lambda arm: (bar.set_postfix_str(arm), bar.update(1)))
     bar.close()

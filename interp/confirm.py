@@ -3,7 +3,9 @@ all five interventions plus both controls run on them; per-source rows, bootstra
 
 Protocol of "How Linear Attention Remembers", sections 2.2-3.2: write_block, donor_write, state_swap, output_patch,
 output_restore; controls: an equal-norm random update (standing in for the state swap) and the state swap on a
-control head chosen by the documented rule in `interventions.choose_control_heads`.
+control head chosen by the documented rule in `interventions.choose_control_heads`. Two restore variants:
+`output_restore` restores every readout of the swapped heads after the boundary (exactly the clean run, by
+construction) and `output_restore_last` only the readout at the answer position.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from interp.metrics import example_metrics, summarise_metrics
 
 CONFIRM_TABLE = "confirm_rows"
 CONFIRM_KEY = ("intervention", "row")
-ARMS = ("write_block", "donor_write", "state_swap", "output_patch", "output_restore", "random_update", "control_head")
+ARMS = ("write_block", "donor_write", "state_swap", "output_patch", "output_restore", "output_restore_last",
+        "random_update", "control_head")
 
 
 @dataclass
@@ -73,6 +76,13 @@ def run_confirm(model, pairs, heads: Sequence, run_dir=None, *, scan_heads: Opti
             result = iv.random_update(model, pairs, heads, kind="state_swap", seed=seed, batch_size=batch_size)
         elif arm == "control_head":
             result = iv.control_head(model, pairs, heads, "state_swap", scan=scan_heads, batch_size=batch_size)
+        elif arm == "output_restore_last":
+            # Restores only the readout at the answer position. Restoring every readout after the swap
+            # ("output_restore") gives the clean run by construction, since a head's state reaches the rest of the
+            # network only through its readouts; with a multi-token query this variant can leak through readouts at
+            # earlier query tokens, which is what it measures.
+            result = iv.output_restore(model, pairs, heads, positions="last", batch_size=batch_size)
+            result.name = arm
         else:
             result = getattr(iv, arm)(model, pairs, heads, batch_size=batch_size)
         frame = example_metrics(pairs, result, intervention=arm)

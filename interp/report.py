@@ -11,6 +11,7 @@ import pandas as pd
 LABELS = {
     "write_block": "write block", "donor_write": "donor write", "state_swap": "state swap",
     "output_patch": "output patch", "output_restore": "output restore (after state swap)",
+    "output_restore_last": "output restore, answer position only",
     "random_update": "equal-norm random update", "control_head": "control head (state swap)",
 }
 
@@ -90,10 +91,22 @@ def _reading(summary: pd.DataFrame) -> list[str]:
         else:
             out.append(f"- The state swap's donor-margin shift ({swap[0]:+.2f} [{swap[1]:+.2f}, {swap[2]:+.2f}]) is not "
                        "reliably positive here: this head does not carry the fact on these sources (unlike the paper).")
+    last = _est(summary, "output_restore_last", "donor_margin_shift")
+    if swap and last and swap[0] > 0:
+        out.append(f"- Restoring only the answer position's readout leaves {last[0]:+.2f} [{last[1]:+.2f}, {last[2]:+.2f}] "
+                   f"({100 * last[0] / swap[0]:.0f}% of the swap's shift): what reaches the answer through the head's "
+                   "readouts at earlier query tokens.")
     for arm in ("random_update", "control_head"):
         e = _est(summary, arm, "donor_margin_shift")
         if e:
-            near = e[1] <= 0 <= e[2] or abs(e[0]) < 0.1
-            out.append(f"- {LABELS[arm].capitalize()}: {e[0]:+.2f} [{e[1]:+.2f}, {e[2]:+.2f}] — "
-                       + ("near zero, as a control should be." if near else "NOT near zero: read the main effects with care."))
+            frac = f" ({100 * e[0] / swap[0]:.0f}% of the state swap's shift)" if swap and swap[0] > 0 else ""
+            if e[1] <= 0 <= e[2] or abs(e[0]) < 0.1:
+                verdict = "near zero, as a control should be."
+            elif swap and swap[0] > 0 and abs(e[0]) < 0.1 * swap[0]:
+                verdict = "small but its interval excludes zero."
+            else:
+                verdict = "NOT near zero: read the main effects with care."
+            answer = _est(summary, arm, "donor_answer")
+            tail = f" Donor-answer rate {100 * answer[0]:.1f}%." if answer else ""
+            out.append(f"- {LABELS[arm].capitalize()}: {e[0]:+.2f} [{e[1]:+.2f}, {e[2]:+.2f}]{frac} — {verdict}{tail}")
     return out
