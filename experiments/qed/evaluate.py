@@ -324,8 +324,15 @@ def run(train_root: Path, out: Path, arms: Sequence[str], seeds: Sequence[int], 
             "val_rows": val_rows, "eval_seed": EVAL_SEED}
     rd = RunDir.create_or_open(out, kind="qed-evaluate", model_name="qed-arms", args=args, seeds=list(seeds),
                                extra={"jobs": jobs, "threads": threads})
+    trained = [(a, s) for s in seeds for a in arms if (Path(train_root) / f"{a}-s{s}" / "model.safetensors").is_file()]
+    missing = [f"{a}-s{s}" for s in seeds for a in arms if (a, s) not in trained]
+    if not trained:
+        raise ValueError(f"no trained model under {train_root} for arms {list(arms)} and seeds {list(seeds)}; "
+                         "run experiments/qed/train_arms.py first.")
+    if missing:  # a partial run (e.g. cut by a deadline) is evaluated on what exists; the tables say which
+        print(f"evaluate: no checkpoint for {missing}; evaluating the other {len(trained)} models", flush=True)
     jobs_args = [(str(train_root), a, s, lengths, n, list(strengths) if a in strength_arms else [], strength_lengths,
-                  diag_sequences, diag_length, matrix_samples, val_rows, threads) for s in seeds for a in arms]
+                  diag_sequences, diag_length, matrix_samples, val_rows, threads) for a, s in trained]
     if jobs <= 1:
         results = [evaluate_model(*ja) for ja in jobs_args]
     else:
