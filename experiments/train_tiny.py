@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from interp.data import TEMPLATES, VALUE_VOCABS, FillerSource, build_pairs, build_word_tokenizer, save_word_tokenizer
 from interp.data import sources as filler_sources
 from interp.loading import CHECKPOINT_DIR, save_model
+from interp.models.optim import param_groups as shared_param_groups
 from interp.models import ModelConfig, RecurrentLM
 from interp.stats import source_bootstrap_ci
 
@@ -185,22 +186,7 @@ def param_groups(model: torch.nn.Module, lr: float, weight_decay: float = WEIGHT
 
     Each group keeps its multiplier in "lr_scale" so a schedule can set lr = schedule * lr_scale.
     """
-    decay, no_decay, theta = [], [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if name.endswith("qed_theta"):
-            theta.append(p)
-        elif p.dim() >= 2 and not name.startswith("embed."):
-            decay.append(p)
-        else:
-            no_decay.append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "lr": lr, "lr_scale": 1.0, "name": "decay"},
-              {"params": no_decay, "weight_decay": 0.0, "lr": lr, "lr_scale": 1.0, "name": "no_decay"}]
-    if theta:
-        groups.append({"params": theta, "weight_decay": 0.0, "lr": lr * qed_lr_multiplier,
-                       "lr_scale": qed_lr_multiplier, "name": "qed_theta"})
-    return [g for g in groups if g["params"]]
+    return shared_param_groups(model, lr, weight_decay=weight_decay, theta_lr_mult=qed_lr_multiplier)
 
 
 def make_batch(tokenizer, rng: random.Random, step: int, filler_tokens: int, max_gap: int = GAP_RANGE[1],

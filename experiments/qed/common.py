@@ -16,6 +16,7 @@ if str(ROOT) not in sys.path:  # so the scripts run as `python experiments/qed/x
 import kernels  # noqa: E402
 from interp.models import ModelConfig, RecurrentLM  # noqa: E402
 from interp.models.mixers import GatedDeltaNet2Mixer, _split_heads  # noqa: E402
+from interp.models.optim import param_groups  # noqa: E402
 
 #: Every arm, baseline first. "noproj" (gate without projection) is the arm the paper never ran.
 ARMS = ("gdn2", "full", "nogate", "nogate_noproj", "rand", "noproj")
@@ -52,25 +53,7 @@ def qed_param_groups(model: torch.nn.Module, lr: float, theta_lr_mult: float = T
     """AdamW groups: weight decay on matrices (not embeddings), none on vectors, and every `qed_theta` in its own
     group at `theta_lr_mult` x `lr` without decay. Each group keeps its multiplier in "lr_scale" so a schedule sets
     group["lr"] = schedule(step) * group["lr_scale"]."""
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0; received {lr!r}.")
-    if not theta_lr_mult > 0:
-        raise ValueError(f"theta_lr_mult must be > 0 (10 in the QED paper); received {theta_lr_mult!r}.")
-    decay, no_decay, theta = [], [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if name.endswith("qed_theta"):
-            theta.append(p)
-        elif p.dim() >= 2 and not name.startswith("embed."):
-            decay.append(p)
-        else:
-            no_decay.append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "lr": lr, "lr_scale": 1.0, "name": "decay"},
-              {"params": no_decay, "weight_decay": 0.0, "lr": lr, "lr_scale": 1.0, "name": "no_decay"},
-              {"params": theta, "weight_decay": 0.0, "lr": lr * theta_lr_mult, "lr_scale": float(theta_lr_mult),
-               "name": "qed_theta"}]
-    return [g for g in groups if g["params"]]
+    return param_groups(model, lr, weight_decay=weight_decay, theta_lr_mult=theta_lr_mult)
 
 
 def qed_mixers(model: RecurrentLM) -> list[tuple[int, GatedDeltaNet2Mixer]]:
