@@ -16,15 +16,6 @@ from interp.data import build_multifact_pairs, build_pairs, build_word_tokenizer
 ATOL = 2e-5   # float32 rounding of a 2-4 layer model; rows in different batch positions differ by ~1e-7
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny tensors: on a shared, loaded CPU extra intra-op threads only spin (measured 50-100x slower with 2).
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def tok():
     return build_word_tokenizer()

@@ -13,15 +13,6 @@ from interp.results import RunDir
 ATOL = 2e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny tensors: on a shared, loaded CPU extra intra-op threads only spin.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def tok():
     return build_word_tokenizer()
