@@ -3,7 +3,6 @@ per-source mean shifts, and an interrupted scan resumes from its row log without
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 
 from helpers_models import tiny_model
 from interp import scan
