@@ -17,7 +17,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -93,6 +93,23 @@ STAGES: tuple[dict, ...] = (
     dict(name="F512", templates=ALL, vocabs=ALL, facts=(2, 3, 4, 4, 5), presentations=(2, 3, 3), gap=(4, 24),
          filler=(128, 512)),
 )
+EARLY_STAGES = 3                               # easy, K3, K4: the single-template binding stages
+
+
+def staged_curriculum(early_templates: Optional[Sequence[str]] = None) -> tuple[dict, ...]:
+    """STAGES, with the binding stages (0-2) drawing from `early_templates` instead of is_in alone. Learning a
+    value-before-key format (belongs) from the start keeps a model from settling on a key-before-value solution that
+    the later all-template stages cannot undo (tiny-gla's belongs stayed at 35% when it came only at stage 3)."""
+    if early_templates is None:
+        return STAGES
+    unknown = [t for t in early_templates if t not in TEMPLATES]
+    if unknown or not early_templates:
+        raise ValueError(f"early_templates must be a non-empty list of {sorted(TEMPLATES)}; received "
+                         f"{list(early_templates)!r}.")
+    return tuple(dict(st, templates=tuple(early_templates)) if i < EARLY_STAGES else st
+                 for i, st in enumerate(STAGES))
+
+
 ADVANCE_WINDOW, ADVANCE_ACCURACY = 20, 0.85   # advance when the last 20 steps of a stage average >= 85% recall
 FOCUS_FRACTION = 0.5                           # --focus-template: share of batches of that template
 PER_TEMPLATE_WINDOW = 8                        # --advance-per-template: each template's last 8 steps, too
@@ -374,7 +391,8 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
           gated: bool = False, peak_lr: Optional[float] = None, recall_rows: Optional[int] = None,
           staged: Optional[bool] = None, max_minutes: Optional[float] = None,
           advance_per_template: bool = False, init_from: Optional[Path] = None, start_stage: int = 0,
-          focus_template: Optional[str] = None) -> tuple[RecurrentLM, dict]:
+          focus_template: Optional[str] = None,
+          early_templates: Optional[Sequence[str]] = None) -> tuple[RecurrentLM, dict]:
     """Trains `name`, saves it with its tokenizer, log and evaluation into `out`; returns (model, summary).
 
     gated=True: the curriculum only advances while the training recall accuracy (mean of the last GATE_WINDOW steps)
@@ -385,7 +403,8 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     advance_per_template: a staged advance also needs every template of the stage to pass on its own
     (should_advance_every_template).
     init_from: a checkpoint directory (e.g. a stage snapshot) whose weights replace the fresh init; start_stage: the
-    STAGES index to begin at; focus_template: draw this template in FOCUS_FRACTION of the all-template batches.
+    STAGES index to begin at; focus_template: draw this template in FOCUS_FRACTION of the all-template batches;
+    early_templates: the templates of the binding stages 0-2 (default is_in only; see staged_curriculum).
     max_minutes: training stops cleanly at the first step that would start after this wall-clock time; the model is
     then evaluated and saved as usual.
     """
@@ -425,8 +444,9 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
             raise ValueError(f"init_from {init_from} holds a different architecture than {name}; pass a checkpoint "
                              f"of {name} (e.g. one of its stage snapshots).")
         model.load_state_dict(start.state_dict())
-    if not 0 <= start_stage < len(STAGES):
-        raise ValueError(f"start_stage must be in [0, {len(STAGES) - 1}]; received {start_stage}.")
+    stages = staged_curriculum(early_templates)
+    if not 0 <= start_stage < len(stages):
+        raise ValueError(f"start_stage must be in [0, {len(stages) - 1}]; received {start_stage}.")
     model.set_backend("chunked")
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
@@ -455,12 +475,12 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
             if staged:
                 ready = (should_advance_every_template(stage_accs) if advance_per_template
                          else should_advance([acc for _, acc in stage_accs]))
-                if stage_index + 1 < len(STAGES) and ready:
+                if stage_index + 1 < len(stages) and ready:
                     _save_stage_snapshot(model, tokenizer, out, stage_index, step)
                     stage_index, stage_accs = stage_index + 1, []
-                    advances.append({"step": step, "stage": stage_index, "name": STAGES[stage_index]["name"],
+                    advances.append({"step": step, "stage": stage_index, "name": stages[stage_index]["name"],
                                      "seconds": round(time.time() - t0, 1)})
-                batch = make_stage_batch(tokenizer, data_rng, step, STAGES[stage_index], n_recall=recall_rows,
+                batch = make_stage_batch(tokenizer, data_rng, step, stages[stage_index], n_recall=recall_rows,
                                          seed=seed, focus_template=focus_template)
                 filler_len = batch["filler_tokens"]
             else:
@@ -516,9 +536,10 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
                "parameters": n_params, "final_losses": final, "eval": ev}
     if staged:
         summary["curriculum"] = {"kind": "staged", "stage_reached": stage_index,
-                                 "stage_reached_name": STAGES[stage_index]["name"], "advances": advances,
+                                 "stage_reached_name": stages[stage_index]["name"], "advances": advances,
                                  "stages": [{k: (v if v is not ALL else "all") for k, v in st.items()}
-                                            for st in STAGES],
+                                            for st in stages],
+                                 "early_templates": None if early_templates is None else list(early_templates),
                                  "advance_rule": {"window": ADVANCE_WINDOW, "accuracy": ADVANCE_ACCURACY,
                                                   "per_template_window": PER_TEMPLATE_WINDOW
                                                   if advance_per_template else None},
@@ -583,6 +604,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--start-stage", type=int, default=0, help="staged: the STAGES index to begin at")
     parser.add_argument("--focus-template", default=None, choices=sorted(TEMPLATES),
                         help="staged: draw this template in half of the all-template batches")
+    parser.add_argument("--early-templates", default=None,
+                        help="staged: comma-separated templates for the binding stages 0-2 (default is_in), e.g. "
+                             "is_in,belongs")
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="stop training after this many wall-clock minutes, then evaluate and save")
     parser.add_argument("--lr", type=float, default=None,
@@ -604,7 +628,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                            progress=not args.no_progress, command=command, gated=args.gated, peak_lr=args.lr,
                            recall_rows=args.recall_rows, staged=staged, max_minutes=args.max_minutes,
                            advance_per_template=args.advance_per_template, init_from=args.init_from,
-                           start_stage=args.start_stage, focus_template=args.focus_template)
+                           start_stage=args.start_stage, focus_template=args.focus_template,
+                           early_templates=None if args.early_templates is None
+                           else [t.strip() for t in args.early_templates.split(",") if t.strip()])
         o = summary["eval"]["overall"]
         print(f"{name}: clean recall {100 * o['accuracy']:.1f}% [{100 * o['ci_low']:.1f}, {100 * o['ci_high']:.1f}] "
               f"after {summary['steps']} steps, {summary['train_seconds']:.0f} s; saved to {out}")

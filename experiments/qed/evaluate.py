@@ -257,6 +257,27 @@ def evaluate_model(train_root: str, arm: str, seed: int, lengths: Sequence[int],
     return result
 
 
+def evaluate_model_cached(cache: str, settings: dict, *args) -> dict:
+    """evaluate_model, saved per model so that an interrupted evaluation resumes where it stopped: a model whose
+    result file exists with the same settings and the same checkpoint bytes is not evaluated again."""
+    cache_path = Path(cache)
+    arm, seed = args[1], args[2]
+    weights = Path(args[0]) / f"{arm}-s{seed}" / "model.safetensors"
+    key = {"settings": settings, "arm": arm, "seed": seed, "checkpoint_bytes": weights.stat().st_size,
+           "checkpoint_mtime_ns": weights.stat().st_mtime_ns}
+    if cache_path.is_file():
+        saved = torch.load(cache_path, weights_only=False)
+        if saved.get("key") == key:
+            print(f"[eval {arm} s{seed}] reusing {cache_path}", flush=True)
+            return saved["result"]
+    result = evaluate_model(*args)
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_path.with_suffix(".tmp")
+    torch.save({"key": key, "result": result}, tmp)
+    tmp.replace(cache_path)  # atomic: a kill mid-write leaves no half file to trust
+    return result
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Tables
 # ---------------------------------------------------------------------------------------------------------------
@@ -331,13 +352,14 @@ def run(train_root: Path, out: Path, arms: Sequence[str], seeds: Sequence[int], 
                          "run experiments/qed/train_arms.py first.")
     if missing:  # a partial run (e.g. cut by a deadline) is evaluated on what exists; the tables say which
         print(f"evaluate: no checkpoint for {missing}; evaluating the other {len(trained)} models", flush=True)
-    jobs_args = [(str(train_root), a, s, lengths, n, list(strengths) if a in strength_arms else [], strength_lengths,
-                  diag_sequences, diag_length, matrix_samples, val_rows, threads) for a, s in trained]
+    jobs_args = [(str(rd.path / "per_model" / f"{a}-s{s}.pt"), args, str(train_root), a, s, lengths, n,
+                  list(strengths) if a in strength_arms else [], strength_lengths, diag_sequences, diag_length,
+                  matrix_samples, val_rows, threads) for a, s in trained]
     if jobs <= 1:
-        results = [evaluate_model(*ja) for ja in jobs_args]
+        results = [evaluate_model_cached(*ja) for ja in jobs_args]
     else:
         with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-            results = list(pool.map(evaluate_model, *zip(*jobs_args)))
+            results = list(pool.map(evaluate_model_cached, *zip(*jobs_args)))
     examples = pd.DataFrame([r for res in results for r in res["niah"]])
     rd.write_table("niah_examples", examples)
     tables = {"val_loss": pd.DataFrame([{"arm": r["arm"], "seed": r["seed"], "val_loss": r["val_loss"]} for r in results]),

@@ -1,7 +1,7 @@
 """The one command for the QED suite: train every arm on both seeds, evaluate, time the cost, and rewrite the
 generated tables of experiments/qed/README.md (between its `<!-- generated:start -->` and `<!-- generated:end -->`).
 
-Usage:  python experiments/qed/run_all.py                 # the full suite (1200 steps, 500 examples per length)
+Usage:  python experiments/qed/run_all.py                 # the full suite (300 steps, 500 examples per length)
         python experiments/qed/run_all.py --profile reduced   # what fits about an hour on 2 shared cores
         python experiments/qed/run_all.py --profile smoke     # a pipeline check in a couple of minutes
         python experiments/qed/run_all.py --readme-only --profile reduced   # only rewrite the README tables
@@ -37,7 +37,7 @@ PROFILES = {
 
 
 def results_root(profile: str) -> Path:
-    return common.ROOT / "results" / ("qed" if profile != "smoke" else "qed-smoke")
+    return common.ROOT / "results" / {"full": "qed", "reduced": "qed-reduced", "smoke": "qed-smoke"}[profile]
 
 
 def _pct(x: float) -> str:

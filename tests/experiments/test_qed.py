@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -238,6 +239,31 @@ def test_smoke_training_run_ends_finite_and_writes_its_tables(smoke):
     assert 0 <= diag.loc["full", "max_abs_e_minus_gdn2"] <= bound
     assert diag.loc["gdn2", "max_abs_e_minus_gdn2"] == 0
     assert (root / "eval" / "figures" / "fig1_niah_accuracy.png").is_file()
+
+
+def test_evaluation_resumes_from_saved_per_model_results(smoke, monkeypatch):
+    root, _, tables = smoke
+    saved = sorted(p.name for p in (root / "eval" / "per_model").iterdir())
+    assert saved == ["full-s0.pt", "gdn2-s0.pt"]
+    kwargs = dict(n=6, multipliers=[1, 2], strengths=[0.0, 1.0], strength_arms=["full"], strength_multipliers=[1],
+                  diag_sequences=2, diag_length=32, matrix_samples=32, val_rows=2)
+    calls = []
+    real = evaluate.evaluate_model
+    monkeypatch.setattr(evaluate, "evaluate_model", lambda *a, **k: calls.append(a[1:3]) or real(*a, **k))
+    again = evaluate.run(root / "train", root / "eval", ["gdn2", "full"], [0], **kwargs)
+    assert calls == []  # both models reused, nothing re-evaluated
+    pd.testing.assert_frame_equal(again["niah_accuracy"], tables["niah_accuracy"])
+    pd.testing.assert_frame_equal(again["diagnostics"], tables["diagnostics"])
+    # a model whose result file is gone (an evaluation killed before it finished) is evaluated again; a changed
+    # setting invalidates every saved result
+    (root / "eval" / "per_model" / "full-s0.pt").unlink()
+    evaluate.run(root / "train", root / "eval", ["gdn2", "full"], [0], **kwargs)
+    assert calls == [("full", 0)]
+    calls.clear()
+    out2 = root / "eval-n4"
+    shutil.copytree(root / "eval" / "per_model", out2 / "per_model")  # results saved under other settings
+    evaluate.run(root / "train", out2, ["gdn2", "full"], [0], **dict(kwargs, n=4))
+    assert sorted(calls) == [("full", 0), ("gdn2", 0)]
 
 
 def test_notebook_executes(smoke):

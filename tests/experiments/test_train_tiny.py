@@ -329,3 +329,23 @@ def test_focus_template_share_and_init_from_start_stage(train_tiny, smoke_run, t
         train_tiny.train("tiny-gla", smoke=True, init_from=out, out=tmp_path, progress=False)
     with pytest.raises(ValueError, match="start_stage"):
         train_tiny.train("tiny-gdn", smoke=True, start_stage=len(train_tiny.STAGES), out=tmp_path, progress=False)
+
+
+def test_early_templates_replace_only_the_binding_stages(train_tiny):
+    import random
+    stages = train_tiny.staged_curriculum(["is_in", "belongs"])
+    assert len(stages) == len(train_tiny.STAGES)
+    for i, (new, old) in enumerate(zip(stages, train_tiny.STAGES)):
+        if i < train_tiny.EARLY_STAGES:
+            assert new["templates"] == ("is_in", "belongs")
+            assert {k: v for k, v in new.items() if k != "templates"} == {k: v for k, v in old.items() if k != "templates"}
+        else:
+            assert new == old
+    assert train_tiny.staged_curriculum(None) is train_tiny.STAGES
+    seen = {train_tiny.make_stage_batch(train_tiny.build_word_tokenizer(), random.Random(s), s, stages[0],
+                                        n_recall=2)["template"] for s in range(12)}
+    assert seen == {"is_in", "belongs"}
+    with pytest.raises(ValueError, match="early_templates"):
+        train_tiny.staged_curriculum(["is_in", "no_such_template"])
+    with pytest.raises(ValueError, match="early_templates"):
+        train_tiny.staged_curriculum([])
