@@ -30,7 +30,7 @@ SpansArg = Union[str, torch.Tensor]
 __all__ = [
     "InterventionResult", "INTERVENTIONS", "RANDOM_UPDATE_KINDS", "normalise_heads", "check_pairs",
     "clean_run", "write_block", "donor_write", "state_swap", "output_patch", "output_restore", "random_update",
-    "choose_control_heads", "control_head",
+    "choose_control_heads", "control_head", "candidate_logits", "model_device", "prefix_caches",
 ]
 
 
@@ -106,7 +106,7 @@ def check_pairs(model, pairs) -> None:
                          f"query_start={qs.tolist()}, query_pos={qp.tolist()}")
 
 
-def _device(model) -> torch.device:
+def model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
@@ -183,7 +183,7 @@ def _groups(b: torch.Tensor, batch_size: int) -> Iterable[tuple[int, torch.Tenso
             yield int(value), chunk
 
 
-def _candidates(logits_last: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+def candidate_logits(logits_last: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     return logits_last.float().gather(1, cand.to(logits_last.device)).cpu()
 
 
@@ -219,7 +219,7 @@ def _run(model, tokens, hooks=(), cache: Optional[RecurrentCache] = None):
         return model(tokens, cache=cache, use_cache=True)
 
 
-def _prefix(model, pairs, rows: torch.Tensor, b: int, device) -> tuple[RecurrentCache, RecurrentCache]:
+def prefix_caches(model, pairs, rows: torch.Tensor, b: int, device) -> tuple[RecurrentCache, RecurrentCache]:
     """Recipient and donor caches after the prefix [0, b], from one batched forward."""
     rec = pairs.recipient_ids[rows, :b + 1]
     don = pairs.donor_ids[rows, :b + 1]
@@ -258,7 +258,7 @@ def _store(parts: dict, key: str, rows: torch.Tensor, t: torch.Tensor) -> None:
 def clean_run(model, pairs, batch_size: int = 16) -> dict[str, torch.Tensor]:
     """Clean candidate logits (N, C) of recipient and donor from full forwards: {"recipient": ..., "donor": ...}."""
     check_pairs(model, pairs)
-    device = _device(model)
+    device = model_device(model)
     n = len(pairs)
     C = pairs.candidate_ids.shape[1]
     out = {"recipient": torch.empty(n, C), "donor": torch.empty(n, C)}
@@ -269,7 +269,7 @@ def clean_run(model, pairs, batch_size: int = 16) -> dict[str, torch.Tensor]:
             qp = pairs.query_pos[rows].to(logits.device).repeat(2)
             last = logits[torch.arange(2 * m, device=logits.device), qp]
             cand = pairs.candidate_ids[rows].repeat(2, 1)
-            z = _candidates(last, cand)
+            z = candidate_logits(last, cand)
             out["recipient"][rows], out["donor"][rows] = z[:m], z[m:]
     return out
 
@@ -283,7 +283,7 @@ def _write_intervention(name, model, pairs, heads, spans, batch_size, return_ful
     check_pairs(model, pairs)
     heads = normalise_heads(model, heads)
     span_t = _spans(pairs, spans)
-    device = _device(model)
+    device = model_device(model)
     n, T = pairs.recipient_ids.shape
     H = model.n_state_heads
     parts: dict = {}
@@ -295,13 +295,13 @@ def _write_intervention(name, model, pairs, heads, spans, batch_size, return_ful
             cand = pairs.candidate_ids[rows]
             idx = torch.arange(m, device=device)
             clean = model(rec)
-            _store(parts, "clean", rows, _candidates(clean[idx, qp], cand))
+            _store(parts, "clean", rows, candidate_logits(clean[idx, qp], cand))
             pos_mask = _span_mask(span_t[rows], T)
             hooks = make_hooks(rows, pos_mask, device)
             with model.hooks(fwd_hooks=hooks):
                 logits = model(rec)
             last = logits[idx, qp]
-            _store(parts, "logits", rows, _candidates(last, cand))
+            _store(parts, "logits", rows, candidate_logits(last, cand))
             if return_full:
                 _store(parts, "full", rows, last.float())
     return _finish(name, heads, n, parts, return_full)
@@ -369,12 +369,12 @@ def _query_time(name, model, pairs, heads, boundary, batch_size, return_full, bo
     check_pairs(model, pairs)
     heads = normalise_heads(model, heads)
     b_all = _boundaries(pairs, boundary)
-    device = _device(model)
+    device = model_device(model)
     n = len(pairs)
     parts: dict = {}
     with torch.no_grad():
         for b, rows in _groups(b_all, batch_size):
-            R, D = _prefix(model, pairs, rows, b, device)
+            R, D = prefix_caches(model, pairs, rows, b, device)
             ctx = _SuffixContext(model, pairs, rows, b, device)
             outputs = body(ctx, R, D, heads)
             for key, value in outputs.items():
@@ -406,7 +406,7 @@ class _SuffixContext:
         reps = tokens.shape[0] // self.m
         qp = self.qp.repeat(reps)
         last = logits[torch.arange(tokens.shape[0], device=logits.device), qp]
-        return _candidates(last, self.cand.repeat(reps, 1)), last.float()
+        return candidate_logits(last, self.cand.repeat(reps, 1)), last.float()
 
 
 def _copy_head_out(heads, m: int, src_block: int, dst_block: int, pos_mask: torch.Tensor, H: int, device,

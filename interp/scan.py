@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 
 from interp import stats
-from interp.interventions import _candidates, _device, _prefix, check_pairs, normalise_heads
+from interp.interventions import candidate_logits, check_pairs, model_device, normalise_heads, prefix_caches
 from interp.models.cache import RecurrentCache
 
 __all__ = ["ScanResult", "SCAN_KEY", "all_heads", "run_scan", "summarise_scan", "naive_head_shifts"]
@@ -100,7 +100,7 @@ def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optiona
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     head_list = all_heads(model) if heads is None else normalise_heads(model, heads)
     rows = _target_rows(pairs)
-    device = _device(model)
+    device = model_device(model)
     log = None if run_dir is None else run_dir.table(SCAN_TABLE, key=list(SCAN_KEY))
     done = set() if log is None else log.done_keys()
     collected: list[dict] = []
@@ -120,13 +120,13 @@ def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optiona
                         if (int(pairs.source_id[i]), int(pairs.group[i]), l, h) not in done]
                 if not todo:
                     continue
-                R, D = _prefix(model, pairs, ex, b, device)
+                R, D = prefix_caches(model, pairs, ex, b, device)
                 suffix = pairs.recipient_ids[ex, b + 1:].to(device)
                 qp = (pairs.query_pos[ex] - (b + 1)).to(device)
                 cand = pairs.candidate_ids[ex]
                 d, r = pairs.donor_answer_index[ex], pairs.recipient_answer_index[ex]
                 logits, _ = model(suffix, cache=R, use_cache=True)
-                clean = _margins(_candidates(logits[torch.arange(len(ex), device=device), qp], cand), d, r)
+                clean = _margins(candidate_logits(logits[torch.arange(len(ex), device=device), qp], cand), d, r)
                 todo_t = torch.tensor(todo, dtype=torch.long)
                 for c in range(0, len(todo_t), batch_size):
                     chunk = todo_t[c:c + batch_size]
@@ -134,7 +134,7 @@ def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optiona
                     layer, head = heads_t[j, 0], heads_t[j, 1]
                     cache = _swap_one_head_per_row(R, D, e, layer, head)
                     logits, _ = model(suffix[e.to(device)], cache=cache, use_cache=True)
-                    z = _candidates(logits[torch.arange(len(e), device=device), qp[e.to(device)]], cand[e])
+                    z = candidate_logits(logits[torch.arange(len(e), device=device), qp[e.to(device)]], cand[e])
                     margin = _margins(z, d[e], r[e])
                     new_rows = []
                     for k in range(len(e)):
@@ -191,7 +191,7 @@ def naive_head_shifts(model, pairs, heads: Optional[Sequence] = None) -> pd.Data
 
     check_pairs(model, pairs)
     head_list = all_heads(model) if heads is None else normalise_heads(model, heads)
-    device = _device(model)
+    device = model_device(model)
     out = []
     with torch.no_grad():
         for i in _target_rows(pairs).tolist():
@@ -202,12 +202,12 @@ def naive_head_shifts(model, pairs, heads: Optional[Sequence] = None) -> pd.Data
             d, r = pairs.donor_answer_index[i:i + 1], pairs.recipient_answer_index[i:i + 1]
             clean_logits, rc = model.run_with_cache(rec, names_filter=lambda n: n.endswith("hook_head_out"))
             _, dc = model.run_with_cache(don, state_positions=[b], names_filter=lambda n: n.endswith("hook_state"))
-            clean = float(_margins(_candidates(clean_logits[:, qp], cand), d, r)[0])
+            clean = float(_margins(candidate_logits(clean_logits[:, qp], cand), d, r)[0])
             for l, h in head_list:
                 patches = [StateReplace(l, [h], b, dc[f"blocks.{l}.mixer.hook_state"][:, 0]),
                            ReadoutReplace(l, [h], b, rc[f"blocks.{l}.mixer.hook_head_out"])]
                 logits = run_with_patches(model, rec, patches)
-                margin = float(_margins(_candidates(logits[:, qp], cand), d, r)[0])
+                margin = float(_margins(candidate_logits(logits[:, qp], cand), d, r)[0])
                 out.append({"source": int(pairs.source_id[i]), "pair": int(pairs.group[i]), "layer": l, "head": h,
                             "row": i, "boundary": b, "clean_margin": clean, "margin": margin,
                             "shift": margin - clean})
