@@ -358,7 +358,25 @@ def evaluate(model: RecurrentLM, tokenizer, n_sources: int = EVAL["n_sources"],
             "per_template": per_template, "overall": overall}
 
 
-def _summary_markdown(name: str, summary: dict) -> str:
+def training_curve_markdown(log_path: Path, stage_names: Sequence[str]) -> str:
+    """The training curve per curriculum stage from train_log.csv: steps, wall time, mean losses, training recall
+    (whole stage / its last 20 steps) and, per template, the recall of the stage's last 40 steps of that template."""
+    import pandas as pd
+
+    log = pd.read_csv(log_path)
+    templates = sorted(log["template"].dropna().unique())
+    lines = ["| stage | steps | wall s (end) | lm_loss | recall_loss | recall_acc (all / last 20) | filler mean | "
+             + " | ".join(templates) + " |", "|---" * (7 + len(templates)) + "|"]
+    for k, g in log.groupby("stage"):
+        per_t = [g[g["template"] == t]["recall_acc"].tail(40) for t in templates]
+        lines.append(f"| {k} {stage_names[int(k)]} | {g.step.min()}-{g.step.max()} | {g.seconds.max():.0f} | "
+                     f"{g.lm_loss.mean():.2f} | {g.recall_loss.mean():.2f} | {g.recall_acc.mean():.2f} / "
+                     f"{g.recall_acc.tail(20).mean():.2f} | {g.filler_len.mean():.0f} | "
+                     + " | ".join(f"{x.mean():.2f}" if len(x) else "" for x in per_t) + " |")
+    return "\n".join(lines)
+
+
+def _summary_markdown(name: str, summary: dict, log_path: Optional[Path] = None) -> str:
     ev = summary["eval"]
     s = ev["setting"]
     lines = [f"# {name}: clean recall", "",
@@ -381,6 +399,12 @@ def _summary_markdown(name: str, summary: dict) -> str:
                      f"{len(c['stages']) - 1}; advances (step, stage): "
                      + (", ".join(f"{a['step']}->{a['name']}" for a in c["advances"]) or "none")
                      + f"; stopped by {summary['stopped_by']}")
+        if c.get("early_templates"):
+            lines.append(f"- binding stages 0-2 drew the templates {c['early_templates']}")
+        if log_path is not None and Path(log_path).is_file():
+            lines += ["", "Training curve per stage (training batches; recall over the 4 candidates; per-template "
+                      "columns: the stage's last 40 steps of that template):", "",
+                      training_curve_markdown(log_path, [st["name"] for st in c["stages"]])]
     if summary.get("smoke"):
         lines.append("- SMOKE RUN: a handful of steps and a reduced evaluation; these numbers mean nothing.")
     return "\n".join(lines) + "\n"
@@ -569,7 +593,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     save_model(model, out, extra_config={"recurscope": meta})
     save_word_tokenizer(tokenizer, out)
     (out / "eval_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "eval_summary.md").write_text(_summary_markdown(name, summary))
+    (out / "eval_summary.md").write_text(_summary_markdown(name, summary, log_path))
     return model, summary
 
 
@@ -585,7 +609,9 @@ def _save_stage_snapshot(model: RecurrentLM, tokenizer, out: Path, stage_index: 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, choices=sorted(ARCHITECTURES) + ["all"])
+    parser.add_argument("--model", choices=sorted(ARCHITECTURES) + ["all"])
+    parser.add_argument("--rewrite-summary", type=Path, default=None, metavar="DIR",
+                        help="only rewrite DIR/eval_summary.md from its eval_summary.json and train_log.csv")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: per model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="checkpoint dir (default interp/checkpoints/<name>)")
@@ -614,8 +640,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--recall-rows", type=int, default=None,
                         help=f"recall rows per step (default {STAGED_RECALL_ROWS}; {BATCH_RECALL} with --ramp/--gated)")
     args = parser.parse_args(argv)
+    if args.rewrite_summary is not None:  # eval_summary.md again from a run's eval_summary.json and train_log.csv
+        d = Path(args.rewrite_summary)
+        summary = json.loads((d / "eval_summary.json").read_text())
+        (d / "eval_summary.md").write_text(_summary_markdown(summary["model"], summary, d / "train_log.csv"))
+        print(f"rewrote {d / 'eval_summary.md'}")
+        return 0
     if sum([args.staged, args.ramp, args.gated]) > 1:
         parser.error("--staged, --ramp and --gated are alternative curricula; pass at most one.")
+    if args.model is None:
+        parser.error("--model is required (unless --rewrite-summary)")
     staged = not (args.ramp or args.gated)
     names = sorted(ARCHITECTURES) if args.model == "all" else [args.model]
     command = "python experiments/train_tiny.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))

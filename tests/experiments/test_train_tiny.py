@@ -349,3 +349,18 @@ def test_early_templates_replace_only_the_binding_stages(train_tiny):
         train_tiny.staged_curriculum(["is_in", "no_such_template"])
     with pytest.raises(ValueError, match="early_templates"):
         train_tiny.staged_curriculum([])
+
+
+def test_summary_has_the_training_curve_and_rewrite_reproduces_it(smoke_run, train_tiny, tmp_path):
+    import shutil
+    out, _, summary = smoke_run
+    text = (out / "eval_summary.md").read_text()
+    assert "Training curve per stage" in text
+    rows = list(csv.DictReader(open(out / "train_log.csv")))
+    stage_rows = [line for line in text.splitlines() if line.startswith("| 0 easy |")]
+    assert len(stage_rows) == 1 and f"| 0-{len(rows) - 1} |" in stage_rows[0]  # every smoke step is in stage 0
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    (copy / "eval_summary.md").unlink()
+    assert train_tiny.main(["--rewrite-summary", str(copy)]) == 0
+    assert (copy / "eval_summary.md").read_text() == text
