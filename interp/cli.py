@@ -74,7 +74,7 @@ def cmd_models(args):
     if not names:
         print("no bundled checkpoints")
         return 0
-    print(f"{'name':<18}{'family':<18}{'layers':>7}{'heads':>7}{'state K x V':>13}{'params':>10}  clean recall")
+    print(f"{'name':<18}{'family':<22}{'layers':>7}{'heads':>7}{'state K x V':>13}{'params':>10}  clean recall")
     for name in names:
         m = load_model(name)
         K, V = m.cfg.state_shape()
@@ -89,7 +89,7 @@ def cmd_models(args):
         family = m.cfg.model_type + ("+attn" if m.attention_layers else "")
         if m.cfg.model_type == "gated_deltanet2" and m.cfg.erase_arm != "gdn2":
             family += f"/{m.cfg.erase_arm}"
-        print(f"{name:<18}{family:<18}{m.cfg.num_hidden_layers:>7}{m.n_state_heads:>7}{f'{K} x {V}':>13}"
+        print(f"{name:<18}{family:<22}{m.cfg.num_hidden_layers:>7}{m.n_state_heads:>7}{f'{K} x {V}':>13}"
               f"{params / 1e6:>9.2f}M  {recall}")
     return 0
 
