@@ -296,7 +296,7 @@ def accuracy_table(examples: pd.DataFrame) -> pd.DataFrame:
 def contrast_table(examples: pd.DataFrame, contrasts: Sequence[tuple]) -> pd.DataFrame:
     """Exact McNemar per (contrast, seed, length) on the same items. b_only/a_only: discordant counts."""
     rows = []
-    key = examples.set_index(["arm", "seed", "length", "item"])["correct"]
+    key = examples.set_index(["arm", "seed", "length", "item"])["correct"].sort_index()  # sorted: fast, warning-free .loc
     arms = set(examples["arm"])
     for arm_a, arm_b in contrasts:
         if arm_a not in arms or arm_b not in arms:
