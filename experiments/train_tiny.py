@@ -278,7 +278,9 @@ def should_advance(stage_accuracies: list[float], window: int = ADVANCE_WINDOW,
         raise ValueError(f"window must be >= 1; received {window}.")
     if len(stage_accuracies) < window:
         return False
-    return float(np.mean(stage_accuracies[-window:])) >= threshold
+    # a tolerance of 1e-9: accuracies are ratios of small counts, and e.g. ten 1.0s and ten 0.7s average to
+    # 0.8499999... in floating point, which must count as the 0.85 it is
+    return float(np.mean(stage_accuracies[-window:])) >= threshold - 1e-9
 
 
 def should_advance_every_template(stage_records: list[tuple[str, float]], window: int = ADVANCE_WINDOW,

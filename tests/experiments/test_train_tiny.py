@@ -201,6 +201,10 @@ def test_staged_advance_rule_on_a_synthetic_accuracy_sequence(train_tiny):
     first = next(i for i in range(window, len(accs) + 1) if sum(accs[i - window:i]) / window >= threshold)
     got = next(i for i in range(len(accs) + 1) if train_tiny.should_advance(accs[:i]))
     assert got == first
+    # Exactly at the threshold counts, even where floating point lands a hair below it (0.8499999...).
+    alternating = [1.0, 0.7] * (window // 2)
+    assert sum(alternating) / window == pytest.approx(0.85) and train_tiny.should_advance(alternating, window, 0.85)
+    assert not train_tiny.should_advance([1.0, 0.69] * (window // 2), window, 0.85)
     with pytest.raises(ValueError, match="window"):
         train_tiny.should_advance([1.0], window=0)
 
