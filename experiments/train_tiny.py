@@ -633,8 +633,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--focus-template", default=None, choices=sorted(TEMPLATES),
                         help="staged: draw this template in half of the all-template batches")
     parser.add_argument("--early-templates", default=None,
-                        help="staged: comma-separated templates for the binding stages 0-2 (default is_in), e.g. "
-                             "is_in,belongs")
+                        help="staged: comma-separated templates for the binding stages 0-2 (default is_in); the "
+                             "bundled models since tiny-gla's retraining use belongs")
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="stop training after this many wall-clock minutes, then evaluate and save")
     parser.add_argument("--lr", type=float, default=None,
@@ -643,7 +643,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help=f"recall rows per step (default {STAGED_RECALL_ROWS}; {BATCH_RECALL} with --ramp/--gated)")
     args = parser.parse_args(argv)
     if args.rewrite_summary is not None:  # eval_summary.md again from a run's eval_summary.json and train_log.csv
-        d = Path(args.rewrite_summary)
+        d = args.rewrite_summary
         summary = json.loads((d / "eval_summary.json").read_text())
         (d / "eval_summary.md").write_text(_summary_markdown(summary["model"], summary, d / "train_log.csv"))
         print(f"rewrote {d / 'eval_summary.md'}")

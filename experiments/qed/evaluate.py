@@ -257,20 +257,20 @@ def evaluate_model(train_root: str, arm: str, seed: int, lengths: Sequence[int],
     return result
 
 
-def evaluate_model_cached(cache: str, settings: dict, *args) -> dict:
-    """evaluate_model, saved per model so that an interrupted evaluation resumes where it stopped: a model whose
-    result file exists with the same settings and the same checkpoint bytes is not evaluated again."""
+def evaluate_model_cached(cache: str, settings: dict, train_root: str, arm: str, seed: int, *rest) -> dict:
+    """evaluate_model(train_root, arm, seed, *rest), saved per model so that an interrupted evaluation resumes where
+    it stopped: a model whose result file exists with the same settings and the same checkpoint file is not
+    evaluated again."""
     cache_path = Path(cache)
-    arm, seed = args[1], args[2]
-    weights = Path(args[0]) / f"{arm}-s{seed}" / "model.safetensors"
-    key = {"settings": settings, "arm": arm, "seed": seed, "checkpoint_bytes": weights.stat().st_size,
-           "checkpoint_mtime_ns": weights.stat().st_mtime_ns}
+    weights = (Path(train_root) / f"{arm}-s{seed}" / "model.safetensors").stat()
+    key = {"settings": settings, "arm": arm, "seed": seed, "checkpoint_bytes": weights.st_size,
+           "checkpoint_mtime_ns": weights.st_mtime_ns}
     if cache_path.is_file():
         saved = torch.load(cache_path, weights_only=False)
         if saved.get("key") == key:
             print(f"[eval {arm} s{seed}] reusing {cache_path}", flush=True)
             return saved["result"]
-    result = evaluate_model(*args)
+    result = evaluate_model(train_root, arm, seed, *rest)
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache_path.with_suffix(".tmp")
     torch.save({"key": key, "result": result}, tmp)

@@ -29,7 +29,7 @@ START, END = "<!-- generated:start -->", "<!-- generated:end -->"
 PROFILES = {
     "full": dict(steps=train_arms.FULL_STEPS, lr=train_arms.PEAK_LR, max_minutes=None, n=500, multipliers=[1, 2, 4, 8, 16], strength_multipliers=[1, 2, 4, 8, 16],
                  diag_sequences=128, diag_length=2048, matrix_samples=4000, val_rows=32, repeats=41),
-    "reduced": dict(steps=300, lr=train_arms.PEAK_LR, max_minutes=6.0, n=100, multipliers=[1, 2, 4, 8, 16], strength_multipliers=[2, 8],
+    "reduced": dict(steps=train_arms.FULL_STEPS, lr=train_arms.PEAK_LR, max_minutes=6.0, n=100, multipliers=[1, 2, 4, 8, 16], strength_multipliers=[2, 8],
                     diag_sequences=8, diag_length=1024, matrix_samples=2000, val_rows=32, repeats=9),
     "smoke": dict(steps=train_arms.SMOKE_STEPS, lr=train_arms.PEAK_LR, max_minutes=None, n=8, multipliers=[1, 2], strength_multipliers=[2],
                   diag_sequences=2, diag_length=64, matrix_samples=64, val_rows=4, repeats=3),
