@@ -23,12 +23,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from interp.data import TEMPLATES, VALUE_VOCABS, FillerSource, build_pairs, build_word_tokenizer, save_word_tokenizer
-from interp.data import sources as filler_sources
-from interp.loading import CHECKPOINT_DIR, save_model
-from interp.models.optim import param_groups as shared_param_groups
-from interp.models import ModelConfig, RecurrentLM
-from interp.stats import source_bootstrap_ci
+from recurscope.interp.data import TEMPLATES, VALUE_VOCABS, FillerSource, build_pairs, build_word_tokenizer, save_word_tokenizer
+from recurscope.interp.data import sources as filler_sources
+from recurscope.interp.loading import CHECKPOINT_DIR, save_model
+from recurscope.interp.models.optim import param_groups as shared_param_groups
+from recurscope.interp.models import ModelConfig, RecurrentLM
+from recurscope.interp.stats import source_bootstrap_ci
 
 # Architectures. Sizes are chosen so that one shared CPU core trains a model in about a quarter of an hour.
 ARCHITECTURES: dict[str, dict] = {
@@ -464,7 +464,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     model = RecurrentLM(model_config(name, tokenizer))
     init_weights(model)
     if init_from is not None:
-        from interp.loading import load_model
+        from recurscope.interp.loading import load_model
         start = load_model(init_from)
         if start.cfg.to_dict() != model.cfg.to_dict():
             raise ValueError(f"init_from {init_from} holds a different architecture than {name}; pass a checkpoint "

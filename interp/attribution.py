@@ -31,7 +31,7 @@ from typing import Optional, Sequence, Union
 import pandas as pd
 import torch
 
-from hooks.points import hook_name
+from recurscope.hooks.points import hook_name
 
 __all__ = ["Contributions", "readout_contributions", "attribute_readout", "candidate_direction"]
 
@@ -362,7 +362,7 @@ def attribute_readout(
     ids = tokens[batch, : position + 1].tolist()
     frame = {"position": list(range(position + 1)), "token_id": ids}
     if getattr(model, "tokenizer", None) is not None:
-        from interp.data.tokenizer import token_strings
+        from recurscope.interp.data.tokenizer import token_strings
 
         frame["token"] = token_strings(model.tokenizer, ids)
     frame["contribution"] = list(c.cpu().numpy())

@@ -34,7 +34,7 @@ def _pair_args(p, split):
 
 
 def _load(args):
-    from interp.loading import load_model
+    from recurscope.interp.loading import load_model
 
     model = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
     if model.tokenizer is None:
@@ -44,13 +44,13 @@ def _load(args):
 
 
 def _pairs(model, args):
-    from interp.data import build_pairs
+    from recurscope.interp.data import build_pairs
 
     kwargs = dict(n_facts=args.n_facts, presentations=args.presentations, filler_tokens=args.filler,
                   template=args.template, vocab=args.vocab, seed=args.seed,
                   max_length=getattr(model.cfg, "max_position_embeddings", None) if model.attention_layers else None)
     if args.corpus:
-        from interp.data import corpus_sources, read_text_folder, read_wikitext
+        from recurscope.interp.data import corpus_sources, read_text_folder, read_wikitext
 
         path = Path(args.corpus)
         docs = read_wikitext(path) if path.is_file() else read_text_folder(path)
@@ -68,7 +68,7 @@ PAIR_KEYS = ("sources", "n_sources", "corpus", "n_facts", "presentations", "fill
 
 # ---- commands --------------------------------------------------------------------------------------------------
 def cmd_models(args):
-    from interp.loading import CHECKPOINT_DIR, bundled_names, load_model
+    from recurscope.interp.loading import CHECKPOINT_DIR, bundled_names, load_model
 
     names = bundled_names()
     if not names:
@@ -95,8 +95,8 @@ def cmd_models(args):
 
 
 def cmd_scan(args):
-    from interp.results import RunDir
-    from interp.scan import run_scan
+    from recurscope.interp.results import RunDir
+    from recurscope.interp.scan import run_scan
 
     model = _load(args)
     pairs = _pairs(model, args)
@@ -111,7 +111,7 @@ def cmd_scan(args):
         bar.refresh()
     result = run_scan(model, pairs, run_dir=run, batch_size=max(args.batch_size, 1), progress=progress)
     bar.close()
-    from interp.plots import plot_head_scan
+    from recurscope.interp.plots import plot_head_scan
 
     plot_head_scan(result.scores, run.figure_path("scan_heatmap"), selected=result.winner,
                    title=f"{args.model}: state-swap donor-margin shift per head")
@@ -126,9 +126,9 @@ def cmd_scan(args):
 def cmd_confirm(args):
     import pandas as pd
 
-    from interp.confirm import ARMS, heads_from_scan, run_confirm
-    from interp.plots import plot_intervention_effects
-    from interp.results import RunDir
+    from recurscope.interp.confirm import ARMS, heads_from_scan, run_confirm
+    from recurscope.interp.plots import plot_intervention_effects
+    from recurscope.interp.results import RunDir
 
     model = _load(args)
     heads = heads_from_scan(args.from_scan, model, top_k=args.top_k)
@@ -150,7 +150,7 @@ def cmd_confirm(args):
 
 
 def _print_summary(summary):
-    from interp.report import LABELS
+    from recurscope.interp.report import LABELS
 
     print(f"{'intervention':<36}{'donor-margin shift':>28}{'donor answer':>16}")
     for arm, label in LABELS.items():
@@ -162,8 +162,8 @@ def _print_summary(summary):
 
 
 def cmd_patch(args):
-    from interp import interventions as iv
-    from interp.metrics import example_metrics
+    from recurscope.interp import interventions as iv
+    from recurscope.interp.metrics import example_metrics
 
     model = _load(args)
     args.n_sources = args.source + 1
@@ -195,9 +195,9 @@ def _take(pairs, rows):
 
 def cmd_run(args):
     """The main job: scan on dev sources, confirm on held-out sources, write report.md with figures."""
-    from interp.confirm import heads_from_scan
-    from interp.report import write_report
-    from interp.scan import summarise_scan
+    from recurscope.interp.confirm import heads_from_scan
+    from recurscope.interp.report import write_report
+    from recurscope.interp.scan import summarise_scan
     import pandas as pd
 
     out = Path(args.out)
@@ -207,7 +207,7 @@ def cmd_run(args):
     conf_args = argparse.Namespace(**{**vars(args), "sources": "heldout", "n_sources": args.n_heldout,
                                       "out": confirm_dir, "from_scan": scan_dir, "top_k": 1})
     result = cmd_confirm(conf_args)
-    from interp.results import RunDir
+    from recurscope.interp.results import RunDir
 
     scan_rows = RunDir.open(scan_dir).table("scan_rows").read()
     scan = summarise_scan(scan_rows)

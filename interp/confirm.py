@@ -16,8 +16,8 @@ from typing import Callable, Optional, Sequence
 
 import pandas as pd
 
-from interp import interventions as iv
-from interp.metrics import example_metrics, summarise_metrics
+from recurscope.interp import interventions as iv
+from recurscope.interp.metrics import example_metrics, summarise_metrics
 
 CONFIRM_TABLE = "confirm_rows"
 CONFIRM_KEY = ("intervention", "row")
@@ -43,7 +43,7 @@ def heads_from_scan(scan_dir, model=None, top_k: int = 1) -> list[tuple[int, int
                          "run `recurscope scan` first and pass its --out directory")
     manifest = json.loads(manifest_path.read_text())
     if model is not None:
-        from interp.results import checkpoint_hash
+        from recurscope.interp.results import checkpoint_hash
 
         here = checkpoint_hash(model.checkpoint_dir) if getattr(model, "checkpoint_dir", None) else None
         there = manifest.get("checkpoint_hash")

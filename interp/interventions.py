@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from interp.models.cache import RecurrentCache
+from recurscope.interp.models.cache import RecurrentCache
 
 Head = tuple[int, int]
 HeadsArg = Union[Head, Sequence[Head]]

@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import torch
 
-from interp.models import ModelConfig, RecurrentLM
+from recurscope.interp.models import ModelConfig, RecurrentLM
 
 CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
 

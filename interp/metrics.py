@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from interp import stats
+from recurscope.interp import stats
 
 __all__ = ["METRICS", "example_metrics", "summarise_metrics", "source_means"]
 

@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator, PercentFormatter
 
-from interp.stats import binomial_ci
+from recurscope.interp.stats import binomial_ci
 
 #: Row order of Figures 3/4 (How Linear Attention Remembers); other interventions follow in order of appearance.
 INTERVENTION_ORDER = ("write_block", "donor_write", "state_swap", "output_patch", "output_restore",
@@ -226,7 +226,7 @@ def plot_head_scan(scores: pd.DataFrame, out_path, *, selected: Optional[tuple] 
     Returned data: one row per head with layer, head, mean_score, selected; plus, when sources exist, rows with
     kind == "rank" holding source and rank of the selected head. Kind "mean" marks the heatmap rows.
     """
-    from interp.stats import rank_per_source  # local: only this plot needs it
+    from recurscope.interp.stats import rank_per_source  # local: only this plot needs it
 
     _require(scores, "scores", ["layer", "head", score_col])
     has_sources = source_col in scores.columns

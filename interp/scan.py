@@ -24,9 +24,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from interp import stats
-from interp.interventions import candidate_logits, check_pairs, model_device, normalise_heads, prefix_caches
-from interp.models.cache import RecurrentCache
+from recurscope.interp import stats
+from recurscope.interp.interventions import candidate_logits, check_pairs, model_device, normalise_heads, prefix_caches
+from recurscope.interp.models.cache import RecurrentCache
 
 __all__ = ["ScanResult", "SCAN_KEY", "all_heads", "run_scan", "summarise_scan", "naive_head_shifts"]
 
@@ -187,7 +187,7 @@ def naive_head_shifts(model, pairs, heads: Optional[Sequence] = None) -> pd.Data
     """The slow reference: for every target row and head, one full recipient forward with the head's S_b replaced
     by the donor's through hook_state (and the readout at b kept as the recipient's, which is what the cache swap
     means). Same columns as run_scan's rows. For tests and benchmarks."""
-    from hooks.patches import ReadoutReplace, StateReplace, run_with_patches
+    from recurscope.hooks.patches import ReadoutReplace, StateReplace, run_with_patches
 
     check_pairs(model, pairs)
     head_list = all_heads(model) if heads is None else normalise_heads(model, heads)

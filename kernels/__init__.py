@@ -13,10 +13,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from kernels._validate import compute_dtype, validate
-from kernels.chunked import recurrence_chunked
-from kernels.erase import ERASE_ARMS, erase_eigenvalue, erase_vector, project_out
-from kernels.reference import recurrence_reference
+from recurscope.kernels._validate import compute_dtype, validate
+from recurscope.kernels.chunked import recurrence_chunked
+from recurscope.kernels.erase import ERASE_ARMS, erase_eigenvalue, erase_vector, project_out
+from recurscope.kernels.reference import recurrence_reference
 
 BACKENDS = ("auto", "reference", "chunked", "triton")
 
@@ -73,7 +73,7 @@ def recurrence(
     elif chosen == "chunked":
         o, S, states = recurrence_chunked(q, k, x, g, a, dtype=dtype, **kwargs)
     else:
-        from kernels.triton_recurrent import recurrence_triton
+        from recurscope.kernels.triton_recurrent import recurrence_triton
 
         o, S, states = recurrence_triton(q, k, x, g, a, output_final_state=output_final_state, **kwargs)
     return RecurrenceOutput(o, S if output_final_state else None, states)

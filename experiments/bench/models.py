@@ -44,7 +44,7 @@ def state_positions(T: int) -> list[int]:
 def build(family: str):
     import torch
 
-    from interp.models import ModelConfig, RecurrentLM
+    from recurscope.interp.models import ModelConfig, RecurrentLM
 
     torch.manual_seed(0)
     return RecurrentLM(ModelConfig.from_dict({**SHAPE, **CONFIGS[family]})).eval()

@@ -26,7 +26,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-import kernels
+from recurscope import kernels
 
 B, H, K, V, C = 1, 4, 128, 128, 64
 

@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from interp.data import build_pairs, build_word_tokenizer
-from interp.models import ModelConfig, RecurrentLM
-from interp.scan import all_heads, naive_head_shifts, run_scan
+from recurscope.interp.data import build_pairs, build_word_tokenizer
+from recurscope.interp.models import ModelConfig, RecurrentLM
+from recurscope.interp.scan import all_heads, naive_head_shifts, run_scan
 
 GLA_340M = dict(model_type="gla", vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_heads=4,
                 expand_k=0.5, expand_v=1.0, hidden_ratio=4, use_short_conv=False, use_output_gate=True,

@@ -13,10 +13,10 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # so the scripts run as `python experiments/qed/x.py` and import each other
     sys.path.insert(0, str(ROOT))
 
-import kernels  # noqa: E402
-from interp.models import ModelConfig, RecurrentLM  # noqa: E402
-from interp.models.mixers import GatedDeltaNet2Mixer, _split_heads  # noqa: E402
-from interp.models.optim import param_groups  # noqa: E402
+from recurscope import kernels  # noqa: E402
+from recurscope.interp.models import ModelConfig, RecurrentLM  # noqa: E402
+from recurscope.interp.models.mixers import GatedDeltaNet2Mixer, _split_heads  # noqa: E402
+from recurscope.interp.models.optim import param_groups  # noqa: E402
 
 #: Every arm, baseline first. "noproj" (gate without projection) is the arm the paper never ran.
 ARMS = ("gdn2", "full", "nogate", "nogate_noproj", "rand", "noproj")

@@ -19,10 +19,10 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import kernels  # noqa: E402
+from recurscope import kernels  # noqa: E402
 from experiments.qed import common  # noqa: E402
-from interp.data import build_word_tokenizer  # noqa: E402
-from interp.models import RecurrentLM  # noqa: E402
+from recurscope.interp.data import build_word_tokenizer  # noqa: E402
+from recurscope.interp.models import RecurrentLM  # noqa: E402
 
 DEFAULT_OUT = common.ROOT / "results" / "qed" / "cost"
 

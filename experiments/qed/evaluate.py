@@ -22,15 +22,15 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-import kernels  # noqa: E402
+from recurscope import kernels  # noqa: E402
 from experiments.qed import common  # noqa: E402
 from experiments.qed.train_arms import DEFAULT_OUT as DEFAULT_TRAIN, validation_loss  # noqa: E402
-from interp.data import FillerSource, NiahBatch, build_niah  # noqa: E402
-from interp.loading import load_model  # noqa: E402
-from interp.models import RecurrentLM  # noqa: E402
-from interp.plots import plot_accuracy_vs_length, plot_contrasts  # noqa: E402
-from interp.results import RunDir  # noqa: E402
-from interp.stats import binomial_ci, mcnemar_exact, mcnemar_table  # noqa: E402
+from recurscope.interp.data import FillerSource, NiahBatch, build_niah  # noqa: E402
+from recurscope.interp.loading import load_model  # noqa: E402
+from recurscope.interp.models import RecurrentLM  # noqa: E402
+from recurscope.interp.plots import plot_accuracy_vs_length, plot_contrasts  # noqa: E402
+from recurscope.interp.results import RunDir  # noqa: E402
+from recurscope.interp.stats import binomial_ci, mcnemar_exact, mcnemar_table  # noqa: E402
 
 DEFAULT_EVAL = common.ROOT / "results" / "qed" / "eval"
 EVAL_SEED = 20260813          # the fixed S-NIAH examples; training examples use seeds >= 1_000_003

@@ -30,9 +30,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from experiments.qed import common  # noqa: E402
 from experiments.train_tiny import init_weights, should_advance, staged_learning_rate  # noqa: E402  (shared recipe)
-from interp.data import FillerSource, build_niah, build_word_tokenizer, save_word_tokenizer  # noqa: E402
-from interp.loading import save_model  # noqa: E402
-from interp.models import RecurrentLM  # noqa: E402
+from recurscope.interp.data import FillerSource, build_niah, build_word_tokenizer, save_word_tokenizer  # noqa: E402
+from recurscope.interp.loading import save_model  # noqa: E402
+from recurscope.interp.models import RecurrentLM  # noqa: E402
 
 DEFAULT_OUT = common.ROOT / "results" / "qed" / "train"
 # 300 steps: every arm is at 100% S-NIAH accuracy at the training length by then (the reduced run), and 12 models

@@ -1,6 +1,6 @@
 """Hooked models for the linear-attention family, their configuration and their cache."""
-from interp.models.cache import LayerCache, RecurrentCache
-from interp.models.config import ModelConfig
-from interp.models.decoder import RecurrentLM
+from recurscope.interp.models.cache import LayerCache, RecurrentCache
+from recurscope.interp.models.config import ModelConfig
+from recurscope.interp.models.decoder import RecurrentLM
 
 __all__ = ["LayerCache", "ModelConfig", "RecurrentCache", "RecurrentLM"]

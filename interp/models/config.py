@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-from kernels import ERASE_ARMS
+from recurscope.kernels import ERASE_ARMS
 
 RECURRENT_TYPES = ("gla", "gated_deltanet", "gated_deltanet2")
 

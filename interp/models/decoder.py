@@ -10,10 +10,10 @@ import torch.nn as nn
 from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
-from interp.models.cache import LayerCache, RecurrentCache
-from interp.models.config import ModelConfig
-from interp.models.layers import GatedMLP, RMSNorm
-from interp.models.mixers import MIXERS, AttentionMixer, GatedDeltaNet2Mixer, RecurrentMixer
+from recurscope.interp.models.cache import LayerCache, RecurrentCache
+from recurscope.interp.models.config import ModelConfig
+from recurscope.interp.models.layers import GatedMLP, RMSNorm
+from recurscope.interp.models.mixers import MIXERS, AttentionMixer, GatedDeltaNet2Mixer, RecurrentMixer
 
 
 class Block(nn.Module):
@@ -92,7 +92,7 @@ class RecurrentLM(HookedRootModule):
 
     def set_backend(self, backend: str) -> None:
         """Recurrence backend for every recurrent mixer: 'auto', 'reference', 'chunked' or 'triton'."""
-        import kernels
+        from recurscope import kernels
 
         if backend not in kernels.BACKENDS:
             raise ValueError(f"backend must be one of {kernels.BACKENDS}, got {backend!r}")

@@ -13,10 +13,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformer_lens.hook_points import HookPoint
 
-import kernels
-from interp.models.cache import LayerCache
-from interp.models.config import ModelConfig
-from interp.models.layers import GatedRMSNorm, RMSNorm, ShortConvolution, l2_normalise, rotary
+from recurscope import kernels
+from recurscope.interp.models.cache import LayerCache
+from recurscope.interp.models.config import ModelConfig
+from recurscope.interp.models.layers import GatedRMSNorm, RMSNorm, ShortConvolution, l2_normalise, rotary
 
 
 def _split_heads(t: torch.Tensor, dim: int) -> torch.Tensor:

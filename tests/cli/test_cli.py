@@ -5,10 +5,10 @@ import pandas as pd
 import pytest
 import torch
 
-from interp.cli import main
-from interp.data import build_word_tokenizer
-from interp.loading import save_model
-from interp.models import ModelConfig, RecurrentLM
+from recurscope.interp.cli import main
+from recurscope.interp.data import build_word_tokenizer
+from recurscope.interp.loading import save_model
+from recurscope.interp.models import ModelConfig, RecurrentLM
 
 SMALL = ["--n-facts", "2", "--presentations", "2", "--filler", "12", "--batch-size", "8"]
 
@@ -81,7 +81,7 @@ def test_bad_head_is_reported(study, capsys):
 
 
 def test_models_lists_every_bundled_checkpoint(capsys):
-    from interp.loading import bundled_names
+    from recurscope.interp.loading import bundled_names
 
     assert main(["models"]) == 0
     text = capsys.readouterr().out

@@ -11,7 +11,7 @@ from tests.cli.test_cli import SMALL, _checkpoint
 
 
 def _rows(out):
-    from interp.results import RunDir
+    from recurscope.interp.results import RunDir
 
     return RunDir.open(out).table("scan_rows").read()
 
@@ -19,7 +19,7 @@ def _rows(out):
 def test_scan_survives_sigkill_and_resumes(tmp_path):
     ckpt = _checkpoint(tmp_path / "ckpt", family="gated_deltanet")
     out = tmp_path / "scan"
-    cmd = [sys.executable, "-m", "interp.cli", "scan", str(ckpt), "--n-sources", "6", "--out", str(out),
+    cmd = [sys.executable, "-m", "recurscope.interp.cli", "scan", str(ckpt), "--n-sources", "6", "--out", str(out),
            *SMALL[:-2], "--batch-size", "1"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = out / "scan_rows.jsonl"

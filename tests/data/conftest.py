@@ -2,7 +2,7 @@
 
 import pytest
 
-from interp.data import build_word_tokenizer, niah_words, recall_words, sources
+from recurscope.interp.data import build_word_tokenizer, niah_words, recall_words, sources
 
 
 def train_bpe(vocab_size: int = 2000, task_repeats: int = 30, extra_text: str = ""):

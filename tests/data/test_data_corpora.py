@@ -2,7 +2,7 @@
 
 import pytest
 
-from interp.data import (CorpusNotFoundError, Document, corpus_sources, pg19_sources, read_hf_dataset,
+from recurscope.interp.data import (CorpusNotFoundError, Document, corpus_sources, pg19_sources, read_hf_dataset,
                          read_wikitext, text_folder_sources, wikitext_sources)
 
 WIKI = """ 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from interp.data import (FILLER_WORDS, RESERVED_WORDS, FillerSource, encode_continuation, filler_vocabulary, source_seed,
+from recurscope.interp.data import (FILLER_WORDS, RESERVED_WORDS, FillerSource, encode_continuation, filler_vocabulary, source_seed,
                          sources)
 
 

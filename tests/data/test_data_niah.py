@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from interp.data import NEEDLE, NIAH_QUERY, build_niah, single_token_id
+from recurscope.interp.data import NEEDLE, NIAH_QUERY, build_niah, single_token_id
 
 
 def words(text):

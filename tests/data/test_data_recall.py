@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 import torch
 
-from interp.data import (TEMPLATES, VALUE_VOCABS, PairBatch, build_multifact_pairs, build_neutral_pairs,
+from recurscope.interp.data import (TEMPLATES, VALUE_VOCABS, PairBatch, build_multifact_pairs, build_neutral_pairs,
                          build_pairs, build_update_pairs, corpus_sources, iter_pairs, single_token_id,
                          text_folder_sources)
 
@@ -172,7 +172,7 @@ def test_multifact_rows_share_context_and_query_every_fact(tok):
 def test_corpus_sources_as_filler(word_tok, tmp_path):
     folder = tmp_path / "books"
     folder.mkdir()
-    from interp.data import sources
+    from recurscope.interp.data import sources
 
     for b in range(4):
         (folder / f"book{b}.txt").write_text(sources("train", 1, start=b)[0].text(80))

@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from interp.data import (default_word_list, encode_continuation, load_word_tokenizer, save_word_tokenizer,
+from recurscope.interp.data import (default_word_list, encode_continuation, load_word_tokenizer, save_word_tokenizer,
                          single_token_id, single_token_ids, sources)
 
 
@@ -23,7 +23,7 @@ def test_pre_tokenizer_splits_whitespace_and_punctuation(word_tok):
 
 
 def test_extra_words_are_added(word_tok):
-    from interp.data import build_word_tokenizer
+    from recurscope.interp.data import build_word_tokenizer
 
     tok = build_word_tokenizer(["Zyzzyva", "quux-frob"])
     single_token_id(tok, "Zyzzyva")

@@ -18,11 +18,11 @@ from scipy import stats as sps
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import kernels  # noqa: E402
+from recurscope import kernels  # noqa: E402
 from experiments.qed import common, evaluate, train_arms  # noqa: E402
-from interp.data import build_word_tokenizer  # noqa: E402
-from interp.models import RecurrentLM  # noqa: E402
-from interp.stats import mcnemar_exact  # noqa: E402
+from recurscope.interp.data import build_word_tokenizer  # noqa: E402
+from recurscope.interp.models import RecurrentLM  # noqa: E402
+from recurscope.interp.stats import mcnemar_exact  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def _model(arm, tokenizer, seed=0, theta=None):
 
 
 def _load(path):
-    from interp.loading import load_model
+    from recurscope.interp.loading import load_model
     return load_model(path)
 
 

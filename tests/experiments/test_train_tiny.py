@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from interp.loading import load_model
+from recurscope.interp.loading import load_model
 
 SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "train_tiny.py"
 

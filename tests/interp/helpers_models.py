@@ -1,7 +1,7 @@
 """Tiny random models of every family, shared by the model tests."""
 import torch
 
-from interp.models import ModelConfig, RecurrentLM
+from recurscope.interp.models import ModelConfig, RecurrentLM
 
 FAMILIES = {
     "gla": dict(model_type="gla", expand_k=0.5, expand_v=1.0),

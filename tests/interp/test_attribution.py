@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from hooks.points import hook_name
-from interp.attribution import Contributions, attribute_readout, readout_contributions
+from recurscope import kernels
+from recurscope.hooks.points import hook_name
+from recurscope.interp.attribution import Contributions, attribute_readout, readout_contributions
 
 from helpers_models import tiny_model
 
@@ -215,7 +215,7 @@ def test_model_bad_inputs_raise_named_value_errors():
 
 
 def test_model_with_a_tokenizer_names_the_tokens():
-    from interp.data.tokenizer import build_word_tokenizer, token_strings
+    from recurscope.interp.data.tokenizer import build_word_tokenizer, token_strings
 
     model = tiny_model("gdn")
     model.tokenizer = build_word_tokenizer()

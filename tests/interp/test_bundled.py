@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from interp.loading import bundled_names, load_model
+from recurscope.interp.loading import bundled_names, load_model
 
 
 @pytest.mark.parametrize("name", bundled_names())

@@ -1,7 +1,7 @@
 """The documentation's hook table is the one the code defines."""
 from pathlib import Path
 
-from hooks import render_markdown
+from recurscope.hooks import render_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 

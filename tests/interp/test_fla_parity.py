@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from interp.loading import load_model, state_from_fla
+from recurscope.interp.loading import load_model, state_from_fla
 
 fla_models = pytest.importorskip("fla.models")
 
@@ -70,7 +70,7 @@ def test_hybrid_config_builds_attention_where_fla_puts_it(tmp_path):
     cfg.save_pretrained(tmp_path)
     from fla.models.configuration_utils import get_attention_spec
 
-    from interp.models import ModelConfig, RecurrentLM
+    from recurscope.interp.models import ModelConfig, RecurrentLM
 
     ours = RecurrentLM(ModelConfig.from_dict(cfg.to_dict()))
     expect = [layer for layer in range(3) if get_attention_spec(cfg.attn, layer_idx=layer) is not None]

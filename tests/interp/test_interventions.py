@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from helpers_models import tiny_model
-from hooks.patches import ReadoutReplace, StateReplace, WriteReplace, WriteScale, run_with_patches
-from interp import interventions as iv
-from interp import metrics
-from interp.data import build_multifact_pairs, build_pairs, build_word_tokenizer
+from recurscope.hooks.patches import ReadoutReplace, StateReplace, WriteReplace, WriteScale, run_with_patches
+from recurscope.interp import interventions as iv
+from recurscope.interp import metrics
+from recurscope.interp.data import build_multifact_pairs, build_pairs, build_word_tokenizer
 
 ATOL = 2e-5   # float32 rounding of a 2-4 layer model; rows in different batch positions differ by ~1e-7
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from interp.loading import fla_to_ours, load_model, ours_to_fla, save_model
+from recurscope.interp.loading import fla_to_ours, load_model, ours_to_fla, save_model
 from tests.interp.helpers_models import FAMILIES, tiny_model
 
 

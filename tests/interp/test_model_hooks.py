@@ -3,8 +3,8 @@ reference run on the mixer's own cached inputs."""
 import pytest
 import torch
 
-import kernels
-from hooks import StateReplace, WriteReplace, WriteScale, names_for, run_with_patches
+from recurscope import kernels
+from recurscope.hooks import StateReplace, WriteReplace, WriteScale, names_for, run_with_patches
 from tests.interp.helpers_models import FAMILIES, tiny_model
 
 T = 21

@@ -10,10 +10,10 @@ import nnsight
 import pytest
 import torch
 
-from hooks.nnsight import RecurscopeNNsight
-from hooks.patches import ReadoutReplace, StateReplace, WriteScale, run_with_patches
-from hooks.points import names_for
-from interp.models import ModelConfig, RecurrentLM
+from recurscope.hooks.nnsight import RecurscopeNNsight
+from recurscope.hooks.patches import ReadoutReplace, StateReplace, WriteScale, run_with_patches
+from recurscope.hooks.points import names_for
+from recurscope.interp.models import ModelConfig, RecurrentLM
 
 T = 10
 TOL = 1e-5

@@ -1,7 +1,7 @@
 """The shared optimiser groups: QED's theta alone at 10x the learning rate, every parameter in exactly one group."""
 import pytest
 
-from interp.models.optim import param_groups
+from recurscope.interp.models.optim import param_groups
 from tests.interp.helpers_models import tiny_model
 
 

@@ -12,7 +12,7 @@ from matplotlib.container import ErrorbarContainer
 from matplotlib.patches import Rectangle
 from scipy import stats as sps
 
-from interp import plots as P
+from recurscope.interp import plots as P
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from interp.results import COMMIT_KEY, RowLog, RunDir, checkpoint_hash, package_versions
+from recurscope.interp.results import COMMIT_KEY, RowLog, RunDir, checkpoint_hash, package_versions
 
 
 @pytest.fixture()
@@ -163,7 +163,7 @@ def test_duplicate_keys_keep_first_and_warn(tmp_path):
 
 _WRITER = textwrap.dedent("""
     import sys, time, random
-    from interp.results import RunDir
+    from recurscope.interp.results import RunDir
     out, n_keys, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     run = RunDir.create_or_open(out, kind="killtest", model_name="none", args={"n_keys": n_keys})
     rows = run.table("rows", key=["key"])

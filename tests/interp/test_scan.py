@@ -5,9 +5,9 @@ import pandas as pd
 import pytest
 
 from helpers_models import tiny_model
-from interp import scan
-from interp.data import build_pairs, build_word_tokenizer
-from interp.results import RunDir
+from recurscope.interp import scan
+from recurscope.interp.data import build_pairs, build_word_tokenizer
+from recurscope.interp.results import RunDir
 
 ATOL = 2e-5
 

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from scipy import stats as sps
 
-from interp import stats as S
+from recurscope.interp import stats as S
 
 
 # ---------------------------------------------------------------------------------------------------------------

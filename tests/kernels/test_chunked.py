@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+from recurscope import kernels
 
 FAMILIES = ("gla", "gdn", "deltanet", "kda", "gdn2", "qed")
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+from recurscope import kernels
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")                      # fla warns that Triton has no GPU here

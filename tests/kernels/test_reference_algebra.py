@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+from recurscope import kernels
 
 DT = torch.float64
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels.reference import recurrence_reference
+from recurscope import kernels
+from recurscope.kernels.reference import recurrence_reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
@@ -20,8 +20,8 @@ elif torch.cuda.is_available():
 else:
     pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py) or a CUDA device", allow_module_level=True)
 
-from kernels import triton_recurrent  # noqa: E402  (after the interpreter switch is known)
-from kernels.triton_recurrent import recurrence_triton, tile_config  # noqa: E402
+from recurscope.kernels import triton_recurrent  # noqa: E402  (after the interpreter switch is known)
+from recurscope.kernels.triton_recurrent import recurrence_triton, tile_config  # noqa: E402
 
 FAMILIES = ("gla", "gdn", "deltanet", "kda", "gdn2", "qed")
 FEATURES = ("none", "write_scale", "extra_write", "capture", "initial_state", "all")

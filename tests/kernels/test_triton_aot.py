@@ -32,7 +32,7 @@ def compile_and_measure(K, V, input_dtype, flags=HEAVY_FLAGS, H=4):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import triton_recurrent as tr
+    from recurscope.kernels import triton_recurrent as tr
 
     fn = tr.recurrent_fwd_kernel
     assert isinstance(fn, triton.runtime.jit.JITFunction), "TRITON_INTERPRET must be unset for an AOT compile"

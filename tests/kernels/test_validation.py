@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-import kernels
+from recurscope import kernels
 
 B, T, H, K, V = 2, 5, 3, 4, 6
 
