@@ -3,6 +3,12 @@ into TransformerLens forward hooks on the names in `hooks.points`.
 
 Write and state patches change the recurrence itself, so their effect carries forward into every later step
 (unlike a readout-only hook on a cached state).
+
+Where a patch acts is given in one of two forms, and both become one boolean mask over the activation:
+- the simple form: `heads` (an int or a list) at `positions` (an int, a list or a slice), optionally on some
+  `batch` rows only; the same heads and positions in every row;
+- the per-row form: `mask`, a bool tensor (B, T, H) (for StateReplace (B, H)), True where the patch acts; rows may
+  differ (e.g. each row's own fact spans). `head_mask` builds one from a (B, T) position mask and a head list.
 """
 from __future__ import annotations
 
@@ -11,131 +17,196 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from recurscope.hooks.points import hook_name
+
 Heads = Union[int, Sequence[int]]
 Positions = Union[int, Sequence[int], slice]
+#: A readout replacement: a (B, T, H, V) tensor from another run, or a function of this run's o_t returning one.
+Replacement = Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 
 
 def _heads(h: Heads) -> list[int]:
-    return [h] if isinstance(h, int) else list(h)
+    return [int(x) for x in h] if hasattr(h, "__iter__") else [int(h)]
 
 
-def _positions(p: Positions):
-    return [p] if isinstance(p, int) else p
+def head_mask(position_mask: torch.Tensor, n_heads: int, heads: Heads) -> torch.Tensor:
+    """(B, T, H) bool from a (B, T) bool position mask (one row per batch row), set for `heads` only."""
+    if position_mask.dim() != 2 or position_mask.dtype != torch.bool:
+        raise ValueError(f"position_mask must be a (B, T) bool tensor, got {position_mask.dtype} of shape "
+                         f"{tuple(position_mask.shape)}")
+    on = torch.zeros(n_heads, dtype=torch.bool, device=position_mask.device)
+    on[_heads(heads)] = True
+    return position_mask[:, :, None] & on
+
+
+def _check_form(patch, has_simple: bool) -> None:
+    if (patch.mask is None) == (not has_simple):
+        raise ValueError(f"{type(patch).__name__}(layer={patch.layer}): give either heads and positions (the same in "
+                         f"every row) or mask= (a bool tensor, per row), not both and not neither")
+    if patch.mask is not None and (not isinstance(patch.mask, torch.Tensor) or patch.mask.dtype != torch.bool):
+        got = patch.mask.dtype if isinstance(patch.mask, torch.Tensor) else type(patch.mask).__name__
+        raise ValueError(f"{type(patch).__name__}(layer={patch.layer}): mask must be a bool tensor, got {got}")
+
+
+def _where(patch, t: torch.Tensor, hook) -> torch.Tensor:
+    """The patch's (B, T, H) bool mask for activation t (B, T, H, ...), on t's device."""
+    B, T, H = t.shape[:3]
+    if patch.mask is not None:
+        if tuple(patch.mask.shape) != (B, T, H):
+            raise ValueError(f"{hook.name}: the patch mask has shape {tuple(patch.mask.shape)} but this run's "
+                             f"activation needs (B, T, H) = {(B, T, H)}; build the mask for this batch and length")
+        return patch.mask.to(t.device)
+    rows = torch.arange(B) if getattr(patch, "batch", None) is None else torch.as_tensor(list(patch.batch))
+    pos = torch.arange(T)[patch.positions]
+    heads = torch.as_tensor(_heads(patch.heads))
+    m = torch.zeros(B, T, H, dtype=torch.bool)
+    m[rows[:, None, None], pos.reshape(1, -1, 1), heads[None, None, :]] = True
+    return m.to(t.device)
 
 
 @dataclass
 class WriteScale:
-    """Multiplies the write of `heads` at `positions` by `scale` (0 = write_block); decay and erase still act."""
+    """Sets the write scale of `heads` at `positions` (or wherever `mask` is True) to `scale` (0 = write_block);
+    decay and erase still act."""
     layer: int
-    heads: Heads
-    positions: Positions
+    heads: Optional[Heads] = None
+    positions: Optional[Positions] = None
     scale: float = 0.0
     batch: Optional[Sequence[int]] = None   # rows of the batch to patch; None = all
+    mask: Optional[torch.Tensor] = None     # (B, T, H) bool, instead of heads/positions/batch
+
+    def __post_init__(self):
+        _check_form(self, self.heads is not None and self.positions is not None)
 
     def fwd_hooks(self):
-        heads, pos = _heads(self.heads), _positions(self.positions)
-
         def hook(ws, hook):
-            ws = ws.clone()
-            for r in (range(ws.shape[0]) if self.batch is None else self.batch):
-                for h in heads:
-                    ws[r, pos, h] = self.scale
-            return ws
-        return [(f"blocks.{self.layer}.mixer.hook_write_scale", hook)]
+            return ws.masked_fill(_where(self, ws, hook), self.scale)
+        return [(hook_name("hook_write_scale", self.layer), hook)]
 
 
 @dataclass
 class WriteReplace:
-    """Replaces the write u_t x_t^T of `heads` at `positions` by key ⊗ value (e.g. the donor's); the erase is kept.
+    """Replaces the write u_t x_t^T of `heads` at `positions` (or wherever `mask` is True) by key ⊗ value (e.g. the
+    donor's); the erase is kept.
 
     key: (B, T, H, K) and value: (B, T, H, V) full tensors from the donor run; only the chosen entries are used.
     """
     layer: int
-    heads: Heads
-    positions: Positions
-    key: torch.Tensor
-    value: torch.Tensor
+    heads: Optional[Heads] = None
+    positions: Optional[Positions] = None
+    key: Optional[torch.Tensor] = None
+    value: Optional[torch.Tensor] = None
+    mask: Optional[torch.Tensor] = None     # (B, T, H) bool, instead of heads/positions
+
+    def __post_init__(self):
+        _check_form(self, self.heads is not None and self.positions is not None)
+        if self.key is None or self.value is None:
+            raise ValueError(f"WriteReplace(layer={self.layer}) needs key (B, T, H, K) and value (B, T, H, V), e.g. "
+                             f"the donor's hook_write_key and hook_write_value")
 
     def fwd_hooks(self):
-        heads, pos = _heads(self.heads), _positions(self.positions)
-
         def put(src):
             def hook(t, hook):
                 if t.shape != src.shape:
                     raise ValueError(f"{hook.name}: replacement has shape {tuple(src.shape)} but the run has "
                                      f"{tuple(t.shape)}; donor and recipient must have equal length and batch")
-                t = t.clone()
-                for h in heads:
-                    t[:, pos, h] = src[:, pos, h].to(t.dtype)
-                return t
+                return torch.where(_where(self, t, hook)[..., None], src.to(device=t.device, dtype=t.dtype), t)
             return hook
-        return [(f"blocks.{self.layer}.mixer.hook_write_key", put(self.key)),
-                (f"blocks.{self.layer}.mixer.hook_write_value", put(self.value))]
+        return [(hook_name("hook_write_key", self.layer), put(self.key)),
+                (hook_name("hook_write_value", self.layer), put(self.value))]
 
 
 @dataclass
 class StateReplace:
-    """Replaces S_t of `heads` at one position with `state` (B, H, K, V) or (B, K, V) per head; carries forward.
+    """Replaces S_t of `heads` (or of the (batch, head) entries where `mask` (B, H) is True) at one position with
+    `state`, (B, H, K, V) or (B, K, V) for every chosen head; the change carries forward.
 
-    Needs the run to request the position: pass `state_positions=[position]` (see `run_with_patches`).
+    The run must capture the position: `run_with_patches` passes it; with `model.run_with_hooks`, include it in
+    `state_positions`. The hook finds its own slice among several captured positions (hook_state names them).
     """
     layer: int
-    heads: Heads
-    position: int
-    state: torch.Tensor
+    heads: Optional[Heads] = None
+    position: int = 0
+    state: Optional[torch.Tensor] = None
+    mask: Optional[torch.Tensor] = None     # (B, H) bool, instead of heads
+
+    def __post_init__(self):
+        _check_form(self, self.heads is not None)
+        if self.state is None:
+            raise ValueError(f"StateReplace(layer={self.layer}) needs state: (B, H, K, V) or (B, K, V)")
 
     def fwd_hooks(self):
-        heads = _heads(self.heads)
-
         def hook(states, hook):
-            positions = hook.ctx.get("positions")
-            idx = positions.index(self.position) if positions else 0
+            positions = tuple(getattr(hook, "positions", ()))
+            if self.position not in positions:
+                raise ValueError(f"{hook.name}: StateReplace(position={self.position}) needs the run to capture that "
+                                 f"state, but it captured positions {list(positions)}; pass state_positions "
+                                 f"including {self.position} (run_with_patches does it for you)")
+            i = positions.index(self.position)
+            B, _, H = states.shape[:3]
+            src = self.state.to(device=states.device, dtype=states.dtype)
+            src = src if src.dim() == 4 else src[:, None].expand(B, H, *src.shape[1:])
+            if self.mask is not None:
+                if tuple(self.mask.shape) != (B, H):
+                    raise ValueError(f"{hook.name}: the StateReplace mask has shape {tuple(self.mask.shape)}; this "
+                                     f"run needs (B, H) = {(B, H)}")
+                where = self.mask.to(states.device)
+            else:
+                where = torch.zeros(B, H, dtype=torch.bool, device=states.device)
+                where[:, _heads(self.heads)] = True
             states = states.clone()
-            for i, h in enumerate(heads):
-                src = self.state[:, h] if self.state.dim() == 4 else self.state
-                states[:, idx, h] = src.to(states.dtype)
+            states[:, i] = torch.where(where[..., None, None], src, states[:, i])
             return states
-        return [(f"blocks.{self.layer}.mixer.hook_state", hook)]
+        return [(hook_name("hook_state", self.layer), hook)]
 
 
 @dataclass
 class ReadoutReplace:
-    """Replaces the query-time head output o_t of `heads` at `positions` (hook_head_out); the state is untouched."""
+    """Replaces the query-time head output o_t of `heads` at `positions` (or wherever `mask` is True) by `value`
+    (hook_head_out); the state is untouched.
+
+    value: a (B, T, H, V) tensor from another run, or a function of this run's o (B, T, H, V) returning one, for
+    replacements computed inside the same forward (e.g. copying rows of one block of the batch into another).
+    """
     layer: int
-    heads: Heads
-    positions: Positions
-    value: torch.Tensor   # (B, T, H, V) from another run
+    heads: Optional[Heads] = None
+    positions: Optional[Positions] = None
+    value: Optional[Replacement] = None
+    mask: Optional[torch.Tensor] = None     # (B, T, H) bool, instead of heads/positions
+
+    def __post_init__(self):
+        _check_form(self, self.heads is not None and self.positions is not None)
+        if self.value is None:
+            raise ValueError(f"ReadoutReplace(layer={self.layer}) needs value: a (B, T, H, V) tensor or a function "
+                             f"of o returning one")
 
     def fwd_hooks(self):
-        heads, pos = _heads(self.heads), _positions(self.positions)
-
         def hook(o, hook):
-            if o.shape != self.value.shape:
-                raise ValueError(f"{hook.name}: replacement has shape {tuple(self.value.shape)} but the run has {tuple(o.shape)}")
-            o = o.clone()
-            for h in heads:
-                o[:, pos, h] = self.value[:, pos, h].to(o.dtype)
-            return o
-        return [(f"blocks.{self.layer}.mixer.hook_head_out", hook)]
+            value = self.value(o) if callable(self.value) else self.value
+            if o.shape != value.shape:
+                raise ValueError(f"{hook.name}: replacement has shape {tuple(value.shape)} but the run has "
+                                 f"{tuple(o.shape)}")
+            return torch.where(_where(self, o, hook)[..., None], value.to(device=o.device, dtype=o.dtype), o)
+        return [(hook_name("hook_head_out", self.layer), hook)]
 
 
-def run_with_patches(model, tokens: torch.Tensor, patches: Sequence, **kwargs):
-    """Runs `model` with every patch's hooks (removed afterwards, even on error) and the state positions they need."""
-    positions = sorted({p.position for p in patches if isinstance(p, StateReplace)})
+def patch_hooks(model, patches: Sequence) -> list[tuple[str, Callable]]:
+    """The forward hooks of every patch, each checked to name a hook point of `model`."""
     hooks: list[tuple[str, Callable]] = []
     for p in patches:
-        if isinstance(p, StateReplace):
+        if isinstance(p, StateReplace) and p.heads is not None:
             model.check_head(p.layer, _heads(p.heads)[0])
         hooks.extend(p.fwd_hooks())
     for name, _ in hooks:
         if name not in model.hook_dict:
             raise ValueError(f"no hook point named {name!r} on this model (attention layer, or out of range?)")
+    return hooks
+
+
+def run_with_patches(model, tokens: torch.Tensor, patches: Sequence, **kwargs):
+    """Runs `model` with every patch's hooks (removed afterwards, even on error) and the state positions they need."""
+    hooks = patch_hooks(model, patches)
+    positions = {p.position for p in patches if isinstance(p, StateReplace)}
     if positions:
-        kwargs["state_positions"] = positions
-        for name, _ in hooks:
-            model.hook_dict[name].ctx["positions"] = positions
-    try:
-        return model.run_with_hooks(tokens, fwd_hooks=hooks, **kwargs)
-    finally:
-        for name, _ in hooks:
-            model.hook_dict[name].ctx.pop("positions", None)
+        kwargs["state_positions"] = sorted(positions | set(kwargs.get("state_positions") or ()))
+    return model.run_with_hooks(tokens, fwd_hooks=hooks, **kwargs)

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.nn as nn
+from transformer_lens.hook_points import HookPoint
+
 
 @dataclass(frozen=True)
 class HookSpec:
@@ -49,6 +52,22 @@ HOOK_POINTS: tuple[HookSpec, ...] = (
     HookSpec("blocks.{l}.mixer.hook_pattern", "attention", "(B, H, Tq, Tk)", "softmax attention weights", "changes the mix of values"),
     HookSpec("blocks.{l}.mixer.hook_head_out", "attention", "(B, T, H, D)", "per-head output before o_proj", "changes only that output"),
 )
+
+
+class StateHookPoint(HookPoint):
+    """`hook_state`: fires on S_t at the positions a run requested, and names them in `positions` while it fires,
+    so that a hook can tell which slice of its (B, P, H, K, V) input holds which step."""
+
+    def __init__(self):
+        super().__init__()
+        self.positions: tuple[int, ...] = ()
+
+
+def is_intercepted(point: nn.Module) -> bool:
+    """Whether anything can see or change what this hook point returns: a forward hook (TransformerLens's hooks
+    and caches, plain torch hooks) or a replaced `forward` (nnsight installs its controller that way). A point
+    nobody intercepts returns its input unchanged, so the model can skip looking for patches there."""
+    return bool(point._forward_hooks) or "forward" in point.__dict__ or bool(nn.modules.module._global_forward_hooks)
 
 
 def hook_name(point: str, layer: int | None = None) -> str:

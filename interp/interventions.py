@@ -21,6 +21,8 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from recurscope.hooks.patches import ReadoutReplace, WriteReplace, WriteScale, head_mask, patch_hooks
+from recurscope.hooks.points import hook_name
 from recurscope.interp.models.cache import RecurrentCache
 
 Head = tuple[int, int]
@@ -187,14 +189,6 @@ def candidate_logits(logits_last: torch.Tensor, cand: torch.Tensor) -> torch.Ten
     return logits_last.float().gather(1, cand.to(logits_last.device)).cpu()
 
 
-def _head_mask(T: int, rows_mask: torch.Tensor, H: int, heads: Sequence[int]) -> torch.Tensor:
-    """(B, T, H) bool from a (B, T) position mask, set for `heads` only."""
-    m = torch.zeros(rows_mask.shape[0], T, H, dtype=torch.bool)
-    for h in heads:
-        m[:, :, h] = rows_mask
-    return m
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Runs
 # ---------------------------------------------------------------------------------------------------------------
@@ -279,7 +273,7 @@ def clean_run(model, pairs, batch_size: int = 16) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _write_intervention(name, model, pairs, heads, spans, batch_size, return_full, make_hooks):
+def _write_intervention(name, model, pairs, heads, spans, batch_size, return_full, make_patches):
     check_pairs(model, pairs)
     heads = normalise_heads(model, heads)
     span_t = _spans(pairs, spans)
@@ -297,8 +291,7 @@ def _write_intervention(name, model, pairs, heads, spans, batch_size, return_ful
             clean = model(rec)
             _store(parts, "clean", rows, candidate_logits(clean[idx, qp], cand))
             pos_mask = _span_mask(span_t[rows], T)
-            hooks = make_hooks(rows, pos_mask, device)
-            with model.hooks(fwd_hooks=hooks):
+            with model.hooks(fwd_hooks=patch_hooks(model, make_patches(rows, pos_mask, device))):
                 logits = model(rec)
             last = logits[idx, qp]
             _store(parts, "logits", rows, candidate_logits(last, cand))
@@ -317,17 +310,11 @@ def write_block(model, pairs, heads: HeadsArg, *, spans: SpansArg = "fact", batc
     heads_n = normalise_heads(model, heads)
     H = model.n_state_heads
 
-    def make_hooks(rows, pos_mask, device):
-        hooks = []
-        for layer, hs in _by_layer(heads_n).items():
-            mask = _head_mask(pos_mask.shape[1], pos_mask, H, hs).to(device)
+    def make_patches(rows, pos_mask, device):
+        return [WriteScale(layer, scale=0.0, mask=head_mask(pos_mask, H, hs).to(device))
+                for layer, hs in _by_layer(heads_n).items()]
 
-            def block(ws, hook, mask=mask):
-                return ws.masked_fill(mask, 0.0)
-            hooks.append((f"blocks.{layer}.mixer.hook_write_scale", block))
-        return hooks
-
-    return _write_intervention("write_block", model, pairs, heads_n, spans, batch_size, return_full, make_hooks)
+    return _write_intervention("write_block", model, pairs, heads_n, spans, batch_size, return_full, make_patches)
 
 
 def donor_write(model, pairs, heads: HeadsArg, *, spans: SpansArg = "fact", batch_size: int = 16,
@@ -339,23 +326,16 @@ def donor_write(model, pairs, heads: HeadsArg, *, spans: SpansArg = "fact", batc
     layers = _by_layer(heads_n)
     H = model.n_state_heads
 
-    def make_hooks(rows, pos_mask, device):
-        names = [f"blocks.{l}.mixer.hook_write_{w}" for l in layers for w in ("key", "value")]
-        donor = _Collector(names)
+    def make_patches(rows, pos_mask, device):
+        names = {l: (hook_name("hook_write_key", l), hook_name("hook_write_value", l)) for l in layers}
+        donor = _Collector([n for pair in names.values() for n in pair])
         with model.hooks(fwd_hooks=donor.hooks()):
             model(pairs.donor_ids[rows].to(device))
-        hooks = []
-        for layer, hs in layers.items():
-            mask = _head_mask(pos_mask.shape[1], pos_mask, H, hs).to(device)[..., None]
-            for w in ("key", "value"):
-                name = f"blocks.{layer}.mixer.hook_write_{w}"
+        return [WriteReplace(layer, key=donor.values[names[layer][0]], value=donor.values[names[layer][1]],
+                             mask=head_mask(pos_mask, H, hs).to(device))
+                for layer, hs in layers.items()]
 
-                def put(t, hook, mask=mask, src=donor.values[name]):
-                    return torch.where(mask, src.to(t.dtype), t)
-                hooks.append((name, put))
-        return hooks
-
-    return _write_intervention("donor_write", model, pairs, heads_n, spans, batch_size, return_full, make_hooks)
+    return _write_intervention("donor_write", model, pairs, heads_n, spans, batch_size, return_full, make_patches)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -409,36 +389,36 @@ class _SuffixContext:
         return candidate_logits(last, self.cand.repeat(reps, 1)), last.float()
 
 
-def _copy_head_out(heads, m: int, src_block: int, dst_block: int, pos_mask: torch.Tensor, H: int, device,
-                   noise: Optional[dict] = None):
-    """Hooks on hook_head_out that, inside one batched run of blocks of m rows, copy block `src_block`'s o_t of the
-    chosen heads at pos_mask (m, L) into block `dst_block`. Both blocks are computed in the same forward, so the
-    copied value is exactly what that run produces at that layer.
+def _copy_head_out(heads, m: int, n_blocks: int, src_block: int, dst_block: int, pos_mask: torch.Tensor, H: int,
+                   device, noise: Optional[dict] = None) -> list[ReadoutReplace]:
+    """Readout patches that, inside one batched run of n_blocks blocks of m rows, copy block `src_block`'s o_t of
+    the chosen heads at pos_mask (m, L) into block `dst_block`. Both blocks are computed in the same forward, so
+    the copied value is exactly what that run produces at that layer.
 
     noise: {layer: (m, L, H, V) unit directions}; then dst keeps its own o_t and gains
     ||o_t(src) - o_t(block 0)|| times the direction instead (the equal-norm random control).
     """
-    hooks = []
+    src_rows = slice(src_block * m, (src_block + 1) * m)
+    dst_rows = slice(dst_block * m, (dst_block + 1) * m)
+    where = torch.zeros(n_blocks * m, pos_mask.shape[1], dtype=torch.bool)
+    where[dst_rows] = pos_mask
+    patches = []
     for layer, hs in _by_layer(heads).items():
-        mask = _head_mask(pos_mask.shape[1], pos_mask, H, hs).to(device)[..., None]   # (m, L, H, 1)
-        src_rows = slice(src_block * m, (src_block + 1) * m)
-        dst_rows = slice(dst_block * m, (dst_block + 1) * m)
-
-        def put(o, hook, mask=mask, src_rows=src_rows, dst_rows=dst_rows, layer=layer):
-            o = o.clone()
+        def value(o, layer=layer):
+            out = o.clone()
             if noise is None:
-                o[dst_rows] = torch.where(mask, o[src_rows], o[dst_rows])
+                out[dst_rows] = o[src_rows]
             else:
                 scale = (o[src_rows].double() - o[:m].double()).norm(dim=-1, keepdim=True)
-                step = (noise[layer].to(o.device) * scale).to(o.dtype)
-                o[dst_rows] = torch.where(mask, o[dst_rows] + step, o[dst_rows])
-            return o
-        hooks.append((f"blocks.{layer}.mixer.hook_head_out", put))
-    return hooks
+                out[dst_rows] = o[dst_rows] + (noise[layer].to(o.device) * scale).to(o.dtype)
+            return out
+        patches.append(ReadoutReplace(layer, value=value, mask=head_mask(where, H, hs).to(device)))
+    return patches
 
 
-def _stack(ctx, tokens: Sequence[torch.Tensor], caches: Sequence[RecurrentCache], hooks=()):
+def _stack(ctx, tokens: Sequence[torch.Tensor], caches: Sequence[RecurrentCache], patches=()):
     """One suffix run of several blocks of m rows; returns per-block candidate logits and full last logits."""
+    hooks = patch_hooks(ctx.model, patches)
     z, last = ctx.run(torch.cat(list(tokens)), RecurrentCache.cat(list(caches)), hooks)
     m = ctx.m
     return [z[i * m:(i + 1) * m] for i in range(len(tokens))], [last[i * m:(i + 1) * m] for i in range(len(tokens))]
@@ -470,8 +450,8 @@ def output_patch(model, pairs, heads: HeadsArg, *, batch_size: int = 16,
     chosen layer inside the same forward.
     """
     def body(ctx: _SuffixContext, R, D, heads):
-        hooks = _copy_head_out(heads, ctx.m, 1, 2, ctx.query_mask, model.n_state_heads, ctx.device)
-        (clean, donor, patched), (_, _, last) = _stack(ctx, [ctx.rec, ctx.don, ctx.rec], [R, D, R], hooks)
+        patches = _copy_head_out(heads, ctx.m, 3, 1, 2, ctx.query_mask, model.n_state_heads, ctx.device)
+        (clean, donor, patched), (_, _, last) = _stack(ctx, [ctx.rec, ctx.don, ctx.rec], [R, D, R], patches)
         out = {"clean": clean, "donor_clean": donor, "logits": patched}
         if return_full:
             out["full"] = last
@@ -497,8 +477,8 @@ def output_restore(model, pairs, heads: HeadsArg, boundary=None, *, positions: s
     def body(ctx: _SuffixContext, R, D, heads):
         swapped = _swap_states(R, D, heads)
         mask = ctx.read_mask if positions == "read" else ctx.last_mask
-        hooks = _copy_head_out(heads, ctx.m, 0, 2, mask, model.n_state_heads, ctx.device)
-        (clean, swap, restored), (_, _, last) = _stack(ctx, [ctx.rec] * 3, [R, swapped, swapped], hooks)
+        patches = _copy_head_out(heads, ctx.m, 3, 0, 2, mask, model.n_state_heads, ctx.device)
+        (clean, swap, restored), (_, _, last) = _stack(ctx, [ctx.rec] * 3, [R, swapped, swapped], patches)
         out = {"clean": clean, "state_swap": swap, "logits": restored}
         if return_full:
             out["full"] = last
@@ -576,8 +556,9 @@ def random_update(model, pairs, heads: HeadsArg, kind: str = "state_swap", *, se
                     g = _gaussian((L, V), seed, row, layer, h)
                     directions[i, :, h] = g / g.norm(dim=-1, keepdim=True)
             noise[layer] = directions
-        hooks = _copy_head_out(heads, ctx.m, 1, 2, ctx.query_mask, model.n_state_heads, ctx.device, noise=noise)
-        (clean, _, patched), (_, _, last) = _stack(ctx, [ctx.rec, ctx.don, ctx.rec], [R, D, R], hooks)
+        patches = _copy_head_out(heads, ctx.m, 3, 1, 2, ctx.query_mask, model.n_state_heads, ctx.device,
+                                 noise=noise)
+        (clean, _, patched), (_, _, last) = _stack(ctx, [ctx.rec, ctx.don, ctx.rec], [R, D, R], patches)
         out = {"clean": clean, "logits": patched}
         if return_full:
             out["full"] = last

@@ -187,7 +187,7 @@ def naive_head_shifts(model, pairs, heads: Optional[Sequence] = None) -> pd.Data
     """The slow reference: for every target row and head, one full recipient forward with the head's S_b replaced
     by the donor's through hook_state (and the readout at b kept as the recipient's, which is what the cache swap
     means). Same columns as run_scan's rows. For tests and benchmarks."""
-    from recurscope.hooks.patches import ReadoutReplace, StateReplace, run_with_patches
+    from recurscope.hooks import ReadoutReplace, StateReplace, hook_name, run_with_patches
 
     check_pairs(model, pairs)
     head_list = all_heads(model) if heads is None else normalise_heads(model, heads)
@@ -204,8 +204,8 @@ def naive_head_shifts(model, pairs, heads: Optional[Sequence] = None) -> pd.Data
             _, dc = model.run_with_cache(don, state_positions=[b], names_filter=lambda n: n.endswith("hook_state"))
             clean = float(_margins(candidate_logits(clean_logits[:, qp], cand), d, r)[0])
             for l, h in head_list:
-                patches = [StateReplace(l, [h], b, dc[f"blocks.{l}.mixer.hook_state"][:, 0]),
-                           ReadoutReplace(l, [h], b, rc[f"blocks.{l}.mixer.hook_head_out"])]
+                patches = [StateReplace(l, [h], b, dc[hook_name("hook_state", l)][:, 0]),
+                           ReadoutReplace(l, [h], b, rc[hook_name("hook_head_out", l)])]
                 logits = run_with_patches(model, rec, patches)
                 margin = float(_margins(candidate_logits(logits[:, qp], cand), d, r)[0])
                 out.append({"source": int(pairs.source_id[i]), "pair": int(pairs.group[i]), "layer": l, "head": h,

@@ -54,15 +54,18 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def recurrence(
     q, k, x, g, a=None, *, scale=None, initial_state=None, write_scale=None, extra_write=None,
-    capture=None, output_final_state: bool = True, backend: str = "auto",
+    capture=None, output_final_state: bool = True, backend: str = "auto", check_finite: bool = True,
 ) -> RecurrenceOutput:
     """Runs the recurrence over (B, T, H, ·) inputs; see the module docstring for the math.
 
     write_scale (B, T, H) multiplies the k x^T term (0 blocks a write; decay and erase still act).
     extra_write (u, y) adds u_t y_t^T at every step. capture: sorted positions whose S_t (after step t)
     is returned in `states`. initial_state continues a previous run, which is what stepping means.
+    check_finite=False skips the NaN/inf scan of every input (one host sync each); the models pass their `debug`
+    flag here, so that a forward on a GPU does not wait on the host. Shapes, dtypes and devices are always checked.
     """
-    dims, positions = validate(q, k, x, g, a, initial_state, write_scale, extra_write, capture)
+    dims, positions = validate(q, k, x, g, a, initial_state, write_scale, extra_write, capture,
+                               check_finite=check_finite)
     chosen = resolve_backend(backend, q.device)
     scale = dims.K ** -0.5 if scale is None else float(scale)
     dtype = compute_dtype(q)

@@ -90,6 +90,18 @@ class RecurrentLM(HookedRootModule):
         if not 0 <= head < self.n_state_heads:
             raise ValueError(f"head {head} is out of range: layer {layer} has heads 0..{self.n_state_heads - 1}")
 
+    @property
+    def debug(self) -> bool:
+        """When True, every recurrent layer checks its kernel inputs for NaN/inf (one host sync per tensor) and
+        names the first bad one; off by default, so that a forward on a GPU never waits on the host."""
+        return any(b.mixer.check_finite for b in self.blocks if b.is_recurrent)
+
+    @debug.setter
+    def debug(self, on: bool) -> None:
+        for b in self.blocks:
+            if b.is_recurrent:
+                b.mixer.check_finite = bool(on)
+
     def set_backend(self, backend: str) -> None:
         """Recurrence backend for every recurrent mixer: 'auto', 'reference', 'chunked' or 'triton'."""
         from recurscope import kernels
@@ -122,9 +134,10 @@ class RecurrentLM(HookedRootModule):
             tokens = tokens[None]
         if tokens.dtype not in (torch.long, torch.int32, torch.int64):
             raise ValueError(f"tokens must be an integer tensor of shape (B, T), got dtype {tokens.dtype}")
-        if int(tokens.max()) >= self.cfg.vocab_size or int(tokens.min()) < 0:
-            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size - 1}]; got ids in "
-                             f"[{int(tokens.min())}, {int(tokens.max())}] (wrong tokenizer for this model?)")
+        lo, hi = (int(v) for v in torch.stack(torch.aminmax(tokens)).tolist())   # the call's one host sync
+        if hi >= self.cfg.vocab_size or lo < 0:
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size - 1}]; got ids in [{lo}, {hi}] "
+                             "(wrong tokenizer for this model?)")
         if cache is not None and len(cache.layers) != len(self.blocks):
             raise ValueError(f"the cache has {len(cache.layers)} layers but the model has {len(self.blocks)}")
         offset = 0 if cache is None else cache.seen_tokens

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from transformer_lens.hook_points import HookPoint
 
 from recurscope import kernels
+from recurscope.hooks.points import StateHookPoint, is_intercepted
 from recurscope.interp.models.cache import LayerCache
 from recurscope.interp.models.config import ModelConfig
 from recurscope.interp.models.layers import GatedRMSNorm, RMSNorm, ShortConvolution, l2_normalise, rotary
@@ -34,6 +35,7 @@ class RecurrentMixer(nn.Module):
     def __init__(self):
         super().__init__()
         self.backend = "auto"
+        self.check_finite = False            # the model's debug flag (RecurrentLM.debug) sets it
         self.hook_q = HookPoint()            # (B, T, H, K) after conv, activation and norm
         self.hook_k = HookPoint()            # (B, T, H, K)
         self.hook_v = HookPoint()            # (B, T, H, V)
@@ -42,32 +44,39 @@ class RecurrentMixer(nn.Module):
         self.hook_write_key = HookPoint()    # u_t: (B, T, H, K), the write direction (k_t unless patched)
         self.hook_write_value = HookPoint()  # x_t: (B, T, H, V), so that W_t = u_t x_t^T
         self.hook_write_scale = HookPoint()  # (B, T, H), 1 unless patched; 0 blocks a write
-        self.hook_state = HookPoint()        # S_t at requested positions: (B, P, H, K, V)
+        self.hook_state = StateHookPoint()   # S_t at requested positions: (B, P, H, K, V); .positions names them
         self.hook_head_out = HookPoint()     # o_t before norm and gate: (B, T, H, V)
         self.hook_z = HookPoint()            # after norm and gate, before o_proj: (B, T, H, V)
 
     # ---- the recurrence with its hooks ------------------------------------
     def _recur(self, q, k, x, g, a, init_state, state_positions, scale):
-        """Applies the write/state hooks and runs the kernel; returns (o, final_state)."""
+        """Applies the write/state hooks and runs the kernel; returns (o, final_state).
+
+        The hook points fire on every call that something intercepts them (hooks.is_intercepted: TransformerLens
+        hooks, nnsight's forward replacement, whose edits may be in place), and only then is a point's output
+        compared with its input to find what changed: a forward without hooks makes no host sync here.
+        """
         B, T, H, K = q.shape
-        # Every hook point fires on every call, so that any hooking mechanism (TransformerLens hooks, nnsight's
-        # forward replacement, in-place edits) sees it; unpatched values are detected and cost nothing downstream.
-        u = self.hook_write_key(k.clone())
+        u, ws = k, None
+        if is_intercepted(self.hook_write_key):
+            u = self.hook_write_key(k.clone())
+        else:
+            self.hook_write_key(k)
         x = self.hook_write_value(x)
-        ws = self.hook_write_scale(torch.ones(B, T, H, dtype=torch.float32, device=q.device))
-        if bool((ws == 1).all()):
-            ws = None
+        if is_intercepted(self.hook_write_scale):
+            ws = self.hook_write_scale(torch.ones(B, T, H, dtype=torch.float32, device=q.device))
+            if bool((ws == 1).all()):
+                ws = None
         extra = None
-        if not torch.equal(u, k):
+        if u is not k and not torch.equal(u, k):
             # A patched write key must not move the erase: block the k x^T write and add u x^T instead.
-            scale_w = torch.zeros(B, T, H, dtype=torch.float32, device=q.device)
             extra = (u, x if ws is None else x * ws[..., None].to(x.dtype))
-            ws = scale_w
+            ws = torch.zeros(B, T, H, dtype=torch.float32, device=q.device)
         run = lambda sl, init, cap=None: kernels.recurrence(  # noqa: E731
             q[:, sl], k[:, sl], x[:, sl], g[:, sl], None if a is None else a[:, sl], scale=scale,
             initial_state=init, write_scale=None if ws is None else ws[:, sl],
             extra_write=None if extra is None else (extra[0][:, sl], extra[1][:, sl]),
-            capture=cap, backend=self.backend)
+            capture=cap, backend=self.backend, check_finite=self.check_finite)
         positions = None if state_positions is None else sorted({int(p) for p in state_positions})
         if positions is not None and any(p < 0 or p >= T for p in positions):
             raise ValueError(f"state_positions must lie in [0, {T - 1}] for a call of {T} tokens, got {positions}")
@@ -75,16 +84,24 @@ class RecurrentMixer(nn.Module):
         if not positions:
             return out.o, out.final_state
         states = out.states
-        patched = self.hook_state(states.clone())
+        # The hook names the positions its (B, P, ...) input holds, so a patch finds its own step.
+        self.hook_state.positions = tuple(positions)
+        try:
+            if not is_intercepted(self.hook_state):
+                self.hook_state(states)
+                return out.o, out.final_state
+            patched = self.hook_state(states.clone())
+        finally:
+            self.hook_state.positions = ()
         if patched.shape != states.shape:
             raise ValueError(f"a hook_state hook must return shape {tuple(states.shape)}, got {tuple(patched.shape)}")
         changed = (patched.to(states.dtype) != states).flatten(3).any(-1)   # (B, P, H)
-        if not bool(changed.any()):
+        hit = [i for i, c in enumerate(changed.any(dim=(0, 2)).tolist()) if c]
+        if not hit:
             return out.o, out.final_state
         # Rerun from the first patched position; each patch replaces the (batch, head) states it changes and
         # the recurrence continues from there, so the change carries into every later step.
         o = out.o.clone()
-        hit = [i for i in range(len(positions)) if bool(changed[:, i].any())]
         S = None
         prev = None
         for i in hit:

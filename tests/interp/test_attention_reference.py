@@ -3,6 +3,7 @@ scaled_dot_product_attention (fla's attention layer needs flash-attn, which has 
 import torch
 import torch.nn.functional as F
 
+from recurscope.hooks.points import hook_name
 from tests.interp.helpers_models import tiny_model
 
 
@@ -35,7 +36,7 @@ def test_sliding_window_masks_old_keys():
     model = tiny_model("gdn_hybrid", attn={"layers": [1], "num_heads": 2, "window_size": 3})
     pattern = {}
     model.run_with_hooks(torch.randint(0, 61, (1, 8)),
-                         fwd_hooks=[("blocks.1.mixer.hook_pattern", lambda p, hook: pattern.setdefault("p", p))])
+                         fwd_hooks=[(hook_name("hook_pattern", 1), lambda p, hook: pattern.setdefault("p", p))])
     p = pattern["p"][0, 0]
     for t in range(8):
         assert torch.all(p[t, : max(0, t - 2)] == 0) and torch.all(p[t, t + 1:] == 0)

@@ -9,6 +9,7 @@ import torch
 
 from helpers_models import tiny_model
 from recurscope.hooks.patches import ReadoutReplace, StateReplace, WriteReplace, WriteScale, run_with_patches
+from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp import metrics
 from recurscope.interp.data import build_multifact_pairs, build_pairs, build_word_tokenizer
@@ -137,8 +138,8 @@ def test_donor_write_matches_write_replace_patches(tok, pairs, family):
     for i in range(len(pairs)):
         pos = _spans_positions(pairs, i)
         _, cache = m.run_with_cache(pairs.donor_ids[i:i + 1])
-        patches = [WriteReplace(l, h, pos, cache[f"blocks.{l}.mixer.hook_write_key"],
-                                cache[f"blocks.{l}.mixer.hook_write_value"]) for l, h in heads]
+        patches = [WriteReplace(l, h, pos, cache[hook_name("hook_write_key", l)],
+                                cache[hook_name("hook_write_value", l)]) for l, h in heads]
         ref = run_with_patches(m, pairs.recipient_ids[i:i + 1], patches)
         torch.testing.assert_close(r.logits[i], last_logits(m, pairs, i, ref), atol=ATOL, rtol=0)
 
@@ -152,8 +153,8 @@ def state_swap_reference(m, pairs, i, heads, b=None):
     _, rc = m.run_with_cache(rec)
     patches = []
     for l, h in heads:
-        patches.append(StateReplace(l, [h], b, dc[f"blocks.{l}.mixer.hook_state"][:, 0]))
-        patches.append(ReadoutReplace(l, [h], b, rc[f"blocks.{l}.mixer.hook_head_out"]))
+        patches.append(StateReplace(l, [h], b, dc[hook_name("hook_state", l)][:, 0]))
+        patches.append(ReadoutReplace(l, [h], b, rc[hook_name("hook_head_out", l)]))
     return last_logits(m, pairs, i, run_with_patches(m, rec, patches))
 
 
@@ -185,7 +186,7 @@ def test_output_patch_matches_readout_replace_reference(model, pairs):
     for i in range(len(pairs)):
         pos = list(range(int(pairs.query_start[i]), int(pairs.query_pos[i]) + 1))
         _, dc = model.run_with_cache(pairs.donor_ids[i:i + 1])
-        patches = [ReadoutReplace(l, [h], pos, dc[f"blocks.{l}.mixer.hook_head_out"]) for l, h in heads]
+        patches = [ReadoutReplace(l, [h], pos, dc[hook_name("hook_head_out", l)]) for l, h in heads]
         ref = run_with_patches(model, pairs.recipient_ids[i:i + 1], patches)
         torch.testing.assert_close(r.logits[i], last_logits(model, pairs, i, ref), atol=ATOL, rtol=0)
         donor = last_logits(model, pairs, i, model(pairs.donor_ids[i:i + 1]))

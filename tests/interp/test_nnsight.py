@@ -12,7 +12,7 @@ import torch
 
 from recurscope.hooks.nnsight import RecurscopeNNsight
 from recurscope.hooks.patches import ReadoutReplace, StateReplace, WriteScale, run_with_patches
-from recurscope.hooks.points import names_for
+from recurscope.hooks.points import hook_name, names_for
 from recurscope.interp.models import ModelConfig, RecurrentLM
 
 T = 10
@@ -76,7 +76,7 @@ def test_plain_nnsight_reads_and_writes_hook_state():
         with plain.trace(tokens, state_positions=[4]):
             plain.blocks[0].mixer.hook_state.output[:, 0, 1] = 0.0
             patched = plain.output.save()
-    assert _maxdiff(state, cache["blocks.0.mixer.hook_state"]) < TOL
+    assert _maxdiff(state, cache[hook_name("hook_state", 0)]) < TOL
     clean = model(tokens)
     assert (patched - clean)[:, 4:].abs().max() > 1e-4 and (patched - clean)[:, :4].abs().max() < TOL
 
@@ -99,7 +99,7 @@ def test_writing_head_out_equals_tl_hook():
             point = model_nn.blocks[layer].mixer.hook_head_out
             point.output = zero_head(point.output)                                     # replaced
             replaced = model_nn.output.save()
-        reference = model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{layer}.mixer.hook_head_out", zero_head)])
+        reference = model.run_with_hooks(tokens, fwd_hooks=[(hook_name("hook_head_out", layer), zero_head)])
         clean = model(tokens)
     assert _maxdiff(in_place, reference) < TOL
     assert _maxdiff(replaced, reference) < TOL
@@ -137,7 +137,7 @@ def test_in_place_write_key_edit_keeps_the_erase():
             u = model_nn.blocks[layer].mixer.hook_write_key.output
             u[:, pos, head] = -u[:, pos, head]
             edited = model_nn.output.save()
-        reference = model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{layer}.mixer.hook_write_key", flip)])
+        reference = model.run_with_hooks(tokens, fwd_hooks=[(hook_name("hook_write_key", layer), flip)])
         clean = model(tokens)
     assert _maxdiff(edited, reference) < TOL
     assert _maxdiff(reference, clean) > 1e-4
@@ -160,7 +160,7 @@ def test_donor_to_recipient_state_patch_in_one_trace_equals_tl(kind, layer):
                 model_nn.blocks[layer].mixer.hook_state.output[:, 0, head] = donor_state[:, head]
                 patched = model_nn.output.save()
         _, cache = model.run_with_cache(donor, state_positions=[t])
-        tl_donor_state = cache[f"blocks.{layer}.mixer.hook_state"][:, 0]
+        tl_donor_state = cache[hook_name("hook_state", layer)][:, 0]
         reference = run_with_patches(model, recipient, [StateReplace(layer, head, t, tl_donor_state)])
         clean = model(recipient)
     assert donor_state.shape == tl_donor_state.shape
@@ -187,7 +187,7 @@ def test_batched_readout_patch_equals_readout_replace():
                 patched = model_nn.output.save()
         _, cache = model.run_with_cache(donor)
         reference = run_with_patches(model, recipient, [ReadoutReplace(
-            layer, head, pos, cache[f"blocks.{layer}.mixer.hook_head_out"])])
+            layer, head, pos, cache[hook_name("hook_head_out", layer)])])
     assert _maxdiff(patched, reference) < TOL
     assert _maxdiff(reference, model(recipient)) > 1e-4
 
