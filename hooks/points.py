@@ -86,7 +86,7 @@ def names_for(model) -> set[str]:
     """Every documented hook name this model should have, given which layers are recurrent."""
     out = set()
     recurrent = set(model.recurrent_layers)
-    erase = model.cfg.model_type != "gla"
+    absent = set(model.family.absent_hooks)   # the family's spec says which points it lacks (GLA: no erase)
     for spec in HOOK_POINTS:
         if spec.where == "model":
             out.add(spec.name)
@@ -94,7 +94,7 @@ def names_for(model) -> set[str]:
         for layer in range(model.cfg.num_hidden_layers):
             if spec.where == "block" or (spec.where == "recurrent" and layer in recurrent) or \
                     (spec.where == "attention" and layer not in recurrent):
-                if spec.name.endswith("hook_erase") and not erase:
+                if spec.where == "recurrent" and spec.name.rsplit(".", 1)[-1] in absent:
                     continue
                 out.add(spec.name.format(l=layer))
     return out

@@ -246,19 +246,6 @@ _MIXER_POINTS = ("hook_q", "hook_k", "hook_decay", "hook_erase", "hook_write_key
                  "hook_write_scale", "hook_head_out", "hook_z")
 
 
-def _mixer_norm(mixer):
-    return getattr(mixer, mixer.norm_name) if hasattr(mixer, "norm_name") else mixer.o_norm
-
-
-def _gate(mixer, h: torch.Tensor) -> Optional[torch.Tensor]:
-    """The output gate the mixer multiplies after its norm, from the normalised block input h (.., D), per head."""
-    gated = getattr(mixer, "use_output_gate", getattr(mixer, "use_gate", True))
-    if not gated or not hasattr(mixer, "g_proj"):
-        return None
-    gate = mixer.g_proj(h)
-    return gate.reshape(*gate.shape[:-1], -1, mixer.head_v)
-
-
 @torch.no_grad()
 def candidate_direction(model, cache, layer: int, head: int, position: int, batch: int,
                         candidates: tuple[int, int]) -> torch.Tensor:
@@ -273,12 +260,13 @@ def candidate_direction(model, cache, layer: int, head: int, position: int, batc
     V = mixer.head_v
     o_t = cache[hook_name("hook_head_out", layer)][batch, position, head].double()
     z_t = cache[hook_name("hook_z", layer)][batch, position, head].double()
-    norm = _mixer_norm(mixer)
+    spec = model.family   # the family's spec knows its output path: norm(o) * act(gate)
+    norm = spec.readout_norm(mixer)
     s = torch.rsqrt(o_t.pow(2).mean() + norm.eps).expand(V).clone()
     if norm.weight is not None:
         s = s * norm.weight.double()
     resid_pre = cache[hook_name("hook_resid_pre", layer)][batch, position]
-    gate = _gate(mixer, model.blocks[layer].attn_norm(resid_pre))
+    gate = spec.readout_gate(mixer, model.blocks[layer].attn_norm(resid_pre))
     if gate is not None:
         s = s * norm.act(gate[head].double())
     if not torch.allclose(s * o_t, z_t, rtol=1e-4, atol=1e-6 * float(z_t.abs().max()) + 1e-12):

@@ -86,9 +86,7 @@ def cmd_models(args):
             if "accuracy" in overall:  # written by experiments/train_tiny.py
                 recall = (f"{100 * overall['accuracy']:.1f}% [{100 * overall['ci_low']:.1f}, "
                           f"{100 * overall['ci_high']:.1f}] (n={overall['n_sources']} held-out sources)")
-        family = m.cfg.model_type + ("+attn" if m.attention_layers else "")
-        if m.cfg.model_type == "gated_deltanet2" and m.cfg.erase_arm != "gdn2":
-            family += f"/{m.cfg.erase_arm}"
+        family = m.family.describe(m.cfg) + ("+attn" if m.attention_layers else "")
         print(f"{name:<18}{family:<22}{m.cfg.num_hidden_layers:>7}{m.n_state_heads:>7}{f'{K} x {V}':>13}"
               f"{params / 1e6:>9.2f}M  {recall}")
     return 0

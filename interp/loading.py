@@ -14,29 +14,9 @@ from typing import Optional, Union
 import torch
 
 from recurscope.interp.models import ModelConfig, RecurrentLM
+from recurscope.interp.models.families import fla_to_ours, ours_to_fla  # noqa: F401  (public names)
 
 CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
-
-
-def fla_to_ours(name: str) -> str:
-    if name.startswith("lm_head."):
-        return name
-    if not name.startswith("model."):
-        raise KeyError(name)
-    rest = name[len("model."):]
-    rest = re.sub(r"^embeddings\.", "embed.", rest)
-    rest = re.sub(r"^layers\.(\d+)\.attn\.", r"blocks.\1.mixer.", rest)
-    rest = re.sub(r"^layers\.(\d+)\.", r"blocks.\1.", rest)
-    return rest
-
-
-def ours_to_fla(name: str) -> str:
-    if name.startswith("lm_head."):
-        return name
-    rest = re.sub(r"^embed\.", "embeddings.", name)
-    rest = re.sub(r"^blocks\.(\d+)\.mixer\.", r"layers.\1.attn.", rest)
-    rest = re.sub(r"^blocks\.(\d+)\.", r"layers.\1.", rest)
-    return "model." + rest
 
 
 def bundled_names() -> list[str]:
@@ -89,9 +69,10 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     if not cfg_file.is_file():
         raise ValueError(f"{directory} has no config.json")
     cfg = ModelConfig.from_dict(json.loads(cfg_file.read_text()))
+    weights = cfg.family.weights
     with torch.device("meta"):
         probe = RecurrentLM(cfg)
-    expected = {ours_to_fla(k): v.shape for k, v in probe.state_dict().items()}
+    expected = {weights.to_checkpoint(k): v.shape for k, v in probe.state_dict().items()}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     raw = _read_state_dict(directory)
@@ -110,7 +91,7 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
         lines.append("  Check that config.json belongs to these weights; nothing was loaded.")
         raise ValueError("\n".join(lines))
     model = RecurrentLM(cfg)
-    ours = {fla_to_ours(k): v for k, v in raw.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    ours = {weights.to_ours(k): v for k, v in raw.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     result = model.load_state_dict(ours, strict=not cfg.tie_word_embeddings)
     if cfg.tie_word_embeddings:
         leftover = [k for k in result.missing_keys if k != "lm_head.weight"]
@@ -118,7 +99,7 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
             raise ValueError(f"internal weight mapping error: missing {leftover}, unexpected {result.unexpected_keys}")
     for name, t in ours.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"weight {ours_to_fla(name)} in {directory} holds NaN or inf values; the checkpoint is corrupt")
+            raise ValueError(f"weight {weights.to_checkpoint(name)} in {directory} holds NaN or inf values; the checkpoint is corrupt")
     model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     model.set_backend(backend)
     model.name_or_path = str(path_or_name)
@@ -151,7 +132,7 @@ def save_model(model: RecurrentLM, directory: Union[str, os.PathLike], extra_con
     for k, v in model.state_dict().items():
         if model.cfg.tie_word_embeddings and k == "lm_head.weight":
             continue
-        sd[ours_to_fla(k)] = v.detach().contiguous().cpu()
+        sd[model.family.weights.to_checkpoint(k)] = v.detach().contiguous().cpu()
     save_file(sd, str(directory / "model.safetensors"), metadata={"format": "pt"})
     if model.tokenizer is not None:
         model.tokenizer.save_pretrained(str(directory))

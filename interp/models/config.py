@@ -1,13 +1,12 @@
 """Model configuration read from an HF/fla `config.json`, with every option we do not support rejected by name."""
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Optional
 
-from recurscope.kernels import ERASE_ARMS
+from recurscope.interp.models.families import FAMILIES, SHARED_KEYS, FamilySpec, family, owner_of
 
-RECURRENT_TYPES = ("gla", "gated_deltanet", "gated_deltanet2")
+RECURRENT_TYPES = tuple(FAMILIES)
 
 # Options fla writes that change nothing in inference math, or that we implement.
 _IGNORED_KEYS = {
@@ -91,50 +90,62 @@ class ModelConfig:
         return None
 
     @property
+    def family(self) -> FamilySpec:
+        return family(self.model_type)
+
+    @property
     def state_heads(self) -> int:
         """Heads that carry a recurrent state (value heads for grouped GDN)."""
-        if self.model_type == "gla":
-            return self.num_heads
-        return self.num_v_heads or self.num_heads
+        return self.family.state_heads(self)
 
     def state_shape(self) -> tuple[int, int]:
-        if self.model_type == "gla":
-            return (int(round(self.hidden_size * self.expand_k)) // self.num_heads,
-                    int(round(self.hidden_size * self.expand_v)) // self.num_heads)
-        return (self.head_dim, int(self.head_dim * self.expand_v))
+        return self.family.state_shape(self)
 
     def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
-        if self.model_type != "gated_deltanet2":
-            for key in ("erase_arm", "qed_lambda_max", "qed_theta_init"):
-                out.pop(key)
+        """The options this family reads (SHARED_KEYS and its spec's config_keys), then `extra`."""
+        keep = SHARED_KEYS | self.family.config_keys
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name in keep}
         out.update(self.extra)
         return out
 
     # ---- construction --------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
+        """Checks every key against the family's spec before building: unknown keys, another family's options and
+        missing required keys are each reported by name."""
         raw = dict(raw)
-        mtype = raw.get("model_type")
-        if mtype not in RECURRENT_TYPES:
-            raise ValueError(
-                f"unknown model_type {mtype!r} in config.json; recurscope loads {RECURRENT_TYPES} "
-                "(fla's 'gla' and 'gated_deltanet', and recurscope's 'gated_deltanet2' for GDN-2/QED)"
-            )
-        known = {f.name for f in fields(cls)} - {"extra"}
-        kwargs, unknown = {}, []
+        if "model_type" not in raw:
+            raise ValueError(f"config.json has no model_type; recurscope's fla-format families are {RECURRENT_TYPES}")
+        spec = family(raw["model_type"])
+        declared = {f.name: f for f in fields(cls) if f.name != "extra"}
+        allowed = SHARED_KEYS | spec.config_keys
+        kwargs, unknown, foreign = {}, [], []
         for key, value in raw.items():
-            if key in known:
+            if key in allowed:
                 kwargs[key] = value
             elif key in _IGNORED_KEYS:
                 continue
+            elif key in declared:
+                # Another family's option: harmless at its default (older recurscope wrote every field), an error
+                # otherwise, since this family would silently ignore it.
+                if value != _default(declared[key]):
+                    foreign.append(f"{key}={value!r} (a {owner_of(key)} option)")
             else:
                 unknown.append(key)
         problems = []
         if unknown:
             problems.append(f"unrecognised config options {sorted(unknown)}")
+        if foreign:
+            problems.append(f"options that model_type {spec.name!r} does not read: {', '.join(sorted(foreign))}")
+        if problems:
+            raise ValueError("unsupported config.json: " + "; ".join(problems)
+                             + ". recurscope implements fla 0.6.0's math for these options only; remove or change them.")
+        missing = [name for name, f in declared.items() if _default(f) is MISSING and name not in kwargs]
+        if missing:
+            raise ValueError(f"config.json lacks the required key(s) {missing} for model_type {spec.name!r}; "
+                             "add them (fla's save_pretrained writes every one).")
         cfg = cls(**kwargs)
-        problems += cfg._unsupported()
+        problems = cfg._unsupported()
         if problems:
             raise ValueError("unsupported config.json: " + "; ".join(problems)
                              + ". recurscope implements fla 0.6.0's math for these options only; remove or change them.")
@@ -146,25 +157,7 @@ class ModelConfig:
             bad.append(f"attnres_block_size={self.attnres_block_size} (attention residuals are not implemented)")
         if self.hidden_act != "swish":
             bad.append(f"hidden_act={self.hidden_act!r} (only 'swish')")
-        if self.model_type == "gla":
-            if self.feature_map is not None:
-                bad.append(f"feature_map={self.feature_map!r} (only None)")
-            for name, dim in (("expand_k", self.expand_k), ("expand_v", self.expand_v)):
-                total = self.hidden_size * dim
-                if not math.isclose(total, round(total)) or round(total) % self.num_heads:
-                    bad.append(f"{name}={dim} gives a dimension not divisible into {self.num_heads} heads")
-            if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
-                bad.append(f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}")
-        else:
-            hv = self.num_v_heads or self.num_heads
-            if hv % self.num_heads:
-                bad.append(f"num_v_heads={hv} must be a multiple of num_heads={self.num_heads}")
-            if not math.isclose(self.head_dim * self.expand_v, int(self.head_dim * self.expand_v)):
-                bad.append(f"head_dim * expand_v = {self.head_dim * self.expand_v} is not an integer")
-            if self.output_gate_activation not in ("swish", "silu", "sigmoid"):
-                bad.append(f"output_gate_activation={self.output_gate_activation!r}")
-        if self.model_type == "gated_deltanet2" and self.erase_arm not in ERASE_ARMS:
-            bad.append(f"erase_arm={self.erase_arm!r} (one of {ERASE_ARMS})")
+        bad += self.family.validate(self)
         if self.attn is not None:
             specs = [self.attn] if isinstance(self.attn, dict) else self.attn
             for spec in specs:
@@ -173,3 +166,11 @@ class ModelConfig:
                 if spec.get("qk_norm"):
                     bad.append("attn.qk_norm=True")
         return bad
+
+
+def _default(f):
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return MISSING

@@ -13,7 +13,7 @@ from transformer_lens.hook_points import HookPoint
 from recurscope.interp.models.cache import LayerCache, RecurrentCache
 from recurscope.interp.models.config import ModelConfig
 from recurscope.interp.models.layers import GatedMLP, RMSNorm
-from recurscope.interp.models.mixers import MIXERS, AttentionMixer, GatedDeltaNet2Mixer, RecurrentMixer
+from recurscope.interp.models.mixers import AttentionMixer, GatedDeltaNet2Mixer, RecurrentMixer
 
 
 class Block(nn.Module):
@@ -22,7 +22,7 @@ class Block(nn.Module):
         self.layer = layer
         spec = cfg.attention_spec(layer)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mixer = AttentionMixer(cfg, spec) if spec is not None else MIXERS[cfg.model_type](cfg)
+        self.mixer = AttentionMixer(cfg, spec) if spec is not None else cfg.family.mixer_class(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.mlp_intermediate)
         self.hook_resid_pre = HookPoint()
@@ -75,6 +75,11 @@ class RecurrentLM(HookedRootModule):
     @property
     def attention_layers(self) -> list[int]:
         return [b.layer for b in self.blocks if not b.is_recurrent]
+
+    @property
+    def family(self):
+        """The FamilySpec of this model (interp.models.families): its config keys, mixer, weights and hooks."""
+        return self.cfg.family
 
     @property
     def n_state_heads(self) -> int:

@@ -1,0 +1,246 @@
+"""One spec per model family: what a family reads from config.json, how it feeds the kernel's (q, k, x, g, a), its
+mixer, its weight names and its hook points. Config, loading, hook listing, attribution and the CLI ask the spec;
+adding a family means adding one `FamilySpec` here (and its mixer). See docs/adding_a_family.md.
+
+The kernel (recurscope.kernels.recurrence) runs, per head,
+
+    S_t = (I - k_t a_t^T) Diag(exp g_t) S_{t-1} + k_t x_t^T,     o_t = scale * S_t^T q_t
+
+and a family is a choice of these five inputs.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+from recurscope.kernels import ERASE_ARMS
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weight names
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightMap:
+    """Renames between a checkpoint's weight names and the module names inside recurscope (both directions)."""
+    format: str                               # "fla" or "transformers"
+    to_ours: Callable[[str], str]
+    to_checkpoint: Callable[[str], str]
+
+
+def fla_to_ours(name: str) -> str:
+    """fla's `model.layers.{i}.attn.q_proj.weight` -> recurscope's `blocks.{i}.mixer.q_proj.weight`."""
+    if name.startswith("lm_head."):
+        return name
+    if not name.startswith("model."):
+        raise KeyError(name)
+    rest = name[len("model."):]
+    rest = re.sub(r"^embeddings\.", "embed.", rest)
+    rest = re.sub(r"^layers\.(\d+)\.attn\.", r"blocks.\1.mixer.", rest)
+    rest = re.sub(r"^layers\.(\d+)\.", r"blocks.\1.", rest)
+    return rest
+
+
+def ours_to_fla(name: str) -> str:
+    if name.startswith("lm_head."):
+        return name
+    rest = re.sub(r"^embed\.", "embeddings.", name)
+    rest = re.sub(r"^blocks\.(\d+)\.mixer\.", r"layers.\1.attn.", rest)
+    rest = re.sub(r"^blocks\.(\d+)\.", r"layers.\1.", rest)
+    return "model." + rest
+
+
+FLA_WEIGHTS = WeightMap("fla", fla_to_ours, ours_to_fla)
+
+# ---------------------------------------------------------------------------------------------------------------
+# The spec
+# ---------------------------------------------------------------------------------------------------------------
+
+#: Options every fla-format family shares (the decoder, the hybrid attention layers, the tokenizer ids).
+SHARED_KEYS = frozenset({
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "norm_eps", "hidden_ratio",
+    "intermediate_size", "hidden_act", "tie_word_embeddings", "attn", "attnres_block_size",
+    "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "fuse_norm",
+    "use_short_conv", "conv_size", "conv_bias",
+})
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Everything recurscope knows about one family, in one place.
+
+    name: config.json's model_type. config_keys: the options it reads beyond SHARED_KEYS (ModelConfig fields).
+    kernel_inputs: how its projections become the kernel's q, k, x, g, a (documentation, rendered in the docs).
+    mixer: the mixer class's name in `recurscope.interp.models.mixers` (resolved lazily: mixers import the config).
+    absent_hooks: hook points of the recurrent vocabulary that this family lacks (GLA has no erase).
+    state_shape / state_heads: per-head state (K, V) and the number of state-carrying heads, from a config.
+    validate: messages for options the family does not implement. label: the family as `recurscope models` shows it.
+    readout_norm / readout_gate: the mixer's output path o -> norm(o) * act(gate), which attribution freezes.
+    """
+    name: str
+    title: str
+    weights: WeightMap
+    config_keys: frozenset
+    kernel_inputs: Mapping[str, str]
+    mixer: str
+    state_shape: Callable
+    state_heads: Callable
+    absent_hooks: frozenset = frozenset()
+    validate: Callable = lambda cfg: []
+    label: Optional[Callable] = None
+    readout_norm: Optional[Callable] = None
+    readout_gate: Optional[Callable] = None
+
+    @property
+    def format(self) -> str:
+        return self.weights.format
+
+    @property
+    def mixer_class(self):
+        from recurscope.interp.models import mixers
+
+        return getattr(mixers, self.mixer)
+
+    def has_hook(self, point: str) -> bool:
+        return point.rsplit(".", 1)[-1] not in self.absent_hooks
+
+    def describe(self, cfg) -> str:
+        return self.label(cfg) if self.label is not None else self.name
+
+
+# ---- GLA ----------------------------------------------------------------------------------------------------
+def _gla_state_shape(cfg):
+    return (int(round(cfg.hidden_size * cfg.expand_k)) // cfg.num_heads,
+            int(round(cfg.hidden_size * cfg.expand_v)) // cfg.num_heads)
+
+
+def _gla_validate(cfg):
+    bad = []
+    if cfg.feature_map is not None:
+        bad.append(f"feature_map={cfg.feature_map!r} (only None)")
+    for name, dim in (("expand_k", cfg.expand_k), ("expand_v", cfg.expand_v)):
+        total = cfg.hidden_size * dim
+        if not math.isclose(total, round(total)) or round(total) % cfg.num_heads:
+            bad.append(f"{name}={dim} gives a dimension not divisible into {cfg.num_heads} heads")
+    if cfg.num_kv_heads is not None and cfg.num_heads % cfg.num_kv_heads:
+        bad.append(f"num_kv_heads={cfg.num_kv_heads} does not divide num_heads={cfg.num_heads}")
+    return bad
+
+
+def _gla_norm(mixer):
+    return getattr(mixer, mixer.norm_name)
+
+
+def _gla_gate(mixer, h):
+    if not mixer.use_output_gate:
+        return None
+    gate = mixer.g_proj(h)
+    return gate.reshape(*gate.shape[:-1], -1, mixer.head_v)
+
+
+GLA = FamilySpec(
+    name="gla", title="Gated Linear Attention (fla)", weights=FLA_WEIGHTS,
+    config_keys=frozenset({"expand_k", "expand_v", "num_kv_heads", "feature_map", "use_output_gate", "clamp_min",
+                           "elementwise_affine", "gate_logit_normalizer", "gate_low_rank_dim"}),
+    kernel_inputs={"q": "q_proj (short conv), per head", "k": "k_proj (short conv), shared by num_kv_heads groups",
+                   "x": "v = v_proj (short conv)", "g": "logsigmoid(gk_proj x) / gate_logit_normalizer, per channel",
+                   "a": "none (no erase)"},
+    mixer="GLAMixer", state_shape=_gla_state_shape, state_heads=lambda cfg: cfg.num_heads,
+    absent_hooks=frozenset({"hook_erase"}), validate=_gla_validate,
+    readout_norm=_gla_norm, readout_gate=_gla_gate,
+)
+
+
+# ---- Gated DeltaNet and GDN-2 --------------------------------------------------------------------------------
+def _delta_state_shape(cfg):
+    return (cfg.head_dim, int(cfg.head_dim * cfg.expand_v))
+
+
+def _delta_validate(cfg):
+    bad = []
+    hv = cfg.num_v_heads or cfg.num_heads
+    if hv % cfg.num_heads:
+        bad.append(f"num_v_heads={hv} must be a multiple of num_heads={cfg.num_heads}")
+    if not math.isclose(cfg.head_dim * cfg.expand_v, int(cfg.head_dim * cfg.expand_v)):
+        bad.append(f"head_dim * expand_v = {cfg.head_dim * cfg.expand_v} is not an integer")
+    if cfg.output_gate_activation not in ("swish", "silu", "sigmoid"):
+        bad.append(f"output_gate_activation={cfg.output_gate_activation!r}")
+    return bad
+
+
+def _gdn2_validate(cfg):
+    bad = _delta_validate(cfg)
+    if cfg.erase_arm not in ERASE_ARMS:
+        bad.append(f"erase_arm={cfg.erase_arm!r} (one of {ERASE_ARMS})")
+    return bad
+
+
+def _gdn_gate(mixer, h):
+    if not mixer.use_gate:
+        return None
+    gate = mixer.g_proj(h)
+    return gate.reshape(*gate.shape[:-1], -1, mixer.head_v)
+
+
+def _gdn2_gate(mixer, h):
+    gate = mixer.g_proj(h)
+    return gate.reshape(*gate.shape[:-1], -1, mixer.head_v)
+
+
+_DELTA_KEYS = frozenset({"head_dim", "num_v_heads", "expand_v", "use_gate", "allow_neg_eigval",
+                         "output_gate_activation"})
+
+GATED_DELTANET = FamilySpec(
+    name="gated_deltanet", title="Gated DeltaNet (fla)", weights=FLA_WEIGHTS, config_keys=_DELTA_KEYS,
+    kernel_inputs={"q": "l2norm(silu(conv(q_proj)))", "k": "l2norm(silu(conv(k_proj)))",
+                   "x": "beta v, beta = sigmoid(b_proj) (x2 with allow_neg_eigval)",
+                   "g": "-exp(A_log) softplus(a_proj + dt_bias), per head", "a": "beta k"},
+    mixer="GatedDeltaNetMixer", state_shape=_delta_state_shape, state_heads=lambda cfg: cfg.num_v_heads or cfg.num_heads,
+    validate=_delta_validate, readout_norm=lambda mixer: mixer.o_norm, readout_gate=_gdn_gate,
+)
+
+GATED_DELTANET2 = FamilySpec(
+    name="gated_deltanet2", title="Gated DeltaNet-2 and its QED erase arms (recurscope)", weights=FLA_WEIGHTS,
+    config_keys=_DELTA_KEYS | {"erase_arm", "qed_lambda_max", "qed_theta_init"},
+    kernel_inputs={"q": "l2norm(silu(conv(q_proj)))", "k": "l2norm(silu(conv(k_proj)))",
+                   "x": "w * v, w = sigmoid(w_proj), per channel",
+                   "g": "-exp(A_log) softplus(f_proj + dt_bias), per channel",
+                   "a": "kernels.erase_vector(k, q, b, lam, erase_arm), b = sigmoid(b_proj)"},
+    mixer="GatedDeltaNet2Mixer", state_shape=_delta_state_shape,
+    state_heads=lambda cfg: cfg.num_v_heads or cfg.num_heads, validate=_gdn2_validate,
+    label=lambda cfg: "gated_deltanet2" + ("" if cfg.erase_arm == "gdn2" else f"/{cfg.erase_arm}"),
+    readout_norm=lambda mixer: mixer.o_norm, readout_gate=_gdn2_gate,
+)
+
+#: fla-format families, by config.json model_type.
+FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (GLA, GATED_DELTANET, GATED_DELTANET2)}
+
+
+def family(model_type: str) -> FamilySpec:
+    """The spec of an fla-format model_type; a ValueError naming the known ones otherwise."""
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"unknown model_type {model_type!r} in config.json; recurscope loads {tuple(FAMILIES)} "
+            "(fla's 'gla' and 'gated_deltanet', and recurscope's 'gated_deltanet2' for GDN-2/QED)")
+    return FAMILIES[model_type]
+
+
+def owner_of(key: str) -> Optional[str]:
+    """The fla-format family whose option `key` is, if it is one family's option."""
+    for spec in FAMILIES.values():
+        if key in spec.config_keys:
+            return spec.name
+    return None
+
+
+def render_markdown() -> str:
+    """The family table of docs/adding_a_family.md."""
+    rows = ["| model_type | family | format | mixer | q | k | x | g | a | hooks it lacks |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for s in FAMILIES.values():
+        k = s.kernel_inputs
+        rows.append(f"| `{s.name}` | {s.title} | {s.format} | `{s.mixer}` | {k['q']} | {k['k']} | {k['x']} | "
+                    f"{k['g']} | {k['a']} | {', '.join(sorted(s.absent_hooks)) or '—'} |")
+    return "\n".join(rows)
