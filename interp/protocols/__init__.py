@@ -26,10 +26,4 @@ def register_verbs(subparsers, model_args, load) -> None:
     """Adds one subcommand per protocol to the `recurscope` parser. model_args(p) adds the shared model options
     (model, --device, --dtype, --batch-size) and load(args) loads the model, both from interp.cli."""
     for verb in VERBS:
-        try:
-            module = importlib.import_module(f"recurscope.interp.protocols.{verb}")
-        except ModuleNotFoundError as err:
-            if err.name != f"recurscope.interp.protocols.{verb}":
-                raise
-            continue
-        module.add_verb(subparsers, model_args, load)
+        importlib.import_module(f"recurscope.interp.protocols.{verb}").add_verb(subparsers, model_args, load)

@@ -117,12 +117,16 @@ def lens_section(result: ProtocolResult, model_name: str) -> str:
     reading = ["The paper: the answer becomes readable at one layer, GLA layer 21 going from 28.9% to 95.3% "
                "(GDN layer 20: 25.8% to 100%), and the update task jumps at the same layer (+28.9 / +43.0 pp)."]
     best = {task: max(range(info["layers"]), key=lambda l: jumps[(task, l)]) for task in TASKS}
-    r = best["retention"]
-    reading.append(f"Here the largest retention jump is at layer {r} "
-                   f"({100 * acc.loc[('retention', r, 'before')]['estimate']:.1f}% -> "
-                   f"{100 * acc.loc[('retention', r, 'after')]['estimate']:.1f}%); the update task's largest jump is at "
-                   f"layer {best['update']}"
-                   + (", the same layer, as in the paper." if best["update"] == r else ", a different layer."))
+    r, u = best["retention"], best["update"]
+    text = (f"Here the largest retention jump is at layer {r} "
+            f"({100 * acc.loc[('retention', r, 'before')]['estimate']:.1f}% -> "
+            f"{100 * acc.loc[('retention', r, 'after')]['estimate']:.1f}%); ")
+    if jumps[("update", u)] <= 0:
+        text += "no layer raises the update task's accuracy."
+    else:
+        text += (f"the update task's largest jump ({100 * jumps[('update', u)]:+.1f} pp) is at layer {u}"
+                 + (", the same layer, as in the paper." if u == r else ", a different layer."))
+    reading.append(text)
     stale = s[(s["metric"] == "stale") & (s["task"] == "update") & (s["side"] == "after")
               & (s["layer"] == info["layers"] - 1)]
     reading.append(f"The model's own answer is right on {100 * info['final'].get('retention', np.nan):.1f}% of "
