@@ -189,3 +189,25 @@ def test_lens_after_the_last_layer_is_the_model_itself(model, tok):
     after0 = rows[(rows.layer == 0) & (rows.side == "after")]["correct"].to_numpy()
     np.testing.assert_array_equal(before1, after0)
     assert len(last) == int(p.is_target.sum())
+
+
+# ---- the report's control verdict ------------------------------------------------------------------------------
+
+def test_report_control_verdict_rests_on_the_donor_specific_shift():
+    from recurscope.interp.report import _reading
+
+    def row(arm, metric, est, low, high):
+        return {"intervention": arm, "metric": metric, "estimate": est, "low": low, "high": high}
+    summary = pd.DataFrame([
+        row("state_swap", "donor_margin_shift", 17.0, 15.0, 19.0), row("state_swap", "clean_accuracy", 1, 1, 1),
+        row("output_restore", "donor_margin_shift", 0.0, 0.0, 0.0),
+        # the margin shift excludes zero, but all of it is towards the distractors too
+        row("random_update", "donor_margin_shift", 0.7, 0.3, 1.2),
+        row("random_update", "donor_specific_shift", 0.02, -0.2, 0.25),
+        row("random_update", "distractor_shift", 0.68, 0.3, 1.1),
+        row("control_head", "donor_margin_shift", 0.36, 0.32, 0.41),
+        row("control_head", "donor_specific_shift", 0.30, 0.25, 0.35)])
+    lines = {line.split(":")[0]: line for line in _reading(summary)}
+    random_line = lines["- Equal-norm random update"]
+    assert "donor-specific shift +0.02" in random_line and "near zero" in random_line and "+0.68" in random_line
+    assert "excludes zero" in lines["- Control head (state swap)"]
