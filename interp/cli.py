@@ -253,6 +253,9 @@ def main(argv=None) -> int:
     p.add_argument("--n-heldout", type=int, default=32)
     p.add_argument("--out", default="results/tiny-gla")
     p.set_defaults(fn=cmd_run)
+    from recurscope.interp.protocols import register_verbs
+
+    register_verbs(sub, _model_args, _load)
     args = parser.parse_args(argv)
     try:
         result = args.fn(args)

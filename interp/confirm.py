@@ -102,6 +102,7 @@ def summarise_confirm(rows: pd.DataFrame, n_resamples: int = 9999, seed: int = 0
     rows = rows.copy()
     rows["clean_accuracy"] = rows["clean_correct"].astype(float)
     rows["intervened_accuracy"] = rows["correct"].astype(float)
-    metrics = ["donor_margin_shift", "donor_answer", "target_margin_change", "clean_accuracy", "intervened_accuracy"]
+    metrics = ["donor_margin_shift", "donor_specific_shift", "distractor_shift", "donor_answer", "target_margin_change",
+               "clean_accuracy", "intervened_accuracy"]
     target = rows[rows["is_target"]] if "is_target" in rows.columns else rows
     return summarise_metrics(target, metrics, by=("intervention",), n_resamples=n_resamples, seed=seed)

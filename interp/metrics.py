@@ -4,10 +4,16 @@ as tidy pandas rows whose statistical unit is the source passage, and their sour
 Metrics, per row i with candidate logits z (clean) and z' (intervened), recipient answer r_i and donor answer d_i:
 - clean_correct / correct: argmax over the candidates is r_i (before / after);
 - margin m = z_d - z_r; donor_margin_shift = m' - m (positive: towards the donor). Target rows with a donor only;
+- donor_specific_shift: the change in z_d - mean(z_c, c not in {r, d}), the donor against the non-donor
+  distractors; distractor_shift: the change in mean(z_c, c not in {r, d}) - z_r. The two add up to
+  donor_margin_shift. The margin shift rises whenever the recipient's answer loses confidence, towards the donor
+  and the distractors alike; only the donor-specific shift says the donor's value in particular gained (a control
+  is "near zero" when this one is). Target rows with a donor only;
 - donor_answer: argmax of z' is d_i. Target rows with a donor only;
 - target_margin = z_r - max_{c != r} z_c; target_margin_change = target_margin' - target_margin. Target rows;
 - nontarget_break (multi-fact pairs): on a non-target row that was correct before, 1 if it is now wrong, else 0;
-  undefined (NaN) on rows that were wrong before, so its mean is the break rate over the originally correct.
+  undefined (NaN) on rows that were wrong before, so its mean is the break rate over the originally correct;
+- nontarget_margin_change: the answer-margin change (as target_margin_change) on non-target rows.
 Undefined entries are NaN so that means skip them; 0/1 metrics are floats for the same reason.
 """
 from __future__ import annotations
@@ -22,8 +28,8 @@ from recurscope.interp import stats
 
 __all__ = ["METRICS", "example_metrics", "summarise_metrics", "source_means"]
 
-METRICS = ("clean_correct", "correct", "donor_margin_shift", "donor_answer", "target_margin_change",
-           "nontarget_break")
+METRICS = ("clean_correct", "correct", "donor_margin_shift", "donor_specific_shift", "distractor_shift",
+           "donor_answer", "target_margin_change", "nontarget_break", "nontarget_margin_change")
 
 
 def _as_array(name: str, t, n: int, C: int) -> np.ndarray:
@@ -64,6 +70,20 @@ def example_metrics(pairs, result=None, *, logits=None, clean=None, intervention
     def margin(z):
         return np.where(has_donor, z[rows, d_safe] - z[rows, r], np.nan)
 
+    # Non-donor distractors: every candidate other than the recipient's and the donor's answer.
+    distractor = np.ones((n, C), dtype=bool)
+    distractor[rows, r] = False
+    distractor[rows, d_safe] &= ~has_donor
+    if C < 3:
+        raise ValueError(f"the donor-specific shift needs at least one non-donor distractor, i.e. C >= 3 candidates; "
+                         f"got C={C}; build pairs with n_candidates >= 3")
+
+    def distractor_mean(z):
+        return np.where(distractor, z, 0.0).sum(axis=1) / distractor.sum(axis=1)
+
+    def donor_specific(z):
+        return np.where(has_donor, z[rows, d_safe] - distractor_mean(z), np.nan)
+
     def answer_margin(z):
         others = z.copy()
         others[rows, r] = -np.inf
@@ -89,11 +109,15 @@ def example_metrics(pairs, result=None, *, logits=None, clean=None, intervention
         "clean_margin": m_old,
         "margin": m_new,
         "donor_margin_shift": m_new - m_old,
+        "donor_specific_shift": donor_specific(z_new) - donor_specific(z_old),
+        "distractor_shift": np.where(has_donor, (distractor_mean(z_new) - z_new[rows, r])
+                                     - (distractor_mean(z_old) - z_old[rows, r]), np.nan),
         "donor_answer": np.where(has_donor, (arg_new == d_safe).astype(float), np.nan),
         "clean_target_margin": np.where(is_target, t_old, np.nan),
         "target_margin": np.where(is_target, t_new, np.nan),
         "target_margin_change": np.where(is_target, t_new - t_old, np.nan),
         "nontarget_break": np.where(~is_target & clean_correct, (~correct).astype(float), np.nan),
+        "nontarget_margin_change": np.where(~is_target, t_new - t_old, np.nan),
     })
     return frame
 

@@ -398,3 +398,91 @@ def plot_contrasts(table: pd.DataFrame, out_path, *, contrasts: Optional[Sequenc
         fig.suptitle(title)
     fig.tight_layout()
     return _save(fig, out_path, pd.DataFrame(records), dpi)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Protocol figures (Fig. 5, 10, 11, 12; Fig. 3c): estimates with intervals, as panels of points or curves
+# --------------------------------------------------------------------------------------------------------------
+
+
+def plot_interval_panels(summary: pd.DataFrame, out_path, *, panels: Sequence[str], row_col: str,
+                         rows: Optional[Sequence] = None, hue_col: Optional[str] = None,
+                         panel_labels: Optional[Mapping[str, str]] = None, percent: Sequence[str] = (),
+                         reference: Optional[Mapping[str, float]] = None, kind: str = "points",
+                         colors: Optional[Mapping] = None, title: Optional[str] = None, dpi: int = 150) -> PlotResult:
+    """One panel per metric in ``panels`` (a ``metric`` value of the tidy ``summary``, as from interp.stats.summarise).
+
+    kind="points": one row per ``row_col`` value (arms, heads), the estimate with its 95% interval as a horizontal
+    error bar (Fig. 5a-c, 12 style). kind="lines": x = ``row_col`` (numeric: k, layer), the estimate as a line with
+    its interval as a band (Fig. 3c recovery, Fig. 11 lens). ``hue_col`` splits colours (models, tasks);
+    ``percent`` lists the metrics drawn as percentages; ``reference`` draws a dashed line per metric (0 by default for
+    points panels). Returned data: panel, hue, row, estimate, low, high.
+    """
+    if kind not in ("points", "lines"):
+        raise ValueError(f"kind must be 'points' or 'lines', got {kind!r}")
+    cols = ["metric", "estimate", "low", "high", row_col] + ([hue_col] if hue_col else [])
+    _require(summary, "summary", cols)
+    panels = list(panels)
+    missing = [p for p in panels if p not in set(summary["metric"])]
+    if missing:
+        raise ValueError(f"summary has no rows for metrics {missing}; metrics present: "
+                         f"{sorted(map(str, summary['metric'].unique()))}")
+    data = summary[summary["metric"].isin(panels)].copy()
+    _check_interval(data.dropna(subset=["estimate"]), "summary")
+    row_list = list(rows) if rows is not None else _ordered(data[row_col], INTERVENTION_ORDER)
+    hues = _ordered(data[hue_col]) if hue_col else [None]
+    palette = _colours(hues, colors)
+    labels = dict(panel_labels or {})
+    ref = dict(reference or {})
+    n = len(panels)
+    if kind == "points":
+        fig = Figure(figsize=(3.6 * n + 1.2, 0.5 * len(row_list) + 1.6))
+    else:
+        fig = Figure(figsize=(4.0 * n + 0.6, 3.4))
+    axes = fig.subplots(1, n, sharey=(kind == "points"), squeeze=False)[0]
+    dodge = 0.5 / max(len(hues), 1)
+    records = []
+    for ax, metric in zip(axes, panels):
+        scale = 100.0 if metric in percent else 1.0
+        for i, hue in enumerate(hues):
+            sub = data[data["metric"] == metric]
+            if hue_col:
+                sub = sub[sub[hue_col] == hue]
+            sub = sub.set_index(row_col)
+            present = [r for r in row_list if r in sub.index and pd.notna(sub.loc[r, "estimate"])]
+            if not present:
+                continue
+            est = sub.loc[present, "estimate"].to_numpy(float) * scale
+            low = sub.loc[present, "low"].to_numpy(float) * scale
+            high = sub.loc[present, "high"].to_numpy(float) * scale
+            name = _label(hue) if hue is not None else None
+            if kind == "points":
+                y = np.array([row_list.index(r) for r in present], float) + (i - (len(hues) - 1) / 2) * dodge
+                ax.errorbar(est, y, xerr=np.vstack([est - low, high - est]), fmt="o", capsize=3,
+                            color=palette[hue], label=name)
+            else:
+                x = np.array(present, dtype=float)
+                ax.plot(x, est, "o-", color=palette[hue], label=name)
+                ax.fill_between(x, low, high, color=palette[hue], alpha=0.2, lw=0)
+            records += [{"panel": metric, "hue": hue, "row": r, "estimate": e / scale, "low": lo / scale,
+                         "high": hi / scale} for r, e, lo, hi in zip(present, est, low, high)]
+        line = ref.get(metric, 0.0 if kind == "points" and metric not in percent else None)
+        if line is not None:
+            (ax.axvline if kind == "points" else ax.axhline)(line * scale, color="0.4", lw=0.8, ls="--")
+        axis_label = labels.get(metric, _label(metric)) + (" (%)" if metric in percent else "") + ", 95% CI"
+        if kind == "points":
+            ax.set_xlabel(axis_label)
+            ax.grid(axis="x", alpha=0.3)
+        else:
+            ax.set_ylabel(axis_label)
+            ax.set_xlabel(_label(row_col))
+            ax.grid(alpha=0.3)
+        if hue_col and len(hues) > 1:
+            ax.legend(loc="best", fontsize="small", frameon=False)
+    if kind == "points":
+        axes[0].set_yticks(range(len(row_list)), [_label(r) for r in row_list])
+        axes[0].set_ylim(len(row_list) - 0.5, -0.5)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, out_path, pd.DataFrame(records), dpi)

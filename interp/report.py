@@ -54,12 +54,14 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
     lines += ["", f"## Confirmation on held-out sources: {', '.join(f'L{l}H{h}' for l, h in heads)}", "",
               f"Control head(s): {', '.join(f'L{l}H{h}' for l, h in control_heads)} (the median-|J| head of the same "
               "layer). Estimates are means over sources with 95% source-bootstrap intervals.", "",
-              "| intervention | donor-margin shift | donor-answer rate | recall after | clean recall |",
-              "|---|---|---|---|---|"]
+              "| intervention | donor-margin shift | donor-specific shift | distractor shift | donor-answer rate | "
+              "recall after | clean recall |",
+              "|---|---|---|---|---|---|---|"]
     for arm in LABELS:
         if summary[summary["intervention"] == arm].empty:
             continue
         lines.append(f"| {LABELS[arm]} | {_ci(summary, arm, 'donor_margin_shift')} | "
+                     f"{_ci(summary, arm, 'donor_specific_shift')} | {_ci(summary, arm, 'distractor_shift')} | "
                      f"{_ci(summary, arm, 'donor_answer', True)} | {_ci(summary, arm, 'intervened_accuracy', True)} | "
                      f"{_ci(summary, arm, 'clean_accuracy', True)} |")
     if "effects" in figures:
@@ -97,9 +99,18 @@ def _reading(summary: pd.DataFrame) -> list[str]:
                    f"({100 * last[0] / swap[0]:.0f}% of the swap's shift): what reaches the answer through the head's "
                    "readouts at earlier query tokens.")
     for arm in ("random_update", "control_head"):
-        e = _est(summary, arm, "donor_margin_shift")
+        # The verdict rests on the donor-specific shift: the donor margin also rises whenever the recipient's answer
+        # merely loses confidence, towards every distractor alike (metrics.example_metrics).
+        margin = _est(summary, arm, "donor_margin_shift")
+        e = _est(summary, arm, "donor_specific_shift") or margin
         if e:
+            specific = _est(summary, arm, "donor_specific_shift") is not None
             frac = f" ({100 * e[0] / swap[0]:.0f}% of the state swap's shift)" if swap and swap[0] > 0 else ""
+            if specific and margin:
+                distractor = _est(summary, arm, "distractor_shift")
+                frac += (f"; its donor-margin shift is {margin[0]:+.2f} [{margin[1]:+.2f}, {margin[2]:+.2f}]"
+                         + (f", of which {distractor[0]:+.2f} moves towards the non-donor distractors too"
+                            if distractor else ""))
             if e[1] <= 0 <= e[2] or abs(e[0]) < 0.1:
                 verdict = "near zero, as a control should be."
             elif swap and swap[0] > 0 and abs(e[0]) < 0.1 * swap[0]:
@@ -108,5 +119,7 @@ def _reading(summary: pd.DataFrame) -> list[str]:
                 verdict = "NOT near zero: read the main effects with care."
             answer = _est(summary, arm, "donor_answer")
             tail = f" Donor-answer rate {100 * answer[0]:.1f}%." if answer else ""
-            out.append(f"- {LABELS[arm].capitalize()}: {e[0]:+.2f} [{e[1]:+.2f}, {e[2]:+.2f}]{frac} — {verdict}{tail}")
+            what = "donor-specific shift" if specific else "donor-margin shift"
+            out.append(f"- {LABELS[arm].capitalize()}: {what} {e[0]:+.2f} [{e[1]:+.2f}, {e[2]:+.2f}]{frac} — "
+                       f"{verdict}{tail}")
     return out

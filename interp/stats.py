@@ -214,6 +214,33 @@ def paired_source_bootstrap_ci(a, b, sources, statistic: Callable = np.mean, n_r
     return BootstrapCI(estimate, low, high, len(arr_a), n_examples, used, seed, confidence, n_resamples)
 
 
+def source_ratio_ci(a, b, sources, n_resamples: int = DEFAULT_RESAMPLES, confidence: float = 0.95, seed: int = 0,
+                    method: str = "BCa") -> BootstrapCI:
+    """Interval for mean(A) / mean(B), A and B per-source means of examples aligned per row (e.g. the shift of the
+    top-k heads and of all heads on the same pairs, the recovery of Fig. 3c). Sources are resampled jointly, so a
+    ratio of a quantity with itself is exactly 1 in every resample."""
+    confidence, n_resamples, seed, key = (_check_confidence(confidence), _check_resamples(n_resamples),
+                                          _check_seed(seed), _check_method(method))
+    if len(np.asarray(a)) != len(np.asarray(b)):
+        raise ValueError(f"a and b must be aligned per example, got {len(np.asarray(a))} and {len(np.asarray(b))} "
+                         f"entries")
+    mean_a = per_source_means(a, sources)
+    mean_b = per_source_means(b, sources).reindex(mean_a.index)
+    arr_a, arr_b = mean_a.to_numpy(), mean_b.to_numpy()
+    if arr_b.mean() == 0:
+        raise ValueError("the denominator's mean is 0: the ratio is undefined (no effect to recover)")
+    estimate = float(arr_a.mean() / arr_b.mean())
+    if len(arr_a) == 1:
+        return BootstrapCI(estimate, estimate, estimate, 1, len(np.asarray(a)), "degenerate (single source)", seed,
+                           confidence, 0)
+
+    def ratio(x, y, axis=-1):
+        return np.mean(x, axis=axis) / np.mean(y, axis=axis)
+    low, high, used = _run_bootstrap((arr_a, arr_b), ratio, vectorized=True, paired=True, estimate=estimate,
+                                     n_resamples=n_resamples, confidence=confidence, seed=seed, method=key)
+    return BootstrapCI(estimate, low, high, len(arr_a), len(np.asarray(a)), used, seed, confidence, n_resamples)
+
+
 def summarise(frame: pd.DataFrame, value_cols, by: Sequence[str] = (), source_col: str = "source",
               statistic: Callable = np.mean, n_resamples: int = DEFAULT_RESAMPLES, confidence: float = 0.95,
               seed: int = 0, method: str = "BCa") -> pd.DataFrame:

@@ -1,0 +1,29 @@
+"""The paper's protocols beyond the scan and confirmation (How Linear Attention Remembers, §2.4, §3.3, App. C, D.1,
+E.2), one module each. Every protocol has a function returning a ProtocolResult (per-example rows, per-source means,
+a source-bootstrap summary, a figure and a markdown report section with a "Reading" paragraph) and a CLI verb.
+
+| verb | module | paper |
+|---|---|---|
+| selectivity | selectivity.py | §3.3, Fig. 5a-b: four-fact selectivity of a state swap and a donor write |
+| coupling | coupling.py | §2.4, Fig. 5c: Frobenius coupling of two facts' state changes |
+| neutral | neutral.py | App. D.1, Fig. 12: a neutral donor suppresses the target fact only |
+| heads | heads.py | Fig. 3c, App. E.2: non-additivity of write blocks, joint top-k recovery |
+| headscan | headscan.py | App. C, Fig. 10: held-out all-head write and read scans |
+| lens | lens.py | App. C, Fig. 11: logit lens per layer for retention and update |
+"""
+from __future__ import annotations
+
+import importlib
+
+from recurscope.interp.protocols._common import ProtocolResult
+
+__all__ = ["ProtocolResult", "VERBS", "register_verbs"]
+
+VERBS = ("selectivity", "coupling", "neutral", "heads", "headscan", "lens")
+
+
+def register_verbs(subparsers, model_args, load) -> None:
+    """Adds one subcommand per protocol to the `recurscope` parser. model_args(p) adds the shared model options
+    (model, --device, --dtype, --batch-size) and load(args) loads the model, both from interp.cli."""
+    for verb in VERBS:
+        importlib.import_module(f"recurscope.interp.protocols.{verb}").add_verb(subparsers, model_args, load)
