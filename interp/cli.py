@@ -173,8 +173,11 @@ def cmd_patch(args):
           f"{pairs.candidates[0][int(pairs.recipient_answer_index[0])]!r}, donor answer "
           f"{pairs.candidates[0][int(pairs.donor_answer_index[0])]!r}; heads {heads}")
     print(f"{'intervention':<18}{'margin':>9}{'shift':>9}  candidate logits {pairs.candidates[0]}")
-    for arm in ("write_block", "donor_write", "state_swap", "output_patch", "output_restore"):
-        res = getattr(iv, arm)(model, pairs, heads, batch_size=1)
+    for entry in iv.REGISTRY:
+        if entry.name not in iv.INTERVENTIONS:   # the five interventions; no controls or variants here
+            continue
+        arm = entry.name
+        res = entry.run(model, pairs, heads, batch_size=1)
         m = example_metrics(pairs, res, intervention=arm).iloc[0]
         print(f"{arm:<18}{m['margin']:>+9.2f}{m['donor_margin_shift']:>+9.2f}  {[round(v, 2) for v in res.logits[0].tolist()]}")
     return 0

@@ -5,7 +5,8 @@ Protocol of "How Linear Attention Remembers", sections 2.2-3.2: write_block, don
 output_restore; controls: an equal-norm random update (standing in for the state swap) and the state swap on a
 control head chosen by the documented rule in `interventions.choose_control_heads`. Two restore variants:
 `output_restore` restores every readout of the swapped heads after the boundary (exactly the clean run, by
-construction) and `output_restore_last` only the readout at the answer position.
+construction) and `output_restore_last` only the readout at the answer position. The arms, their order and
+their controls come from `interventions.REGISTRY`.
 """
 from __future__ import annotations
 
@@ -21,8 +22,7 @@ from recurscope.interp.metrics import example_metrics, summarise_metrics
 
 CONFIRM_TABLE = "confirm_rows"
 CONFIRM_KEY = ("intervention", "row")
-ARMS = ("write_block", "donor_write", "state_swap", "output_patch", "output_restore", "output_restore_last",
-        "random_update", "control_head")
+ARMS = iv.INTERVENTION_NAMES   # the registry, in protocol order
 
 
 @dataclass
@@ -62,29 +62,19 @@ def run_confirm(model, pairs, heads: Sequence, run_dir=None, *, scan_heads: Opti
                 progress: Optional[Callable[[str], None]] = None, n_resamples: int = 9999) -> ConfirmResult:
     """Runs every arm jointly on `heads` over the held-out `pairs`; rows are appended per arm, so an interrupted
     run resumes at the first arm whose rows are missing."""
+    entries = [iv.named_intervention(arm) for arm in arms]
     heads = iv.normalise_heads(model, heads)
     controls = iv.choose_control_heads(model, heads, scan=scan_heads)
     log = None if run_dir is None else run_dir.table(CONFIRM_TABLE, key=list(CONFIRM_KEY))
     done_arms = set() if log is None else {k[0] for k in log.done_keys()}
     frames = []
-    for arm in arms:
+    for entry in entries:
+        arm = entry.name
         if arm in done_arms:
             continue
         if progress:
             progress(arm)
-        if arm == "random_update":
-            result = iv.random_update(model, pairs, heads, kind="state_swap", seed=seed, batch_size=batch_size)
-        elif arm == "control_head":
-            result = iv.control_head(model, pairs, heads, "state_swap", scan=scan_heads, batch_size=batch_size)
-        elif arm == "output_restore_last":
-            # Restores only the readout at the answer position. Restoring every readout after the swap
-            # ("output_restore") gives the clean run by construction, since a head's state reaches the rest of the
-            # network only through its readouts; with a multi-token query this variant can leak through readouts at
-            # earlier query tokens, which is what it measures.
-            result = iv.output_restore(model, pairs, heads, positions="last", batch_size=batch_size)
-            result.name = arm
-        else:
-            result = getattr(iv, arm)(model, pairs, heads, batch_size=batch_size)
+        result = entry.run(model, pairs, heads, batch_size=batch_size, seed=seed, scan=scan_heads)
         frame = example_metrics(pairs, result, intervention=arm)
         frame["row"] = range(len(frame))
         if log is not None:

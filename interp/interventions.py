@@ -30,7 +30,8 @@ HeadsArg = Union[Head, Sequence[Head]]
 SpansArg = Union[str, torch.Tensor]
 
 __all__ = [
-    "InterventionResult", "INTERVENTIONS", "RANDOM_UPDATE_KINDS", "normalise_heads", "check_pairs",
+    "InterventionResult", "INTERVENTIONS", "INTERVENTION_NAMES", "NamedIntervention", "REGISTRY",
+    "RANDOM_UPDATE_KINDS", "controls_of", "named_intervention", "normalise_heads", "check_pairs",
     "clean_run", "write_block", "donor_write", "state_swap", "output_patch", "output_restore", "random_update",
     "choose_control_heads", "control_head", "candidate_logits", "model_device", "prefix_caches",
 ]
@@ -601,12 +602,6 @@ def choose_control_heads(model, heads: HeadsArg, scan=None) -> list[Head]:
     return controls
 
 
-INTERVENTIONS: dict[str, Callable] = {
-    "write_block": write_block, "donor_write": donor_write, "state_swap": state_swap,
-    "output_patch": output_patch, "output_restore": output_restore,
-}
-
-
 def control_head(model, pairs, heads: HeadsArg, intervention: str = "state_swap", *, scan=None,
                  **kwargs) -> InterventionResult:
     """The same intervention on control heads (choose_control_heads), run jointly; result.extra["controls_for"]
@@ -619,3 +614,86 @@ def control_head(model, pairs, heads: HeadsArg, intervention: str = "state_swap"
     result.name = f"control_head:{intervention}"
     result.extra["controls_for"] = chosen
     return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The registry of named interventions (confirm, report, plots and the CLI read it; nothing else lists them)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NamedIntervention:
+    """One row of the confirmation protocol.
+
+    name: the `intervention` value in result rows; label: how the report names it; controls: the intervention this
+    one is a control for (None for a main intervention or variant); metric: the effect the report reads it by.
+    run(model, pairs, heads, *, batch_size, seed, scan) runs it jointly on `heads`.
+    """
+
+    name: str
+    label: str
+    run: Callable[..., InterventionResult]
+    controls: Optional[str] = None
+    metric: str = "donor_margin_shift"
+
+    @property
+    def is_control(self) -> bool:
+        return self.controls is not None
+
+
+def _plain(fn, **fixed):
+    def run(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
+        return fn(model, pairs, heads, batch_size=batch_size, **fixed)
+    return run
+
+
+def _restore_last(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
+    # Restores only the readout at the answer position. Restoring every readout after the swap ("output_restore")
+    # gives the clean run by construction, since a head's state reaches the rest of the network only through its
+    # readouts; with a multi-token query this variant can leak through readouts at earlier query tokens, which is
+    # what it measures.
+    result = output_restore(model, pairs, heads, positions="last", batch_size=batch_size)
+    result.name = "output_restore_last"
+    return result
+
+
+def _random_state_update(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
+    return random_update(model, pairs, heads, kind="state_swap", seed=seed, batch_size=batch_size)
+
+
+def _control_head_swap(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
+    return control_head(model, pairs, heads, "state_swap", scan=scan, batch_size=batch_size)
+
+
+#: In protocol order (How Linear Attention Remembers, Figures 3/4): the five interventions, the answer-position
+#: restore variant, then the two controls of the state swap.
+REGISTRY: tuple[NamedIntervention, ...] = (
+    NamedIntervention("write_block", "write block", _plain(write_block)),
+    NamedIntervention("donor_write", "donor write", _plain(donor_write)),
+    NamedIntervention("state_swap", "state swap", _plain(state_swap)),
+    NamedIntervention("output_patch", "output patch", _plain(output_patch)),
+    NamedIntervention("output_restore", "output restore (after state swap)", _plain(output_restore)),
+    NamedIntervention("output_restore_last", "output restore, answer position only", _restore_last),
+    NamedIntervention("random_update", "equal-norm random update", _random_state_update, controls="state_swap"),
+    NamedIntervention("control_head", "control head (state swap)", _control_head_swap, controls="state_swap"),
+)
+INTERVENTION_NAMES: tuple[str, ...] = tuple(i.name for i in REGISTRY)
+#: The five interventions of the paper, as the public functions (control_head repeats one of them).
+INTERVENTIONS: dict[str, Callable] = {
+    "write_block": write_block, "donor_write": donor_write, "state_swap": state_swap,
+    "output_patch": output_patch, "output_restore": output_restore,
+}
+
+
+def named_intervention(name: str) -> NamedIntervention:
+    """The registry entry called `name`; a ValueError lists the known names otherwise."""
+    for entry in REGISTRY:
+        if entry.name == name:
+            return entry
+    raise ValueError(f"unknown intervention {name!r}; known: {list(INTERVENTION_NAMES)}")
+
+
+def controls_of(name: str) -> list[NamedIntervention]:
+    """The registry's controls for intervention `name` (e.g. state_swap -> random_update, control_head)."""
+    named_intervention(name)
+    return [entry for entry in REGISTRY if entry.controls == name]

@@ -18,11 +18,12 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator, PercentFormatter
 
+from recurscope.interp.interventions import INTERVENTION_NAMES
 from recurscope.interp.stats import binomial_ci
 
-#: Row order of Figures 3/4 (How Linear Attention Remembers); other interventions follow in order of appearance.
-INTERVENTION_ORDER = ("write_block", "donor_write", "state_swap", "output_patch", "output_restore",
-                      "random_control", "control_head")
+#: Row order of Figures 3/4 (How Linear Attention Remembers), from interventions.REGISTRY; other interventions
+#: follow in order of appearance.
+INTERVENTION_ORDER = INTERVENTION_NAMES
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
             "#17becf")
 _SEED_MARKERS = ("o", "s", "^", "D", "v", "P")

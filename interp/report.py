@@ -8,12 +8,10 @@ from typing import Optional
 
 import pandas as pd
 
-LABELS = {
-    "write_block": "write block", "donor_write": "donor write", "state_swap": "state swap",
-    "output_patch": "output patch", "output_restore": "output restore (after state swap)",
-    "output_restore_last": "output restore, answer position only",
-    "random_update": "equal-norm random update", "control_head": "control head (state swap)",
-}
+from recurscope.interp.interventions import REGISTRY, controls_of, named_intervention
+
+#: Report names of the interventions, in protocol order (from interventions.REGISTRY).
+LABELS = {entry.name: entry.label for entry in REGISTRY}
 
 
 def _ci(summary: pd.DataFrame, intervention: str, metric: str, pct: bool = False) -> str:
@@ -82,8 +80,8 @@ def _reading(summary: pd.DataFrame) -> list[str]:
     if clean:
         out.append(f"- Clean recall on these held-out pairs is {100 * clean[0]:.1f}%"
                    + (" — below the paper's 93-97%, so effects are measured on a weaker memory." if clean[0] < 0.9 else "."))
-    swap = _est(summary, "state_swap", "donor_margin_shift")
-    restore = _est(summary, "output_restore", "donor_margin_shift")
+    swap = _est(summary, "state_swap", named_intervention("state_swap").metric)
+    restore = _est(summary, "output_restore", named_intervention("output_restore").metric)
     if swap and restore:
         if swap[1] > 0:
             verdict = ("collapses it to within its interval of zero, as in the paper" if restore[1] <= 0 <= restore[2]
@@ -93,15 +91,16 @@ def _reading(summary: pd.DataFrame) -> list[str]:
         else:
             out.append(f"- The state swap's donor-margin shift ({swap[0]:+.2f} [{swap[1]:+.2f}, {swap[2]:+.2f}]) is not "
                        "reliably positive here: this head does not carry the fact on these sources (unlike the paper).")
-    last = _est(summary, "output_restore_last", "donor_margin_shift")
+    last = _est(summary, "output_restore_last", named_intervention("output_restore_last").metric)
     if swap and last and swap[0] > 0:
         out.append(f"- Restoring only the answer position's readout leaves {last[0]:+.2f} [{last[1]:+.2f}, {last[2]:+.2f}] "
                    f"({100 * last[0] / swap[0]:.0f}% of the swap's shift): what reaches the answer through the head's "
                    "readouts at earlier query tokens.")
-    for arm in ("random_update", "control_head"):
+    for control in controls_of("state_swap"):
+        arm = control.name
         # The verdict rests on the donor-specific shift: the donor margin also rises whenever the recipient's answer
         # merely loses confidence, towards every distractor alike (metrics.example_metrics).
-        margin = _est(summary, arm, "donor_margin_shift")
+        margin = _est(summary, arm, control.metric)
         e = _est(summary, arm, "donor_specific_shift") or margin
         if e:
             specific = _est(summary, arm, "donor_specific_shift") is not None

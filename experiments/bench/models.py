@@ -13,7 +13,15 @@ the figure is peak RSS during the call minus RSS just before it, with the call's
 with MALLOC_MMAP_THRESHOLD_ fixed, so glibc hands large blocks back to the OS on free and the peak is not hidden
 by memory kept from the warm-up.
 
+Before/after in one run (--baseline DIR): DIR is another checkout of recurscope, e.g. the commit before a change:
+`mkdir /tmp/recurscope-before && git archive d7997da | tar -x -C /tmp/recurscope-before`. Timing workers of this
+checkout and of DIR (DIR's code imported through PYTHONPATH, this file driving both) alternate, in flipped order
+each round, so that machine load hits both alike; each times a full forward of --seq-len tokens and one decoding
+step (one token continuing a cache of the prefix, where per-call overheads such as host reads weigh most). The
+table gives both medians and their ratio.
+
 Usage:  python experiments/bench/models.py [--families gla gdn] [--repeats 3] [--seq-len 512] [--threads N]
+        python experiments/bench/models.py --baseline /tmp/recurscope-before [--rounds 3] [--steps 32] ...
 """
 from __future__ import annotations
 
@@ -117,6 +125,70 @@ def memory_worker(family: str, variant: str, T: int) -> dict:
                 peak=peak_kib * 1024, peak_delta=(peak_kib - before_kib) * 1024, cached_bytes=cached_bytes)
 
 
+def compare_worker(family: str, T: int, repeats: int, steps: int) -> dict:
+    """Medians of a full forward and of one decoding step, with whichever recurscope this process imports."""
+    import torch
+
+    import recurscope
+
+    model = build(family)
+    tokens = torch.randint(0, SHAPE["vocab_size"], (1, T + steps), generator=torch.Generator().manual_seed(1))
+    prefix = tokens[:, :T]
+    with torch.no_grad():
+        model(prefix[:, :64])                  # warm-up (lazy initialisation, thread pools)
+        forward = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(prefix)
+            forward.append(time.perf_counter() - t0)
+        _, cache = model(prefix, use_cache=True)
+        step = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            _, cache = model(tokens[:, T + i:T + i + 1], cache=cache, use_cache=True)
+            step.append(time.perf_counter() - t0)
+    return dict(family=family, code=str(recurscope.__path__[-1]), forward=statistics.median(forward),
+                step=statistics.median(step[1:] if steps > 1 else step), threads=torch.get_num_threads())
+
+
+def compare(args) -> None:
+    """Before/after table: this checkout against --baseline, alternating worker processes."""
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    base = os.path.abspath(args.baseline)
+    if not all(os.path.exists(os.path.join(base, p)) for p in ("recurscope/__init__.py", "interp", "pyproject.toml")):
+        raise SystemExit(f"--baseline {base} is not a recurscope checkout (needs recurscope/__init__.py, interp/ and "
+                         f"pyproject.toml); make one with `mkdir {base} && git archive <commit> | tar -x -C {base}`")
+    common = ["--seq-len", str(args.seq_len), "--repeats", str(args.repeats), "--steps", str(args.steps)]
+    if args.threads is not None:
+        common += ["--threads", str(args.threads)]
+    print(f"before: {base}; after: {here}; B=1, T={args.seq_len}, {args.rounds} rounds x {args.repeats} forwards and "
+          f"{args.steps} decoding steps per process, {os.cpu_count()} CPUs, load average {os.getloadavg()}",
+          flush=True)
+    rows = []
+    for family in args.families:
+        got = {"before": [], "after": []}
+        for r in range(args.rounds):
+            order = [("after", here), ("before", base)]
+            for name, root in (order if r % 2 == 0 else order[::-1]):
+                out = _run_worker(["compare", family, *common], {"PYTHONPATH": root})
+                if os.path.realpath(out["code"]) != os.path.realpath(root):
+                    raise RuntimeError(f"the {name} worker imported recurscope from {out['code']}, not {root}")
+                got[name].append(out)
+        rows.append((family, got))
+        print(f"  {family}: done, load average {os.getloadavg()[0]:.2f}", flush=True)
+    print()
+    print("| model | threads | forward s before | forward s after | after/before | step ms before | step ms after "
+          "| after/before |")
+    print("|---|---|---|---|---|---|---|---|")
+    for family, got in rows:
+        med = {k: {v: statistics.median(o[v] for o in got[k]) for v in ("forward", "step")} for k in got}
+        print(f"| {family} | {got['after'][0]['threads']} | {med['before']['forward']:.3f} "
+              f"| {med['after']['forward']:.3f} | {med['after']['forward'] / med['before']['forward']:.3f} "
+              f"| {1e3 * med['before']['step']:.2f} "
+              f"| {1e3 * med['after']['step']:.2f} | {med['after']['step'] / med['before']['step']:.3f} |")
+    print(f"(medians over {args.rounds} processes each; load average at the end {os.getloadavg()})")
+
+
 def _run_worker(args: list[str], env_extra: dict | None = None) -> dict:
     env = dict(os.environ, **(env_extra or {}))
     res = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", *args], capture_output=True,
@@ -133,6 +205,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=None, help="torch threads in the workers (default: torch's)")
+    parser.add_argument("--baseline", default=None, help="another checkout to time against (before/after table)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --baseline: worker processes per side")
+    parser.add_argument("--steps", type=int, default=32, help="with --baseline: timed decoding steps per process")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.seq_len < 64 or args.seq_len % 4:
@@ -145,9 +220,16 @@ def main() -> None:
 
     if args.worker:
         kind, family, *rest = args.worker
-        out = time_worker(family, args.seq_len, args.repeats) if kind == "time" else \
-            memory_worker(family, rest[0], args.seq_len)
+        if kind == "compare":
+            out = compare_worker(family, args.seq_len, args.repeats, args.steps)
+        elif kind == "time":
+            out = time_worker(family, args.seq_len, args.repeats)
+        else:
+            out = memory_worker(family, rest[0], args.seq_len)
         print(json.dumps(out))
+        return
+    if args.baseline:
+        compare(args)
         return
 
     common = ["--seq-len", str(args.seq_len), "--repeats", str(args.repeats)]

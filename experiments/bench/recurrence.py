@@ -24,9 +24,9 @@ import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from recurscope import kernels
+from recurscope.kernels.inputs import family_inputs
 
 B, H, K, V, C = 1, 4, 128, 128, 64
 
@@ -55,18 +55,6 @@ def matmul_gflops(repeats: int) -> float:
     a, b = torch.randn(128, 64, 128), torch.randn(128, 128, 128)
     t = median_time(lambda: torch.bmm(a, b), max(repeats, 5) * 3)
     return 2 * 128 * 64 * 128 * 128 / t / 1e9
-
-
-def inputs(T: int, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    q, k = F.normalize(r(B, T, H, K), dim=-1), F.normalize(r(B, T, H, K), dim=-1)
-    return dict(
-        q=q, k=k, v=r(B, T, H, V), beta=torch.rand(B, T, H, generator=gen),
-        g_head=F.logsigmoid(r(B, T, H) + 4.0), g_chan=F.logsigmoid(r(B, T, H, K) + 4.0),
-        b=torch.rand(B, T, H, K, generator=gen), w=torch.rand(B, T, H, V, generator=gen),
-        lam=0.25 * torch.sigmoid(r(H)),
-    )
 
 
 def main() -> None:
@@ -98,15 +86,15 @@ def main() -> None:
     chunked_times = {}
     with torch.no_grad():
         for T in lengths:
-            d = inputs(T)
-            q, k, v = d["q"], d["k"], d["v"]
-            bt = d["beta"][..., None]
+            # One builder for every family (kernels.inputs); one seed, so the three share q, k and v.
+            gdn, gdn2, qed = (family_inputs(f, B, T, H, K, V, dtype=torch.float32, decay=(0.0, 0.05))
+                              for f in ("gdn", "gdn2", "qed"))
             cases = {
-                "GDN": ((q, k, bt * v, d["g_head"], bt * k),
-                        lambda: naive_chunk_gated_delta_rule(q, k, v, d["g_head"], d["beta"], chunk_size=64)),
-                "GDN-2": ((q, k, d["w"] * v, d["g_chan"], d["b"] * k),
-                          lambda: naive_chunk_gdn2(q, k, v, d["g_chan"], d["b"], d["w"], chunk_size=64)),
-                "QED": ((q, k, d["w"] * v, d["g_chan"], kernels.erase_vector(k, q, d["b"], d["lam"], "full")), None),
+                "GDN": (gdn.args(), lambda: naive_chunk_gated_delta_rule(gdn.q, gdn.k, gdn.v, gdn.g, gdn.beta,
+                                                                         chunk_size=64)),
+                "GDN-2": (gdn2.args(), lambda: naive_chunk_gdn2(gdn2.q, gdn2.k, gdn2.v, gdn2.g, gdn2.b, gdn2.w,
+                                                                chunk_size=64)),
+                "QED": (qed.args(), None),
             }
             for fam, (args_, fla_fn) in cases.items():
                 run = lambda backend: kernels.recurrence(*args_, backend=backend)  # noqa: E731

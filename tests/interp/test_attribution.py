@@ -2,11 +2,11 @@
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from recurscope import kernels
 from recurscope.hooks.points import hook_name
 from recurscope.interp.attribution import Contributions, attribute_readout, readout_contributions
+from recurscope.kernels.inputs import family_inputs as kernel_inputs
 
 from helpers_models import tiny_model
 
@@ -14,23 +14,9 @@ B, T, H, K, V = 2, 10, 3, 5, 4
 F64 = torch.float64
 
 
-def family_inputs(family: str, seed: int = 0):
-    """Random (B, T, H, .) float64 inputs in the shape each model family gives the recurrence."""
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
-    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V)
-    if family == "gla":
-        return dict(q=q, k=k, x=v, g=F.logsigmoid(r(B, T, H, K) + 2.0) / 4, a=None)
-    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    if family == "gdn":
-        beta = torch.sigmoid(r(B, T, H))
-        return dict(q=q, k=k, x=beta[..., None] * v, g=-F.softplus(r(B, T, H)), a=beta[..., None] * k)
-    if family == "qed":
-        b = torch.sigmoid(r(B, T, H, K))
-        lam = torch.rand(H, generator=gen, dtype=F64)
-        a = kernels.erase_vector(k, q, b, lam, "full")
-        return dict(q=q, k=k, x=torch.sigmoid(r(B, T, H, V)) * v, g=-F.softplus(r(B, T, H, K)), a=a)
-    raise KeyError(family)
+def family_inputs(family: str, seed: int = 0) -> dict:
+    """The shared kernel-input builder's (q, k, x, g, a) at this file's shapes, as keyword arguments."""
+    return dict(zip("qkxga", kernel_inputs(family, B, T, H, K, V, seed=seed).args()))
 
 
 def reference_o(inp, **kw):

@@ -314,3 +314,25 @@ def test_errors(model, pairs, tok):
         iv.state_swap(model, pairs, [(0, 0)], batch_size=0)
     with pytest.raises(ValueError, match="positions must be"):
         iv.output_restore(model, pairs, [(0, 0)], positions="all")
+
+
+def test_one_registry_names_every_intervention_everywhere(model, pairs):
+    from recurscope.interp import confirm, plots, report
+
+    names = [entry.name for entry in iv.REGISTRY]
+    assert len(set(names)) == len(names)
+    assert tuple(names) == confirm.ARMS == plots.INTERVENTION_ORDER == tuple(report.LABELS)
+    assert list(iv.INTERVENTIONS) == names[:5]                           # the paper's five, in its order
+    assert [c.name for c in iv.controls_of("state_swap")] == ["random_update", "control_head"]
+    assert iv.controls_of("write_block") == []
+    for entry in iv.REGISTRY:
+        assert entry.controls is None or entry.controls in iv.INTERVENTIONS
+        assert entry.metric in ("donor_margin_shift",)
+    with pytest.raises(ValueError, match="unknown intervention 'random_control'"):
+        iv.named_intervention("random_control")
+    # an entry runs what its name says
+    last = iv.named_intervention("output_restore_last").run(model, pairs, [(1, 0)], batch_size=4)
+    direct = iv.output_restore(model, pairs, [(1, 0)], positions="last", batch_size=4)
+    assert last.name == "output_restore_last" and torch.equal(last.logits, direct.logits)
+    rand = iv.named_intervention("random_update").run(model, pairs, [(1, 0)], seed=5)
+    assert torch.equal(rand.logits, iv.random_update(model, pairs, [(1, 0)], "state_swap", seed=5).logits)

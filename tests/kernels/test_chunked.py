@@ -3,44 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from recurscope import kernels
-
-FAMILIES = ("gla", "gdn", "deltanet", "kda", "gdn2", "qed")
-
-
-def make_inputs(family, B=2, T=150, H=2, K=16, V=8, dtype=torch.float64, seed=0, decay=(0.0, 1.0)):
-    """(q, k, x, g, a) for one family (see kernels' docstring table), built in float64 then cast to dtype.
-
-    decay = (lo, hi): log decays are drawn uniformly from [-hi, -lo].
-    """
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    u = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    lo, hi = decay
-    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V)
-    g_head = -(lo + (hi - lo) * u(B, T, H))
-    g_chan = -(lo + (hi - lo) * u(B, T, H, K))
-    if family == "gla":
-        g, a, x = g_chan, None, v
-        k = k / K ** 0.5
-    else:
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        beta = u(B, T, H)[..., None]
-        if family == "gdn":
-            g, a, x = g_head, beta * k, beta * v
-        elif family == "deltanet":
-            g, a, x = torch.zeros(B, T, H, dtype=torch.float64), beta * k, beta * v
-        elif family == "kda":
-            g, a, x = g_chan, beta * k, beta * v
-        else:
-            b, w = u(B, T, H, K), u(B, T, H, V)
-            lam = 0.25 * torch.sigmoid(r(H))
-            arm = "gdn2" if family == "gdn2" else "full"
-            g, a, x = g_chan, kernels.erase_vector(k, q, b, lam, arm), w * v
-    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
-    return tuple(map(cast, (q, k, x, g, a)))
+from recurscope.kernels.inputs import FAMILIES, family_inputs
 
 
 def make_patches(features, B, T, H, K, V, dtype, seed=1):
@@ -84,7 +49,7 @@ FEATURE_SETS = [(), ("write_scale",), ("extra_write",), ("capture",), ("initial_
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chunked_matches_reference_float64(family, features):
     B, T, H, K, V = 2, 150, 2, 16, 8                          # T = 2 * 64 + 22: a ragged last chunk
-    q, k, x, g, a = make_inputs(family, B, T, H, K, V, seed=hash(features) % 1000)
+    q, k, x, g, a = family_inputs(family, B, T, H, K, V, seed=hash(features) % 1000).args()
     kw = make_patches(features, B, T, H, K, V, torch.float64)
     ref, chk = run_both(q, k, x, g, a, **kw)
     assert_outputs_close(ref, chk, atol=1e-10, rtol=1e-10)
@@ -96,7 +61,7 @@ def test_chunked_matches_reference_float64(family, features):
 def test_chunked_matches_reference_float32(family, features):
     """float32 chunked against the float64 reference of the very same float32 inputs."""
     B, T, H, K, V = 2, 150, 2, 16, 8
-    inputs = make_inputs(family, B, T, H, K, V, dtype=torch.float32, seed=5)
+    inputs = family_inputs(family, B, T, H, K, V, dtype=torch.float32, seed=5).args()
     kw = make_patches(features, B, T, H, K, V, torch.float32)
     chk = kernels.recurrence(*inputs, backend="chunked", **kw)
     up = lambda t: None if t is None else t.double()  # noqa: E731
@@ -109,7 +74,7 @@ def test_chunked_matches_reference_float32(family, features):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("T", [1, 16, 64, 65, 130])
 def test_lengths_and_first_last_capture(family, T):
-    q, k, x, g, a = make_inputs(family, 1, T, 2, 8, 4, seed=T)
+    q, k, x, g, a = family_inputs(family, 1, T, 2, 8, 4, seed=T).args()
     capture = sorted({0, T - 1})
     ref, chk = run_both(q, k, x, g, a, capture=capture)
     assert chk.states.shape == (1, len(capture), 2, 8, 4)
@@ -121,7 +86,7 @@ def test_lengths_and_first_last_capture(family, T):
 def test_strong_decay_float32_stays_finite_and_matches(family):
     """log decays down to -30 per step: products over a chunk reach e^-1900, far past float32's range."""
     B, T, H, K, V = 1, 200, 2, 16, 8
-    inputs = make_inputs(family, B, T, H, K, V, dtype=torch.float32, seed=9, decay=(0.0, 30.0))
+    inputs = family_inputs(family, B, T, H, K, V, dtype=torch.float32, seed=9, decay=(0.0, 30.0)).args()
     kw = make_patches(("initial_state", "capture", "extra_write"), B, T, H, K, V, torch.float32)
     chk = kernels.recurrence(*inputs, backend="chunked", **kw)
     for t in (chk.o, chk.final_state, chk.states):
@@ -135,7 +100,7 @@ def test_strong_decay_float32_stays_finite_and_matches(family):
 def test_mixed_weak_and_strong_channel_decay_float32():
     """Some channels barely decay while others decay by e^-30 per step, inside the same chunk."""
     B, T, H, K, V = 1, 128, 2, 16, 8
-    q, k, x, g, a = make_inputs("kda", B, T, H, K, V, dtype=torch.float32, seed=4, decay=(0.0, 0.05))
+    q, k, x, g, a = family_inputs("kda", B, T, H, K, V, dtype=torch.float32, seed=4, decay=(0.0, 0.05)).args()
     g = g.clone()
     g[..., ::2] = -30.0 * torch.rand(g[..., ::2].shape, generator=torch.Generator().manual_seed(2))
     chk = kernels.recurrence(q, k, x, g, a, backend="chunked")
@@ -149,7 +114,7 @@ def test_mixed_weak_and_strong_channel_decay_float32():
 @pytest.mark.parametrize("family", ["gla", "gdn", "qed"])
 def test_half_inputs_accumulate_in_float32(family, dtype):
     B, T, H, K, V = 1, 100, 2, 16, 8
-    inputs = make_inputs(family, B, T, H, K, V, dtype=dtype, seed=3)
+    inputs = family_inputs(family, B, T, H, K, V, dtype=dtype, seed=3).args()
     kw = make_patches(("initial_state", "capture"), B, T, H, K, V, dtype)
     chk = kernels.recurrence(*inputs, backend="chunked", **kw)
     assert chk.o.dtype == dtype
@@ -166,7 +131,7 @@ def test_half_inputs_accumulate_in_float32(family, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_reference_keeps_the_half_dtype_contract(dtype):
     """The contract of RecurrenceOutput: o in q's dtype, states in float32, for every backend."""
-    inputs = make_inputs("gdn", 1, 20, 2, 8, 4, dtype=dtype)
+    inputs = family_inputs("gdn", 1, 20, 2, 8, 4, dtype=dtype).args()
     ref_half = kernels.recurrence(*inputs, backend="reference")
     assert ref_half.final_state.dtype == torch.float32
     assert ref_half.o.dtype == dtype
@@ -175,7 +140,7 @@ def test_reference_keeps_the_half_dtype_contract(dtype):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gradients_match_reference(family):
     B, T, H, K, V = 1, 70, 2, 4, 3                            # two chunks
-    q, k, x, g, a = make_inputs(family, B, T, H, K, V, seed=8)
+    q, k, x, g, a = family_inputs(family, B, T, H, K, V, seed=8).args()
     kw = make_patches(("write_scale", "extra_write", "initial_state"), B, T, H, K, V, torch.float64)
     leaves = {"q": q, "k": k, "x": x, "g": g, "a": a, "write_scale": kw["write_scale"],
               "u": kw["extra_write"][0], "y": kw["extra_write"][1], "initial_state": kw["initial_state"]}
@@ -203,7 +168,7 @@ def test_gradients_match_reference(family):
 def test_stepping_equals_one_run(family):
     """Running [0, t) then [t, T) from the returned state equals the full run (inside chunks and at boundaries)."""
     B, T, H, K, V = 1, 150, 2, 8, 4
-    q, k, x, g, a = make_inputs(family, B, T, H, K, V, seed=12)
+    q, k, x, g, a = family_inputs(family, B, T, H, K, V, seed=12).args()
     full = kernels.recurrence(q, k, x, g, a, backend="chunked")
     sl = lambda t, s: None if t is None else t[:, s]  # noqa: E731
     for t in (1, 37, 63, 64, 65, 128, 149):
@@ -215,7 +180,7 @@ def test_stepping_equals_one_run(family):
 
 
 def test_output_final_state_false_returns_none():
-    q, k, x, g, a = make_inputs("gdn", 1, 20, 1, 4, 4)
+    q, k, x, g, a = family_inputs("gdn", 1, 20, 1, 4, 4).args()
     out = kernels.recurrence(q, k, x, g, a, backend="chunked", output_final_state=False)
     assert out.final_state is None and out.states is None
 

@@ -7,9 +7,9 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from recurscope import kernels
+from recurscope.kernels.inputs import FAMILIES, family_inputs
 from recurscope.kernels.reference import recurrence_reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -23,38 +23,7 @@ else:
 from recurscope.kernels import triton_recurrent  # noqa: E402  (after the interpreter switch is known)
 from recurscope.kernels.triton_recurrent import recurrence_triton, tile_config  # noqa: E402
 
-FAMILIES = ("gla", "gdn", "deltanet", "kda", "gdn2", "qed")
 FEATURES = ("none", "write_scale", "extra_write", "capture", "initial_state", "all")
-
-
-def family_inputs(family, B, T, H, K, V, dtype, seed=0):
-    """(q, k, x, g, a) as each family builds them; keys are unit-norm wherever the family normalises them."""
-    gen = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    unit = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64)  # noqa: E731  # in (0, 1)
-    q, k, v = rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, H, V)
-    g_head = F.logsigmoid(rnd(B, T, H) + 2.0)          # per-head log decay < 0
-    g_chan = F.logsigmoid(rnd(B, T, H, K) + 2.0)       # per-channel log decay < 0
-    beta = unit(B, T, H, 1)
-    if family == "gla":                                 # GLA: gated write, no erase, raw keys
-        q, k, x, g, a = q, k, v, g_chan, None
-    elif family in ("gdn", "deltanet", "kda"):          # delta rule: a = beta k, x = beta v, unit keys
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        x, a = beta * v, beta * k
-        g = {"gdn": g_head, "deltanet": torch.zeros(B, T, H, dtype=torch.float64), "kda": g_chan}[family]
-    elif family in ("gdn2", "qed"):                     # per-channel erase gate b, write gate w
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        b, w = unit(B, T, H, K), unit(B, T, H, V)
-        x, g = w * v, g_chan
-        if family == "gdn2":
-            a = b * k
-        else:
-            lam = unit(H)
-            a = kernels.erase_vector(k, q, b, lam, arm="full")
-    else:
-        raise AssertionError(family)
-    to = lambda t: None if t is None else t.to(dtype=dtype, device=DEVICE)  # noqa: E731
-    return tuple(map(to, (q, k, x, g, a)))
 
 
 def feature_kwargs(features, B, T, H, K, V, dtype, seed=1):
@@ -99,7 +68,7 @@ def assert_matches(got, want, atol=1e-5, rtol=1e-5, o_tol=None):
 def test_family_and_feature_match_reference_float64(family, features):
     """float64 inputs (reference in float64, kernel in float32 registers): agreement to float32 precision."""
     B, T, H, K, V = 2, 7, 2, 6, 5  # non power-of-two K and V, T not a multiple of anything useful
-    q, k, x, g, a = family_inputs(family, B, T, H, K, V, torch.float64)
+    q, k, x, g, a = family_inputs(family, B, T, H, K, V, dtype=torch.float64, device=DEVICE).args()
     kw = feature_kwargs(features, B, T, H, K, V, torch.float64)
     got = recurrence_triton(q, k, x, g, a, scale=K ** -0.5, **kw)
     assert got[0].dtype == torch.float64
@@ -110,7 +79,7 @@ def test_family_and_feature_match_reference_float64(family, features):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_matches_reference_float32(family, features):
     B, T, H, K, V = 1, 5, 2, 8, 4
-    q, k, x, g, a = family_inputs(family, B, T, H, K, V, torch.float32, seed=3)
+    q, k, x, g, a = family_inputs(family, B, T, H, K, V, dtype=torch.float32, seed=3, device=DEVICE).args()
     kw = feature_kwargs(features, B, T, H, K, V, torch.float32, seed=4)
     got = recurrence_triton(q, k, x, g, a, scale=0.37, **kw)
     assert_matches(got, reference(q, k, x, g, a, 0.37, **kw))
@@ -119,7 +88,7 @@ def test_family_matches_reference_float32(family, features):
 @pytest.mark.parametrize("family", ("gla", "qed"))
 def test_single_step_captured(family):
     B, T, H, K, V = 2, 1, 1, 5, 3
-    q, k, x, g, a = family_inputs(family, B, T, H, K, V, torch.float64, seed=5)
+    q, k, x, g, a = family_inputs(family, B, T, H, K, V, dtype=torch.float64, seed=5, device=DEVICE).args()
     kw = feature_kwargs("all", B, T, H, K, V, torch.float64, seed=6)
     assert kw["capture"] == [0]
     got = recurrence_triton(q, k, x, g, a, scale=1.0, **kw)
@@ -129,7 +98,7 @@ def test_single_step_captured(family):
 
 def test_capture_every_position_and_first_last():
     B, T, H, K, V = 1, 6, 2, 4, 4
-    q, k, x, g, a = family_inputs("kda", B, T, H, K, V, torch.float64, seed=7)
+    q, k, x, g, a = family_inputs("kda", B, T, H, K, V, dtype=torch.float64, seed=7, device=DEVICE).args()
     for capture in ([0, T - 1], list(range(T))):
         got = recurrence_triton(q, k, x, g, a, scale=0.5, capture=capture)
         assert got[2].shape == (B, len(capture), H, K, V)
@@ -142,7 +111,7 @@ def test_several_v_tiles_with_masked_edges():
     B, T, H, K, V = 1, 3, 1, 100, 20
     BK, BV, _ = tile_config(K, V)
     assert (BK, BV) == (128, 16) and V > BV
-    q, k, x, g, a = family_inputs("gdn2", B, T, H, K, V, torch.float64, seed=8)
+    q, k, x, g, a = family_inputs("gdn2", B, T, H, K, V, dtype=torch.float64, seed=8, device=DEVICE).args()
     kw = feature_kwargs("all", B, T, H, K, V, torch.float64, seed=9)
     got = recurrence_triton(q, k, x, g, a, scale=K ** -0.5, **kw)
     assert_matches(got, reference(q, k, x, g, a, K ** -0.5, **kw))
@@ -152,7 +121,7 @@ def test_several_v_tiles_with_masked_edges():
 def test_bf16_inputs(family):
     """bf16 in, fp32 state: the state matches the reference run on the same bf16 values; o is rounded to bf16."""
     B, T, H, K, V = 1, 5, 2, 8, 6
-    q, k, x, g, a = family_inputs(family, B, T, H, K, V, torch.bfloat16, seed=10)
+    q, k, x, g, a = family_inputs(family, B, T, H, K, V, dtype=torch.bfloat16, seed=10, device=DEVICE).args()
     kw = feature_kwargs("all", B, T, H, K, V, torch.bfloat16, seed=11)
     got = recurrence_triton(q, k, x, g, a, scale=K ** -0.5, **kw)
     assert got[0].dtype == torch.bfloat16
@@ -164,7 +133,7 @@ def test_bf16_inputs(family):
 
 def test_output_final_state_off_returns_none():
     B, T, H, K, V = 1, 3, 1, 4, 4
-    q, k, x, g, a = family_inputs("gdn", B, T, H, K, V, torch.float32, seed=12)
+    q, k, x, g, a = family_inputs("gdn", B, T, H, K, V, dtype=torch.float32, seed=12, device=DEVICE).args()
     o, S, states = recurrence_triton(q, k, x, g, a, scale=0.5, output_final_state=False)
     assert S is None and states is None
     torch.testing.assert_close(o, reference(q, k, x, g, a, 0.5)[0], atol=1e-5, rtol=1e-5)
@@ -172,7 +141,7 @@ def test_output_final_state_off_returns_none():
 
 def test_backward_raises_forward_only():
     B, T, H, K, V = 1, 3, 1, 4, 4
-    q, k, x, g, a = family_inputs("gdn", B, T, H, K, V, torch.float32, seed=13)
+    q, k, x, g, a = family_inputs("gdn", B, T, H, K, V, dtype=torch.float32, seed=13, device=DEVICE).args()
     q.requires_grad_(True)
     o, S, _ = recurrence_triton(q, k, x, g, a, scale=0.5)
     assert o.requires_grad
@@ -182,7 +151,7 @@ def test_backward_raises_forward_only():
 
 def test_public_recurrence_dispatches_to_triton(monkeypatch):
     B, T, H, K, V = 1, 4, 2, 6, 3
-    q, k, x, g, a = family_inputs("qed", B, T, H, K, V, torch.float32, seed=14)
+    q, k, x, g, a = family_inputs("qed", B, T, H, K, V, dtype=torch.float32, seed=14, device=DEVICE).args()
     kw = feature_kwargs("all", B, T, H, K, V, torch.float32, seed=15)
     calls = []
 
