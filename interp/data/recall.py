@@ -165,8 +165,6 @@ class PairBatch:
 
     recipient_ids: torch.Tensor          # (N, T) long
     donor_ids: torch.Tensor              # (N, T) long
-    attention_mask: torch.Tensor         # (N, T) long, 0 on left padding
-    n_pad: torch.Tensor                  # (N,) left-padding length of each row
     query_start: torch.Tensor            # (N,)
     query_pos: torch.Tensor              # (N,) last prompt token; logits here predict the answer
     candidate_ids: torch.Tensor          # (N, C)
@@ -220,7 +218,6 @@ class PairBatch:
         n = len(pairs)
         recipient = torch.full((n, length), pad_id, dtype=torch.long)
         donor = torch.full((n, length), pad_id, dtype=torch.long)
-        mask = torch.zeros((n, length), dtype=torch.long)
         fact_spans = torch.full((n, n_facts, n_pres, 2), -1, dtype=torch.long)
         value_spans = torch.full((n, n_facts, n_pres, 2), -1, dtype=torch.long)
         pads = []
@@ -232,7 +229,6 @@ class PairBatch:
             pads.append(pad)
             recipient[i, pad:] = torch.tensor(p.recipient_ids)
             donor[i, pad:] = torch.tensor(p.donor_ids)
-            mask[i, pad:] = 1
             for f, (spans, vspans) in enumerate(zip(p.fact_spans, p.value_spans)):
                 for r, (span, vspan) in enumerate(zip(spans, vspans)):
                     fact_spans[i, f, r] = torch.tensor(span) + pad
@@ -246,7 +242,7 @@ class PairBatch:
             return torch.tensor([getattr(p, name) for p in pairs], dtype=torch.long)
 
         return cls(
-            recipient_ids=recipient, donor_ids=donor, attention_mask=mask, n_pad=pad_t,
+            recipient_ids=recipient, donor_ids=donor,
             query_start=column("query_start") + pad_t, query_pos=column("query_pos") + pad_t,
             candidate_ids=torch.tensor([p.candidate_ids for p in pairs], dtype=torch.long),
             recipient_answer_index=column("recipient_answer_index"),
@@ -290,8 +286,7 @@ class PairBatch:
                 "source_id": int(self.source_id[i]), "origin": self.origins[i], "template": self.templates[i],
                 "vocab": self.vocabs[i], "n_facts": k, "target_fact": target, "queried_fact": queried,
                 "is_target": bool(self.is_target[i]), "target_key": self.keys[i][target],
-                "queried_key": self.keys[i][queried], "length": int(self.attention_mask[i].sum()),
-                "n_pad": int(self.n_pad[i]), "query_start": int(self.query_start[i]),
+                "queried_key": self.keys[i][queried], "query_start": int(self.query_start[i]),
                 "query_pos": int(self.query_pos[i]),
                 "candidates": list(self.candidates[i]), "candidate_ids": self.candidate_ids[i].tolist(),
                 "recipient_answer_index": int(self.recipient_answer_index[i]),
@@ -358,6 +353,222 @@ def _check_args(n_facts, presentations, filler_tokens, gap_tokens, lead_tokens, 
                          f"presentations={presentations}. Use presentations >= 2.")
 
 
+@dataclass(frozen=True)
+class _Vocabulary:
+    """The single-token keys and values of one call, as words and as token ids (index i of each list matches)."""
+
+    name: str
+    key_words: list[str]
+    key_ids: list[int]
+    value_words: list[str]
+    value_ids: list[int]
+
+
+def _vocabulary(tokenizer, keys: Sequence[str] | None, vocab: str | Sequence[str], on_multitoken: str, n_facts: int,
+                n_candidates: int, variant: str, report: dict | None) -> _Vocabulary:
+    """Resolve and filter the keys and values to single tokens; check there are enough for the task."""
+    vocab_name, value_words = _resolve_vocab(vocab)
+    key_words = list(KEY_NAMES if keys is None else keys)
+    if len(set(key_words)) != len(key_words):
+        raise ValueError(f"keys must be distinct; received duplicates in {key_words}.")
+    value_words, value_ids, dropped_values = single_token_ids(tokenizer, value_words, on_multitoken, "value")
+    key_words, key_ids, dropped_keys = single_token_ids(tokenizer, key_words, on_multitoken, "key")
+    if set(value_ids) & set(key_ids):
+        raise ValueError("a key and a value map to the same token id; keys and values must be distinct words.")
+    if report is not None:
+        report.update({"dropped_values": dropped_values, "dropped_keys": dropped_keys,
+                       "n_filtered": len(dropped_values) + len(dropped_keys)})
+    if n_facts > len(key_words):
+        raise ValueError(f"n_facts={n_facts} bindings need {n_facts} distinct keys, but only {len(key_words)} "
+                         f"single-token keys are available{' after filtering' if dropped_keys else ''}; "
+                         f"lower n_facts or pass more keys.")
+    if len(value_words) < n_candidates:
+        raise ValueError(f"vocab {vocab_name!r} has {len(value_words)} single-token values"
+                         f"{' after filtering' if dropped_values else ''}; at least n_candidates={n_candidates} "
+                         f"are needed. Use a larger vocabulary.")
+    min_values = 2 + (variant == "update") + (n_facts > 1)
+    if len(value_words) < min_values:
+        raise ValueError(f"vocab {vocab_name!r} has {len(value_words)} single-token values; variant={variant!r} "
+                         f"with n_facts={n_facts} needs at least {min_values}. Use a larger vocabulary.")
+    return _Vocabulary(vocab_name, key_words, key_ids, value_words, value_ids)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Token layout shared by every sequence of one call: [bos] lead, then each presentation followed by a gap (the
+    last one by the long filler), then the query prompt."""
+
+    fact_ids: list[int]     # compiled fact template, with _KEY / _VALUE slots
+    query_ids: list[int]    # compiled query template, with a _KEY slot
+    value_offset: int       # position of the value token inside a fact
+    bos: list[int]
+    filler_lengths: list[int]  # token counts of the filler pieces, in layout order
+    length: int             # tokens per sequence
+
+    @property
+    def fact_len(self) -> int:
+        return len(self.fact_ids)
+
+
+def _layout(tokenizer, tmpl: Template, n_facts: int, presentations: int, filler_tokens: int, gap_tokens: int,
+            lead_tokens: int, add_bos: bool, max_length: int | None) -> _Layout:
+    fact_ids = _compile(tokenizer, tmpl.fact, tmpl.name)
+    query_ids = _compile(tokenizer, tmpl.query, tmpl.name)
+    n_pres_total = n_facts * presentations
+    bos = []
+    if add_bos:
+        if getattr(tokenizer, "bos_token_id", None) is None:
+            raise ValueError("add_bos=True but this tokenizer has no bos_token_id; pass add_bos=False.")
+        bos = [tokenizer.bos_token_id]
+    filler_lengths = [lead_tokens] + [gap_tokens] * (n_pres_total - 1) + [filler_tokens]
+    length = len(bos) + sum(filler_lengths) + n_pres_total * len(fact_ids) + len(query_ids)
+    if max_length is not None and length > max_length:
+        raise ValueError(
+            f"filler_tokens={filler_tokens} with n_facts={n_facts}, presentations={presentations}, "
+            f"gap_tokens={gap_tokens} makes sequences {length} tokens long, more than max_length={max_length}; "
+            f"lower filler_tokens to at most {filler_tokens - (length - max_length)} or shrink the layout.")
+    return _Layout(fact_ids, query_ids, fact_ids.index(_VALUE), bos, filler_lengths, length)
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """Per-pair draws balanced over the whole call (index = pair number)."""
+
+    target: list[int]            # the fact whose value the donor changes
+    recipient_answer: list[int]  # value index of the recipient's answer
+    donor_answer: list[int]      # value index of the donor's answer, never the recipient's
+    slots: list[tuple[int, int]]  # candidate slots of (recipient answer, donor answer)
+
+
+def _schedule(n_pairs: int, n_values: int, n_candidates: int, n_facts: int, rng: random.Random) -> _Schedule:
+    # Recipient answer: shuffled blocks of every value; donor answer: the same block shifted by a nonzero offset,
+    # so both are balanced over values and never equal.
+    recipient_answer, donor_answer = [], []
+    while len(recipient_answer) < n_pairs:
+        block = list(range(n_values))
+        rng.shuffle(block)
+        shift = rng.randrange(1, n_values)
+        recipient_answer.extend(block)
+        donor_answer.extend(block[(i + shift) % n_values] for i in range(n_values))
+    # (recipient slot, donor slot): every run of n_candidates pairs uses each slot once for the recipient answer and
+    # once for the donor answer; every run of n_candidates * (n_candidates - 1) pairs uses each ordered slot pair once.
+    slots: list[tuple[int, int]] = []
+    while len(slots) < n_pairs:
+        shifts = list(range(1, n_candidates))
+        rng.shuffle(shifts)
+        for shift in shifts:
+            perm = list(range(n_candidates))
+            rng.shuffle(perm)
+            slots.extend((r, (r + shift) % n_candidates) for r in perm)
+    targets = _balanced_sequence(rng, list(range(n_facts)), n_pairs)
+    return _Schedule(targets, recipient_answer, donor_answer, slots[:n_pairs])
+
+
+@dataclass
+class _Context:
+    """One pair's donor and recipient context (everything before the query prompt) and what it binds."""
+
+    recipient: list[int]
+    donor: list[int]
+    fact_spans: list[list[tuple[int, int]]]
+    value_spans: list[list[tuple[int, int]]]
+    fact_keys: list[int]    # key index of each fact
+    fact_values: list[int]  # recipient value index of each fact
+    stale_value: int        # the overwritten value (update), else -1
+    updated_rounds: list[int]
+
+
+def _context(rng: random.Random, layout: _Layout, words: _Vocabulary, pieces: list[list[int]],
+             spare: list[list[int]], target: int, r_value: int, d_value: int, n_facts: int, presentations: int,
+             variant: str, n_updated: int) -> _Context:
+    """Draw the other facts' keys and values and the presentation order, and write both contexts."""
+    n_values = len(words.value_ids)
+    used = {r_value, d_value}
+    stale_value = -1
+    if variant == "update":
+        stale_value = rng.choice([v for v in range(n_values) if v not in used])
+        used.add(stale_value)
+    free = [v for v in range(n_values) if v not in used]
+    others = rng.sample(free, n_facts - 1) if len(free) >= n_facts - 1 else rng.choices(free, k=n_facts - 1)
+    fact_values = others[:target] + [r_value] + others[target:]
+    fact_keys = rng.sample(range(len(words.key_words)), n_facts)
+    order = []
+    for rnd in range(presentations):
+        perm = list(range(n_facts))
+        rng.shuffle(perm)
+        order.extend((rnd, f) for f in perm)
+    updated_rounds = list(range(presentations - n_updated, presentations)) if variant == "update" else []
+
+    recipient: list[int] = list(layout.bos)
+    donor: list[int] = list(layout.bos)
+    piece_iter = iter(pieces)
+    spare_iter = iter(spare)
+
+    def add_filler() -> None:
+        chunk = next(piece_iter)
+        recipient.extend(chunk)
+        donor.extend(chunk)
+
+    fact_len, value_offset = layout.fact_len, layout.value_offset
+    fact_spans = [[None] * presentations for _ in range(n_facts)]
+    value_spans = [[None] * presentations for _ in range(n_facts)]
+    add_filler()
+    for rnd, f in order:
+        start = len(recipient)
+        key_id = words.key_ids[fact_keys[f]]
+        if f == target and variant == "update" and rnd not in updated_rounds:
+            r_val, d_val = words.value_ids[stale_value], words.value_ids[stale_value]
+        elif f == target and variant in ("swap", "update"):
+            r_val, d_val = words.value_ids[r_value], words.value_ids[d_value]
+        else:
+            r_val = d_val = words.value_ids[fact_values[f]]
+        recipient.extend(_fill(layout.fact_ids, key_id, r_val))
+        if f == target and variant == "neutral":
+            donor.extend(next(spare_iter))
+        else:
+            donor.extend(_fill(layout.fact_ids, key_id, d_val))
+        fact_spans[f][rnd] = (start, start + fact_len)
+        value_spans[f][rnd] = (start + value_offset, start + value_offset + 1)
+        add_filler()
+    assert len(recipient) == len(donor) == layout.length - len(layout.query_ids)
+    return _Context(recipient, donor, fact_spans, value_spans, fact_keys, fact_values, stale_value, updated_rounds)
+
+
+def _candidates(rng: random.Random, queried: int, target: int, r_value: int, d_value: int, slots: tuple[int, int],
+                ctx: _Context, n_values: int, n_candidates: int, variant: str) -> tuple[list[int], int, int, int]:
+    """The value index in each candidate slot for a query of fact `queried`, and the slots of the recipient's answer,
+    the donor's answer and the stale value (-1 for none).
+
+    A target query puts its answers in the scheduled `slots` (and the stale value of an update in a random free
+    slot); another fact's answer goes to a random slot. Distractors fill the rest: values bound to other keys in
+    this context first, then the rest of the vocabulary.
+    """
+    if queried == target:
+        r_slot, d_slot = slots
+        fixed = {r_slot: r_value}
+        if variant != "neutral":
+            fixed[d_slot] = d_value
+        if variant == "update":
+            fixed[rng.choice([s for s in range(n_candidates) if s not in fixed])] = ctx.stale_value
+        answer_value = r_value
+    else:
+        answer_value = ctx.fact_values[queried]
+        fixed = {rng.randrange(n_candidates): answer_value}
+    taken = set(fixed.values())
+    in_context = [v for v in dict.fromkeys(ctx.fact_values) if v not in taken]
+    rng.shuffle(in_context)
+    rest = [v for v in range(n_values) if v not in taken and v not in in_context]
+    rng.shuffle(rest)
+    fillers = iter(in_context + rest)
+    chosen = [fixed[s] if s in fixed else next(fillers) for s in range(n_candidates)]
+    answer_slot = chosen.index(answer_value)
+    if queried != target:
+        return chosen, answer_slot, answer_slot, -1
+    donor_slot = -1 if variant == "neutral" else chosen.index(d_value)
+    stale_slot = chosen.index(ctx.stale_value) if variant == "update" else -1
+    return chosen, answer_slot, donor_slot, stale_slot
+
+
 def iter_pairs(tokenizer, split: str = "dev", n_sources: int = 16, *, sources: Sequence[Source] | None = None,
                n_facts: int = 4, presentations: int = 3, filler_tokens: int = 512, gap_tokens: int = 24,
                lead_tokens: int | None = None, template: str | Template = "is_in",
@@ -385,182 +596,50 @@ def iter_pairs(tokenizer, split: str = "dev", n_sources: int = 16, *, sources: S
     if not sources:
         raise ValueError("sources is empty; pass at least one Source.")
     tmpl = _resolve_template(template)
-    vocab_name, value_words = _resolve_vocab(vocab)
-    key_words = list(KEY_NAMES if keys is None else keys)
-    if len(set(key_words)) != len(key_words):
-        raise ValueError(f"keys must be distinct; received duplicates in {key_words}.")
-
-    value_words, value_ids, dropped_values = single_token_ids(tokenizer, value_words, on_multitoken, "value")
-    key_words, key_ids, dropped_keys = single_token_ids(tokenizer, key_words, on_multitoken, "key")
-    if set(value_ids) & set(key_ids):
-        raise ValueError("a key and a value map to the same token id; keys and values must be distinct words.")
-    info = {"dropped_values": dropped_values, "dropped_keys": dropped_keys,
-            "n_filtered": len(dropped_values) + len(dropped_keys)}
-    if report is not None:
-        report.update(info)
-    if n_facts > len(key_words):
-        raise ValueError(f"n_facts={n_facts} bindings need {n_facts} distinct keys, but only {len(key_words)} "
-                         f"single-token keys are available{' after filtering' if dropped_keys else ''}; "
-                         f"lower n_facts or pass more keys.")
-    if len(value_words) < n_candidates:
-        raise ValueError(f"vocab {vocab_name!r} has {len(value_words)} single-token values"
-                         f"{' after filtering' if dropped_values else ''}; at least n_candidates={n_candidates} "
-                         f"are needed. Use a larger vocabulary.")
-
-    min_values = 2 + (variant == "update") + (n_facts > 1)
-    if len(value_words) < min_values:
-        raise ValueError(f"vocab {vocab_name!r} has {len(value_words)} single-token values; variant={variant!r} "
-                         f"with n_facts={n_facts} needs at least {min_values}. Use a larger vocabulary.")
-    fact_ids = _compile(tokenizer, tmpl.fact, tmpl.name)
-    query_ids = _compile(tokenizer, tmpl.query, tmpl.name)
-    fact_len = len(fact_ids)
-    value_offset = fact_ids.index(_VALUE)
-    n_pres_total = n_facts * presentations
-    bos = []
-    if add_bos:
-        if getattr(tokenizer, "bos_token_id", None) is None:
-            raise ValueError("add_bos=True but this tokenizer has no bos_token_id; pass add_bos=False.")
-        bos = [tokenizer.bos_token_id]
-    filler_needed = lead_tokens + (n_pres_total - 1) * gap_tokens + filler_tokens
-    length = len(bos) + filler_needed + n_pres_total * fact_len + len(query_ids)
-    if max_length is not None and length > max_length:
-        raise ValueError(
-            f"filler_tokens={filler_tokens} with n_facts={n_facts}, presentations={presentations}, "
-            f"gap_tokens={gap_tokens} makes sequences {length} tokens long, more than max_length={max_length}; "
-            f"lower filler_tokens to at most {filler_tokens - (length - max_length)} or shrink the layout.")
-    reserved = frozenset(key_ids) | frozenset(value_ids)
-
+    words = _vocabulary(tokenizer, keys, vocab, on_multitoken, n_facts, n_candidates, variant, report)
+    layout = _layout(tokenizer, tmpl, n_facts, presentations, filler_tokens, gap_tokens, lead_tokens, add_bos,
+                     max_length)
+    reserved = frozenset(words.key_ids) | frozenset(words.value_ids)
+    n_values = len(words.value_ids)
     n_pairs = len(sources) * pairs_per_source
-    sched_rng = random.Random(f"recall-schedule/{seed}/{tmpl.name}/{vocab_name}/{variant}/{n_pairs}")
-    n_values = len(value_words)
-    # Recipient answer: shuffled blocks of every value; donor answer: the same block shifted by a nonzero offset,
-    # so both are balanced over values and never equal.
-    recipient_answer, donor_answer = [], []
-    while len(recipient_answer) < n_pairs:
-        block = list(range(n_values))
-        sched_rng.shuffle(block)
-        shift = sched_rng.randrange(1, n_values)
-        recipient_answer.extend(block)
-        donor_answer.extend(block[(i + shift) % n_values] for i in range(n_values))
-    # (recipient slot, donor slot): every run of n_candidates pairs uses each slot once for the recipient answer and
-    # once for the donor answer; every run of n_candidates * (n_candidates - 1) pairs uses each ordered slot pair once.
-    slots: list[tuple[int, int]] = []
-    while len(slots) < n_pairs:
-        shifts = list(range(1, n_candidates))
-        sched_rng.shuffle(shifts)
-        for shift in shifts:
-            perm = list(range(n_candidates))
-            sched_rng.shuffle(perm)
-            slots.extend((r, (r + shift) % n_candidates) for r in perm)
-    slots = slots[:n_pairs]
-    targets = _balanced_sequence(sched_rng, list(range(n_facts)), n_pairs)
+    schedule = _schedule(n_pairs, n_values, n_candidates, n_facts, random.Random(
+        f"recall-schedule/{seed}/{tmpl.name}/{words.name}/{variant}/{n_pairs}"))
 
     pair_index = 0
     for source in sources:
         # Filler pieces in layout order, each an exact token count on word boundaries; shared by the source's pairs.
         stream = source.stream(tokenizer, reserved)
-        pieces = [stream.take(lead_tokens)]
-        pieces += [stream.take(gap_tokens) for _ in range(n_pres_total - 1)]
-        pieces.append(stream.take(filler_tokens))
-        spare = [stream.take(fact_len) for _ in range(presentations)] if variant == "neutral" else []
+        pieces = [stream.take(n) for n in layout.filler_lengths]
+        spare = [stream.take(layout.fact_len) for _ in range(presentations)] if variant == "neutral" else []
         for j in range(pairs_per_source):
             i = pair_index
             pair_index += 1
             rng = random.Random(f"recall-pair/{seed}/{source.split}/{source.origin}/{source.id}/{j}/{tmpl.name}/"
-                                f"{vocab_name}/{variant}/{i}")
-            target = targets[i]
-            r_value, d_value = recipient_answer[i], donor_answer[i]
-            r_slot, d_slot = slots[i]
-            used = {r_value, d_value}
-            stale_value = -1
-            if variant == "update":
-                stale_value = rng.choice([v for v in range(n_values) if v not in used])
-                used.add(stale_value)
-            free = [v for v in range(n_values) if v not in used]
-            others = rng.sample(free, n_facts - 1) if len(free) >= n_facts - 1 else rng.choices(free, k=n_facts - 1)
-            fact_values = others[:target] + [r_value] + others[target:]
-            fact_keys = rng.sample(range(len(key_words)), n_facts)
-            order = []
-            for rnd in range(presentations):
-                perm = list(range(n_facts))
-                rng.shuffle(perm)
-                order.extend((rnd, f) for f in perm)
-            updated_rounds = list(range(presentations - n_updated, presentations)) if variant == "update" else []
-
-            recipient: list[int] = list(bos)
-            donor: list[int] = list(bos)
-            piece_iter = iter(pieces)
-            spare_iter = iter(spare)
-
-            def add_filler() -> None:
-                chunk = next(piece_iter)
-                recipient.extend(chunk)
-                donor.extend(chunk)
-
-            fact_spans = [[None] * presentations for _ in range(n_facts)]
-            value_spans = [[None] * presentations for _ in range(n_facts)]
-            add_filler()
-            for p, (rnd, f) in enumerate(order):
-                start = len(recipient)
-                key_id = key_ids[fact_keys[f]]
-                if f == target and variant == "update" and rnd not in updated_rounds:
-                    r_val, d_val = value_ids[stale_value], value_ids[stale_value]
-                elif f == target and variant in ("swap", "update"):
-                    r_val, d_val = value_ids[r_value], value_ids[d_value]
-                else:
-                    r_val = d_val = value_ids[fact_values[f]]
-                recipient.extend(_fill(fact_ids, key_id, r_val))
-                if f == target and variant == "neutral":
-                    donor.extend(next(spare_iter))
-                else:
-                    donor.extend(_fill(fact_ids, key_id, d_val))
-                fact_spans[f][rnd] = (start, start + fact_len)
-                value_spans[f][rnd] = (start + value_offset, start + value_offset + 1)
-                add_filler()
-            assert len(recipient) == len(donor) == length - len(query_ids)
-            query_start = len(recipient)
-
-            queried_facts = [target] if queries == "target" else list(range(n_facts))
-            keys_out = [key_words[fact_keys[f]] for f in range(n_facts)]
-            r_values_out = [value_words[fact_values[f]] for f in range(n_facts)]
+                                f"{words.name}/{variant}/{i}")
+            target = schedule.target[i]
+            r_value, d_value = schedule.recipient_answer[i], schedule.donor_answer[i]
+            ctx = _context(rng, layout, words, pieces, spare, target, r_value, d_value, n_facts, presentations,
+                           variant, n_updated)
+            query_start = len(ctx.recipient)
+            keys_out = [words.key_words[ctx.fact_keys[f]] for f in range(n_facts)]
+            r_values_out = [words.value_words[ctx.fact_values[f]] for f in range(n_facts)]
             d_values_out = list(r_values_out)
-            d_values_out[target] = "" if variant == "neutral" else value_words[d_value]
-            for q in queried_facts:
-                prompt = _fill(query_ids, key_ids[fact_keys[q]], None)
-                if q == target:
-                    fixed = {r_slot: r_value}
-                    if variant != "neutral":
-                        fixed[d_slot] = d_value
-                    if variant == "update":
-                        fixed[rng.choice([s for s in range(n_candidates) if s not in fixed])] = stale_value
-                    answer_value = r_value
-                else:
-                    answer_value = fact_values[q]
-                    fixed = {rng.randrange(n_candidates): answer_value}
-                # Distractors: values bound to other keys in this context first, then the rest of the vocabulary.
-                taken = set(fixed.values())
-                in_context = [v for v in dict.fromkeys(fact_values) if v not in taken]
-                rng.shuffle(in_context)
-                rest = [v for v in range(n_values) if v not in taken and v not in in_context]
-                rng.shuffle(rest)
-                fillers = iter(in_context + rest)
-                chosen = [fixed[s] if s in fixed else next(fillers) for s in range(n_candidates)]
-                answer_slot = chosen.index(answer_value)
-                if q == target:
-                    donor_slot = -1 if variant == "neutral" else chosen.index(d_value)
-                    stale_slot = chosen.index(stale_value) if variant == "update" else -1
-                else:
-                    donor_slot, stale_slot = answer_slot, -1
+            d_values_out[target] = "" if variant == "neutral" else words.value_words[d_value]
+            for q in [target] if queries == "target" else range(n_facts):
+                prompt = _fill(layout.query_ids, words.key_ids[ctx.fact_keys[q]], None)
+                chosen, answer_slot, donor_slot, stale_slot = _candidates(
+                    rng, q, target, r_value, d_value, schedule.slots[i], ctx, n_values, n_candidates, variant)
                 yield RecallPair(
-                    recipient_ids=recipient + prompt, donor_ids=donor + prompt,
-                    fact_spans=[list(s) for s in fact_spans], value_spans=[list(s) for s in value_spans],
+                    recipient_ids=ctx.recipient + prompt, donor_ids=ctx.donor + prompt,
+                    fact_spans=[list(s) for s in ctx.fact_spans], value_spans=[list(s) for s in ctx.value_spans],
                     query_start=query_start, query_pos=query_start + len(prompt) - 1,
-                    candidate_ids=[value_ids[v] for v in chosen], candidates=[value_words[v] for v in chosen],
+                    candidate_ids=[words.value_ids[v] for v in chosen],
+                    candidates=[words.value_words[v] for v in chosen],
                     recipient_answer_index=answer_slot, donor_answer_index=donor_slot,
                     stale_answer_index=stale_slot, target_fact=target, queried_fact=q, keys=keys_out,
                     recipient_values=r_values_out, donor_values=d_values_out, source_id=source.id,
-                    split=source.split, origin=source.origin, template=tmpl.name, vocab=vocab_name,
-                    variant=variant, group=i, updated_presentations=updated_rounds,
+                    split=source.split, origin=source.origin, template=tmpl.name, vocab=words.name,
+                    variant=variant, group=i, updated_presentations=ctx.updated_rounds,
                 )
 
 
