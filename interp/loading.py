@@ -142,7 +142,3 @@ def save_model(model: RecurrentLM, directory: Union[str, os.PathLike], extra_con
 def state_from_fla(state: torch.Tensor) -> torch.Tensor:
     """fla's GLA/GDN caches keep each head's state as (V, K); recurscope keeps (K, V) everywhere."""
     return state.transpose(-1, -2)
-
-
-def state_to_fla(state: torch.Tensor) -> torch.Tensor:
-    return state.transpose(-1, -2)

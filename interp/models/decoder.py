@@ -10,7 +10,7 @@ import torch.nn as nn
 from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
-from recurscope.interp.models.cache import LayerCache, RecurrentCache
+from recurscope.interp.models.cache import RecurrentCache
 from recurscope.interp.models.config import ModelConfig
 from recurscope.interp.models.layers import GatedMLP, RMSNorm
 from recurscope.interp.models.mixers import AttentionMixer, GatedDeltaNet2Mixer, RecurrentMixer
@@ -162,15 +162,3 @@ class RecurrentLM(HookedRootModule):
         if state_positions is not None:
             kwargs["state_positions"] = state_positions
         return super().run_with_cache(*args, **kwargs)
-
-    def empty_cache(self, batch_size: int, device=None, dtype=torch.float32) -> RecurrentCache:
-        """A cache of zero states, as if nothing had been read yet."""
-        layers = []
-        K, V = self.cfg.state_shape()
-        for b in self.blocks:
-            if b.is_recurrent:
-                layers.append(LayerCache("recurrent", state=torch.zeros(batch_size, self.n_state_heads, K, V,
-                                                                     device=device, dtype=dtype)))
-            else:
-                layers.append(LayerCache("attention"))
-        return RecurrentCache(layers, 0)
