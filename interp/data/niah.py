@@ -14,22 +14,9 @@ from typing import Sequence
 import torch
 
 from .tokenizer import encode_continuation, single_token_ids
-from .words import KEY_NAMES, NUMBER_WORDS
+from .words import KEY_NAMES, NEEDLE, NIAH_QUERY, NOISE_SENTENCES, NUMBER_WORDS, niah_words
 
 __all__ = ["NOISE_SENTENCES", "NEEDLE", "NIAH_QUERY", "NiahBatch", "build_niah", "niah_words"]
-
-NOISE_SENTENCES: tuple[str, ...] = (
-    "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
-NEEDLE = "the special magic number for {key} is {value}."
-NIAH_QUERY = "what is the special magic number for {key}? the special magic number for {key} is"
-
-
-def niah_words() -> list[str]:
-    """Every word and punctuation mark the S-NIAH generator can emit (keys and numbers included)."""
-    text = " ".join(NOISE_SENTENCES) + " " + NEEDLE + " " + NIAH_QUERY
-    words = re.findall(r"\w+|[^\w\s]", re.sub(r"\{(key|value)\}", " ", text))
-    return list(dict.fromkeys(words + list(KEY_NAMES) + list(NUMBER_WORDS)))
-
 
 @dataclass
 class NiahBatch:

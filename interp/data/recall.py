@@ -15,7 +15,7 @@ import torch
 
 from .filler import SPLITS, FillerSource, Source
 from .tokenizer import encode_continuation, single_token_ids, token_strings
-from .words import KEY_NAMES, VALUE_VOCABS
+from .words import KEY_NAMES, TEMPLATES, VALUE_VOCABS, Template, recall_words
 
 __all__ = [
     "Template",
@@ -32,61 +32,6 @@ __all__ = [
 ]
 
 VARIANTS = ("swap", "neutral", "update")
-
-
-@dataclass(frozen=True)
-class Template:
-    """A fact sentence with one {key} and one {value}, and a query prompt whose next token is the value.
-
-    A slot must follow a space (or start the text); punctuation written against a word ("is in {value}.") is encoded
-    without a leading space.
-    """
-
-    name: str
-    fact: str
-    query: str
-
-    def __post_init__(self) -> None:
-        if self.fact.count("{key}") != 1 or self.fact.count("{value}") != 1:
-            raise ValueError(f"template {self.name!r}: fact must contain exactly one {{key}} and one {{value}}; "
-                             f"received {self.fact!r}.")
-        if "{value}" in self.query or "{key}" not in self.query:
-            raise ValueError(f"template {self.name!r}: query must contain {{key}} and no {{value}} (the value is "
-                             f"the answer, the token right after the prompt); received {self.query!r}.")
-        for text in (self.fact, self.query):
-            for match in re.finditer(r"\{(key|value)\}", text):
-                if match.start() > 0 and not text[match.start() - 1].isspace():
-                    raise ValueError(f"template {self.name!r}: a slot must follow a space or start the text; "
-                                     f"received {text!r}.")
-            if re.sub(r"\{(key|value)\}", "", text).count("{") or re.sub(r"\{(key|value)\}", "", text).count("}"):
-                raise ValueError(f"template {self.name!r}: only {{key}} and {{value}} slots are allowed; "
-                                 f"received {text!r}.")
-
-    def words(self) -> list[str]:
-        """The literal words and punctuation marks of the fact and the query."""
-        text = re.sub(r"\{(key|value)\}", " ", self.fact + " " + self.query)
-        return re.findall(r"\w+|[^\w\s]", text)
-
-
-TEMPLATES: dict[str, Template] = {
-    t.name: t for t in (
-        Template("is_in", "{key} is in {value}.", "where is {key}? {key} is in"),
-        Template("colon", "{key}: {value};", "{key}:"),
-        Template("belongs", "the {value} belongs to {key}.", "what belongs to {key}? the"),
-        Template("likes", "{key} likes the {value}.", "what does {key} like? {key} likes the"),
-        Template("value_of", "the value of {key} is {value}.", "so the value of {key} is"),
-    )
-}
-
-
-def recall_words() -> list[str]:
-    """Every word the recall task can emit besides filler: keys, values of every vocabulary, template words."""
-    words: list[str] = list(KEY_NAMES)
-    for values in VALUE_VOCABS.values():
-        words.extend(values)
-    for template in TEMPLATES.values():
-        words.extend(template.words())
-    return list(dict.fromkeys(words))
 
 
 # --- compiled templates: token ids with slot markers -------------------------------------------------------------

@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from .words import default_word_list
+
 __all__ = [
     "SPECIAL_TOKENS",
     "encode_continuation",
@@ -146,15 +148,6 @@ def single_token_ids(tokenizer, words: Sequence[str], on_multitoken: str = "erro
         raise ValueError(f"several {what}s map to the same token id: {collisions}; {what}s must be distinct words "
                          f"with distinct tokens.")
     return kept, ids, dropped
-
-
-def default_word_list() -> list[str]:
-    """Every word the generators in interp.data can emit: filler words, keys, values, template and S-NIAH words."""
-    from .filler import filler_vocabulary
-    from .niah import niah_words
-    from .recall import recall_words
-
-    return list(dict.fromkeys(filler_vocabulary() + recall_words() + niah_words()))
 
 
 def build_word_tokenizer(extra_words: Iterable[str] = ()):

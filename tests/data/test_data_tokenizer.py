@@ -63,3 +63,26 @@ def test_multi_token_words_are_named(bpe_tok):
         single_token_ids(bpe_tok, ["Alice", "Zyzzyvaquux"])
     with pytest.raises(ValueError, match="on_multitoken"):
         single_token_ids(bpe_tok, ["Alice"], on_multitoken="drop")
+
+
+def test_data_modules_import_in_one_direction():
+    # words <- tokenizer <- filler <- recall, niah, corpora: the word lists live in words.py, so no module of
+    # interp.data imports one that imports it back (lazy imports inside functions count too).
+    import ast
+    from pathlib import Path
+
+    import recurscope.interp.data as data
+
+    folder = Path(data.__file__).parent
+    graph = {}
+    for path in folder.glob("*.py"):
+        if path.stem == "__init__":
+            continue
+        graph[path.stem] = {node.module for node in ast.walk(ast.parse(path.read_text()))
+                            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module}
+    assert graph["words"] == set() and graph["tokenizer"] == {"words"}
+
+    def reaches(start, goal, seen=()):
+        return any(m == goal or (m not in seen and reaches(m, goal, seen + (m,))) for m in graph.get(start, ()))
+
+    assert [m for m in graph if reaches(m, m)] == []
