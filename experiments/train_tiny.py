@@ -4,7 +4,7 @@ on filler next-token prediction plus the key-value recall task, then scored on h
 Usage:  python experiments/train_tiny.py --model tiny-gla [--max-minutes M] [--steps N] [--seed S] [--out DIR]
                                           [--threads T] [--smoke]      # staged curriculum (the default)
         python experiments/train_tiny.py --model tiny-gla --ramp       # the old scheduled ramp (500 steps)
-        python experiments/train_tiny.py --model tiny-gdn --eval-only --out DIR   # re-score a saved checkpoint
+        python experiments/train_tiny.py --rewrite-summary DIR      # eval_summary.md again from DIR's json and log
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ GATE_WINDOW, GATE_ACCURACY, GATE_LEVELS = 20, 0.8, 12   # gated curriculum (--ga
 EASY_STAGE = ("is_in", "cities", 2, 3)   # --gated level 0: template, vocab, facts, presentations
 WEIGHT_DECAY, GRAD_CLIP, QED_LR_MULTIPLIER = 0.1, 1.0, 10.0
 
-# Staged curriculum (--staged): start from a setting known to learn binding within a few hundred steps (one template,
+# Staged curriculum (the default): start from a setting known to learn binding within a few hundred steps (one template,
 # two facts, short filler, 16 recall rows, lr 1e-3, recall loss weighted up), and widen one axis at a time once the
 # running training recall is high. Templates are mixed before the filler grows because steps on short sequences are
 # ~10x cheaper than at F=512, so each format is learned where it costs least.
@@ -412,6 +412,191 @@ def _summary_markdown(name: str, summary: dict, log_path: Optional[Path] = None)
     return "\n".join(lines) + "\n"
 
 
+class StagedCurriculum:
+    """The STAGES curriculum: advance one stage once the training recall passes should_advance (or
+    should_advance_every_template), saving the weights that passed each stage under out/stages/."""
+
+    kind = "staged"
+    extra_columns = ["stage"]
+
+    def __init__(self, model: RecurrentLM, tokenizer, out: Path, data_rng: random.Random, stages: tuple[dict, ...],
+                 start_stage: int, recall_rows: int, seed: int, peak_lr: float, focus_template: Optional[str],
+                 advance_per_template: bool, early_templates: Optional[Sequence[str]], init_from: Optional[Path]):
+        self.model, self.tokenizer, self.out, self.data_rng = model, tokenizer, out, data_rng
+        self.stages, self.start_stage, self.stage_index = stages, start_stage, start_stage
+        self.recall_rows, self.seed, self.peak_lr = recall_rows, seed, peak_lr
+        self.focus_template, self.advance_per_template = focus_template, advance_per_template
+        self.early_templates, self.init_from = early_templates, init_from
+        self.stage_accs: list[tuple[str, float]] = []
+        self.advances: list[dict] = []
+
+    def learning_rate(self, step: int) -> float:
+        return staged_learning_rate(step, self.peak_lr)
+
+    def next_batch(self, step: int, history: list[dict], elapsed) -> tuple[dict, int]:
+        ready = (should_advance_every_template(self.stage_accs) if self.advance_per_template
+                 else should_advance([acc for _, acc in self.stage_accs]))
+        if self.stage_index + 1 < len(self.stages) and ready:
+            _save_stage_snapshot(self.model, self.tokenizer, self.out, self.stage_index, step)
+            self.stage_index, self.stage_accs = self.stage_index + 1, []
+            self.advances.append({"step": step, "stage": self.stage_index,
+                                  "name": self.stages[self.stage_index]["name"], "seconds": round(elapsed(), 1)})
+        batch = make_stage_batch(self.tokenizer, self.data_rng, step, self.stages[self.stage_index],
+                                 n_recall=self.recall_rows, seed=self.seed, focus_template=self.focus_template)
+        return batch, batch["filler_tokens"]
+
+    def record(self, row: dict) -> None:
+        row["stage"] = self.stage_index
+        self.stage_accs.append((row["template"], row["recall_acc"]))
+
+    def postfix(self) -> dict:
+        return {"stage": self.stage_index}
+
+    def summary(self, recall_weight: float) -> dict:
+        return {
+            "curriculum": {"kind": "staged", "stage_reached": self.stage_index,
+                           "stage_reached_name": self.stages[self.stage_index]["name"], "advances": self.advances,
+                           "stages": [{k: (v if v is not ALL else "all") for k, v in st.items()}
+                                      for st in self.stages],
+                           "early_templates": None if self.early_templates is None else list(self.early_templates),
+                           "advance_rule": {"window": ADVANCE_WINDOW, "accuracy": ADVANCE_ACCURACY,
+                                            "per_template_window": PER_TEMPLATE_WINDOW
+                                            if self.advance_per_template else None},
+                           "init_from": None if self.init_from is None else str(self.init_from),
+                           "start_stage": self.start_stage, "focus_template": self.focus_template,
+                           "focus_fraction": FOCUS_FRACTION if self.focus_template else None},
+            "training": {"batch_recall_rows": self.recall_rows, "batch_filler_rows": BATCH_FILLER,
+                         "recall_weight": recall_weight, "init_std": INIT_STD, "peak_lr": self.peak_lr,
+                         "recall_rows": self.recall_rows, "schedule": f"linear warmup {STAGED_WARMUP_STEPS} steps, "
+                         "then constant", "weight_decay": WEIGHT_DECAY, "grad_clip": GRAD_CLIP,
+                         "qed_theta_lr_multiplier": QED_LR_MULTIPLIER, "split": "train"},
+        }
+
+    def meta(self) -> dict:
+        return {"stage_reached": self.stage_index}
+
+
+class RampCurriculum:
+    """The original scheduled ramp (the recipe of the first bundled checkpoints): filler and gap ceilings grow with
+    curriculum_progress, under the warmup-stable-decay learning rate."""
+
+    kind = "ramp"
+    extra_columns: list[str] = []
+    gated = False
+
+    def __init__(self, tokenizer, data_rng: random.Random, steps: int, recall_rows: int, seed: int, peak_lr: float,
+                 filler_end: int):
+        self.tokenizer, self.data_rng, self.steps = tokenizer, data_rng, steps
+        self.recall_rows, self.seed, self.peak_lr, self.filler_end = recall_rows, seed, peak_lr, filler_end
+
+    def learning_rate(self, step: int) -> float:
+        return learning_rate(step, self.steps, self.peak_lr)
+
+    def ceilings(self, step: int, history: list[dict]) -> tuple[int, int]:
+        """The longest filler before the query and the longest gap between presentations at `step`."""
+        return filler_ceiling(step, self.steps, end=self.filler_end), gap_ceiling(step, self.steps)
+
+    def next_batch(self, step: int, history: list[dict], elapsed) -> tuple[dict, int]:
+        ceiling, max_gap = self.ceilings(step, history)
+        filler_len = self.data_rng.randint(max(FILLER_START, ceiling // 2), ceiling)
+        batch = make_batch(self.tokenizer, self.data_rng, step, filler_len, max_gap=max_gap,
+                           n_recall=self.recall_rows, seed=self.seed, easy=self.easy())
+        return batch, filler_len
+
+    def easy(self) -> bool:
+        return False
+
+    def record(self, row: dict) -> None:
+        pass
+
+    def postfix(self) -> dict:
+        return {}
+
+    def summary(self, recall_weight: float) -> dict:
+        return {"training": {
+            "batch_recall_rows": BATCH_RECALL, "batch_filler_rows": BATCH_FILLER,
+            "filler_curriculum": [FILLER_START, self.filler_end, CURRICULUM_FRACTION, "quadratic"],
+            "gap_curriculum": [GAP_START, GAP_RANGE[1]],
+            "fact_counts": FACT_COUNTS, "presentation_counts": PRESENTATION_COUNTS,
+            "gap_range": GAP_RANGE, "templates": sorted(TEMPLATES), "vocabs": sorted(VALUE_VOCABS),
+            "init_std": INIT_STD, "peak_lr": self.peak_lr, "recall_rows": self.recall_rows,
+            "gated_curriculum": self.gated,
+            "gate": [GATE_WINDOW, GATE_ACCURACY, GATE_LEVELS, EASY_STAGE] if self.gated else None, "schedule": "WSD",
+            "warmup": WARMUP_FRACTION, "decay": DECAY_FRACTION, "weight_decay": WEIGHT_DECAY, "grad_clip": GRAD_CLIP,
+            "qed_theta_lr_multiplier": QED_LR_MULTIPLIER, "split": "train", "recall_weight": recall_weight}}
+
+    def meta(self) -> dict:
+        return {}
+
+
+class GatedCurriculum(RampCurriculum):
+    """The ramp, capped by a level that rises by 1/GATE_LEVELS only while the training recall of the last GATE_WINDOW
+    steps is >= GATE_ACCURACY; level 0 trains on EASY_STAGE alone."""
+
+    kind = "gated"
+    gated = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.level, self.since_level = 0.0, 0
+
+    def ceilings(self, step: int, history: list[dict]) -> tuple[int, int]:
+        recent = [r["recall_acc"] for r in history[-GATE_WINDOW:]]
+        if self.since_level >= GATE_WINDOW and np.mean(recent) >= GATE_ACCURACY:
+            self.level, self.since_level = min(1.0, self.level + 1.0 / GATE_LEVELS), 0
+        self.since_level += 1
+        progress_now = min(self.level, math.sqrt(curriculum_progress(step, self.steps))) ** 2
+        ceiling = int(round(FILLER_START + (self.filler_end - FILLER_START) * progress_now))
+        max_gap = int(round(GAP_START + (GAP_RANGE[1] - GAP_START) * progress_now))
+        return ceiling, max_gap
+
+    def easy(self) -> bool:
+        return self.level == 0
+
+
+def _train_steps(model: RecurrentLM, optimizer, curriculum, name: str, steps: int, max_minutes: Optional[float],
+                 recall_weight: float, log_path: Path, progress: bool) -> tuple[list[dict], str, float]:
+    """The optimisation loop shared by the curricula; writes train_log.csv. Returns (log rows, what stopped the run,
+    training seconds)."""
+    from tqdm import tqdm
+
+    columns = ["step", "loss", "lm_loss", "recall_loss", "recall_acc", "filler_len", "gap", "seq_len", "template",
+               "lr", "seconds"] + curriculum.extra_columns
+    history = []
+    stopped = "steps"
+    t0 = time.time()
+    with open(log_path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        bar = tqdm(range(steps), desc=f"train {name}", disable=not progress)
+        for step in bar:
+            if max_minutes is not None and time.time() - t0 >= 60.0 * max_minutes:
+                stopped = "max_minutes"
+                break
+            lr = curriculum.learning_rate(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr * group["lr_scale"]
+            batch, filler_len = curriculum.next_batch(step, history, lambda: time.time() - t0)
+            losses = batch_losses(model, batch, recall_weight=recall_weight)
+            if not torch.isfinite(losses["loss"]):
+                raise FloatingPointError(f"non-finite loss {losses['loss'].item()} at step {step} of {name}; "
+                                         "lower PEAK_LR or check the data")
+            optimizer.zero_grad(set_to_none=True)
+            losses["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+            optimizer.step()
+            row = {"step": step, **{k: round(float(v.detach()), 5) for k, v in losses.items()}, "filler_len": filler_len,
+                   "gap": batch["gap"], "seq_len": int(batch["tokens"].shape[1]), "template": batch["template"], "lr": f"{lr:.3e}",
+                   "seconds": round(time.time() - t0, 2)}
+            curriculum.record(row)
+            writer.writerow(row)
+            fh.flush()
+            history.append(row)
+            bar.set_postfix(loss=f"{row['loss']:.3f}", recall=f"{row['recall_loss']:.3f}",
+                            acc=f"{row['recall_acc']:.2f}", F=filler_len, **curriculum.postfix())
+    return history, stopped, time.time() - t0
+
+
 def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[Path] = None, smoke: bool = False,
           threads: Optional[int] = None, progress: bool = True, command: Optional[str] = None,
           gated: bool = False, peak_lr: Optional[float] = None, recall_rows: Optional[int] = None,
@@ -422,10 +607,11 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     """Trains `name`, saves it with its tokenizer, log and evaluation into `out`; returns (model, summary).
 
     gated=True: the curriculum only advances while the training recall accuracy (mean of the last GATE_WINDOW steps)
-    is at least GATE_ACCURACY, so the model first learns recall on short sequences; the scheduled ramp stays a cap.
-    staged=True (the default unless gated): the STAGES curriculum (see should_advance); the weights at each advance
-    are saved under out/stages/<k>-<name>/ so a run cut short keeps the furthest stage reached. staged=False without
-    gated: the original scheduled ramp (the recipe of the first bundled checkpoints).
+    is at least GATE_ACCURACY, so the model first learns recall on short sequences; the scheduled ramp stays a cap
+    (GatedCurriculum). staged=True (the default unless gated): the STAGES curriculum (StagedCurriculum, see
+    should_advance); the weights at each advance are saved under out/stages/<k>-<name>/ so a run cut short keeps the
+    furthest stage reached. staged=False without gated: the original scheduled ramp (RampCurriculum, the recipe of
+    the first bundled checkpoints).
     advance_per_template: a staged advance also needs every template of the stage to pass on its own
     (should_advance_every_template).
     init_from: a checkpoint directory (e.g. a stage snapshot) whose weights replace the fresh init; start_stage: the
@@ -434,8 +620,6 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     max_minutes: training stops cleanly at the first step that would start after this wall-clock time; the model is
     then evaluated and saved as usual.
     """
-    from tqdm import tqdm
-
     if name not in ARCHITECTURES:
         raise ValueError(f"model must be one of {sorted(ARCHITECTURES)}; received {name!r}.")
     if gated and staged:
@@ -477,72 +661,17 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(param_groups(model, peak_lr), lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
-    level, since_level = 0.0, 0
     filler_end = 64 if smoke else FILLER_END
-    stage_index, stage_accs, advances = start_stage, [], []
+    if staged:
+        curriculum = StagedCurriculum(model, tokenizer, out, data_rng, stages, start_stage, recall_rows, seed, peak_lr,
+                                      focus_template, advance_per_template, early_templates, init_from)
+    else:
+        curriculum = (GatedCurriculum if gated else RampCurriculum)(tokenizer, data_rng, steps, recall_rows, seed,
+                                                                    peak_lr, filler_end)
 
     log_path = out / "train_log.csv"
-    columns = ["step", "loss", "lm_loss", "recall_loss", "recall_acc", "filler_len", "gap", "seq_len", "template",
-               "lr", "seconds"] + (["stage"] if staged else [])
-    history = []
-    stopped = "steps"
-    t0 = time.time()
-    with open(log_path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=columns)
-        writer.writeheader()
-        bar = tqdm(range(steps), desc=f"train {name}", disable=not progress)
-        for step in bar:
-            if max_minutes is not None and time.time() - t0 >= 60.0 * max_minutes:
-                stopped = "max_minutes"
-                break
-            lr = staged_learning_rate(step, peak_lr) if staged else learning_rate(step, steps, peak_lr)
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group["lr_scale"]
-            if staged:
-                ready = (should_advance_every_template(stage_accs) if advance_per_template
-                         else should_advance([acc for _, acc in stage_accs]))
-                if stage_index + 1 < len(stages) and ready:
-                    _save_stage_snapshot(model, tokenizer, out, stage_index, step)
-                    stage_index, stage_accs = stage_index + 1, []
-                    advances.append({"step": step, "stage": stage_index, "name": stages[stage_index]["name"],
-                                     "seconds": round(time.time() - t0, 1)})
-                batch = make_stage_batch(tokenizer, data_rng, step, stages[stage_index], n_recall=recall_rows,
-                                         seed=seed, focus_template=focus_template)
-                filler_len = batch["filler_tokens"]
-            else:
-                if gated:
-                    recent = [r["recall_acc"] for r in history[-GATE_WINDOW:]]
-                    if since_level >= GATE_WINDOW and np.mean(recent) >= GATE_ACCURACY:
-                        level, since_level = min(1.0, level + 1.0 / GATE_LEVELS), 0
-                    since_level += 1
-                    progress_now = min(level, math.sqrt(curriculum_progress(step, steps))) ** 2
-                    ceiling = int(round(FILLER_START + (filler_end - FILLER_START) * progress_now))
-                    max_gap = int(round(GAP_START + (GAP_RANGE[1] - GAP_START) * progress_now))
-                else:
-                    ceiling, max_gap = filler_ceiling(step, steps, end=filler_end), gap_ceiling(step, steps)
-                filler_len = data_rng.randint(max(FILLER_START, ceiling // 2), ceiling)
-                batch = make_batch(tokenizer, data_rng, step, filler_len, max_gap=max_gap, n_recall=recall_rows,
-                                   seed=seed, easy=gated and level == 0)
-            losses = batch_losses(model, batch, recall_weight=recall_weight)
-            if not torch.isfinite(losses["loss"]):
-                raise FloatingPointError(f"non-finite loss {losses['loss'].item()} at step {step} of {name}; "
-                                         "lower PEAK_LR or check the data")
-            optimizer.zero_grad(set_to_none=True)
-            losses["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-            optimizer.step()
-            row = {"step": step, **{k: round(float(v.detach()), 5) for k, v in losses.items()}, "filler_len": filler_len,
-                   "gap": batch["gap"], "seq_len": int(batch["tokens"].shape[1]), "template": batch["template"], "lr": f"{lr:.3e}",
-                   "seconds": round(time.time() - t0, 2)}
-            if staged:
-                row["stage"] = stage_index
-                stage_accs.append((row["template"], row["recall_acc"]))
-            writer.writerow(row)
-            fh.flush()
-            history.append(row)
-            bar.set_postfix(loss=f"{row['loss']:.3f}", recall=f"{row['recall_loss']:.3f}",
-                            acc=f"{row['recall_acc']:.2f}", F=filler_len, **({"stage": stage_index} if staged else {}))
-    train_seconds = time.time() - t0
+    history, stopped, train_seconds = _train_steps(model, optimizer, curriculum, name, steps, max_minutes,
+                                                   recall_weight, log_path, progress)
     steps_done = len(history)
     if steps_done == 0:
         raise ValueError(f"max_minutes={max_minutes} left no time for a single training step; raise it.")
@@ -560,38 +689,10 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
                "stopped_by": stopped, "threads": torch.get_num_threads(), "smoke": smoke,
                "train_seconds": round(train_seconds, 1), "eval_seconds": round(eval_seconds, 1),
                "parameters": n_params, "final_losses": final, "eval": ev}
-    if staged:
-        summary["curriculum"] = {"kind": "staged", "stage_reached": stage_index,
-                                 "stage_reached_name": stages[stage_index]["name"], "advances": advances,
-                                 "stages": [{k: (v if v is not ALL else "all") for k, v in st.items()}
-                                            for st in stages],
-                                 "early_templates": None if early_templates is None else list(early_templates),
-                                 "advance_rule": {"window": ADVANCE_WINDOW, "accuracy": ADVANCE_ACCURACY,
-                                                  "per_template_window": PER_TEMPLATE_WINDOW
-                                                  if advance_per_template else None},
-                                 "init_from": None if init_from is None else str(init_from),
-                                 "start_stage": start_stage, "focus_template": focus_template,
-                                 "focus_fraction": FOCUS_FRACTION if focus_template else None}
-        summary["training"] = {"batch_recall_rows": recall_rows, "batch_filler_rows": BATCH_FILLER,
-                               "recall_weight": recall_weight, "init_std": INIT_STD, "peak_lr": peak_lr,
-                               "recall_rows": recall_rows, "schedule": f"linear warmup {STAGED_WARMUP_STEPS} steps, "
-                               "then constant", "weight_decay": WEIGHT_DECAY, "grad_clip": GRAD_CLIP,
-                               "qed_theta_lr_multiplier": QED_LR_MULTIPLIER, "split": "train"}
-    else:
-        summary["training"] = {
-            "batch_recall_rows": BATCH_RECALL, "batch_filler_rows": BATCH_FILLER,
-            "filler_curriculum": [FILLER_START, filler_end, CURRICULUM_FRACTION, "quadratic"],
-            "gap_curriculum": [GAP_START, GAP_RANGE[1]],
-            "fact_counts": FACT_COUNTS, "presentation_counts": PRESENTATION_COUNTS,
-            "gap_range": GAP_RANGE, "templates": sorted(TEMPLATES), "vocabs": sorted(VALUE_VOCABS),
-            "init_std": INIT_STD, "peak_lr": peak_lr, "recall_rows": recall_rows, "gated_curriculum": gated,
-            "gate": [GATE_WINDOW, GATE_ACCURACY, GATE_LEVELS, EASY_STAGE] if gated else None, "schedule": "WSD",
-            "warmup": WARMUP_FRACTION, "decay": DECAY_FRACTION, "weight_decay": WEIGHT_DECAY, "grad_clip": GRAD_CLIP,
-            "qed_theta_lr_multiplier": QED_LR_MULTIPLIER, "split": "train", "recall_weight": recall_weight}
+    summary.update(curriculum.summary(recall_weight))
     meta = {k: summary[k] for k in ("model", "command", "seed", "steps", "train_seconds", "parameters", "smoke")}
     meta["clean_recall_k4_f512"] = ev["overall"]["accuracy"]
-    if staged:
-        meta["stage_reached"] = stage_index
+    meta.update(curriculum.meta())
     save_model(model, out, extra_config={"recurscope": meta})
     save_word_tokenizer(tokenizer, out)
     (out / "eval_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -621,9 +722,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     parser.add_argument("--gated", action="store_true", help="advance the curriculum only once recall is learned")
-    parser.add_argument("--staged", action="store_true",
-                        help="staged curriculum (STAGES; the default): widen one axis at a time once training "
-                             "recall >= 85%%")
     parser.add_argument("--ramp", action="store_true",
                         help="the original scheduled filler ramp (500 steps, lr 3e-3) instead of the staged curriculum")
     parser.add_argument("--advance-per-template", action="store_true",
@@ -648,8 +746,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         (d / "eval_summary.md").write_text(_summary_markdown(summary["model"], summary, d / "train_log.csv"))
         print(f"rewrote {d / 'eval_summary.md'}")
         return 0
-    if sum([args.staged, args.ramp, args.gated]) > 1:
-        parser.error("--staged, --ramp and --gated are alternative curricula; pass at most one.")
+    if args.ramp and args.gated:
+        parser.error("--ramp and --gated are alternative curricula to the staged default; pass at most one.")
     if args.model is None:
         parser.error("--model is required (unless --rewrite-summary)")
     staged = not (args.ramp or args.gated)

@@ -167,6 +167,8 @@ def test_ramp_recipe_still_runs_with_its_old_loss(train_tiny, tmp_path):
         assert abs(float(r["loss"]) - float(r["lm_loss"]) - float(r["recall_loss"])) < 1e-3
     with pytest.raises(SystemExit):
         train_tiny.main(["--model", "tiny-gdn2", "--smoke", "--ramp", "--gated", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):  # staged is the default; the flag that only restated it is gone
+        train_tiny.main(["--model", "tiny-gdn2", "--smoke", "--staged", "--out", str(tmp_path)])
 
 
 def test_cli_gated_smoke_run_trains_qed_and_records_options(train_tiny, tmp_path):
@@ -368,3 +370,39 @@ def test_summary_has_the_training_curve_and_rewrite_reproduces_it(smoke_run, tra
     (copy / "eval_summary.md").unlink()
     assert train_tiny.main(["--rewrite-summary", str(copy)]) == 0
     assert (copy / "eval_summary.md").read_text() == text
+
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "train_tiny_curricula.json"
+LOSSES = ("loss", "lm_loss", "recall_loss", "recall_acc")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["staged", "ramp", "gated"])
+def test_each_curriculum_reproduces_the_run_recorded_before_the_split(train_tiny, tmp_path, monkeypatch, kind):
+    # Five steps of each curriculum, recorded from main before train() was split into one class per curriculum
+    # (d7997da): the same batches (template, lengths, lr, stage) in the same order, the same losses to float noise,
+    # and the same summary. The advance and gate rules are loosened so that five steps exercise them.
+    expected = json.loads(GOLDEN.read_text())[kind]
+    if kind == "staged":
+        monkeypatch.setattr(train_tiny, "should_advance", lambda accs: len(accs) >= 2)
+    if kind == "gated":
+        monkeypatch.setattr(train_tiny, "GATE_WINDOW", 1)
+        monkeypatch.setattr(train_tiny, "GATE_ACCURACY", 0.0)
+    options = {"staged": {}, "ramp": {"staged": False}, "gated": {"gated": True}}[kind]
+    _, summary = train_tiny.train("tiny-gla", steps=5, smoke=True, out=tmp_path, progress=False, threads=1, seed=1,
+                                  **options)
+    rows = list(csv.DictReader(open(tmp_path / "train_log.csv")))
+    assert len(rows) == len(expected["rows"])
+    for row, want in zip(rows, expected["rows"]):
+        row.pop("seconds")
+        assert {k: v for k, v in row.items() if k not in LOSSES} == {k: v for k, v in want.items() if k not in LOSSES}
+        for k in LOSSES:
+            assert float(row[k]) == pytest.approx(float(want[k]), abs=1e-3), k
+    for key in ("train_seconds", "eval_seconds", "eval"):
+        summary.pop(key)
+    for advance in summary.get("curriculum", {}).get("advances", []):
+        advance.pop("seconds")
+    final = summary.pop("final_losses")
+    for k, v in expected["summary"].pop("final_losses").items():
+        assert final[k] == pytest.approx(v, abs=1e-3), k
+    assert json.loads(json.dumps(summary, default=str)) == expected["summary"]
