@@ -1,16 +1,14 @@
 """Tests for interp.results: manifests and resume checks, checkpoint hashing, the crash-safe row log (including
-real SIGKILLs of a writer process at random moments), and table/figure outputs."""
+real SIGKILLs of a writer process between and inside batches), and table/figure outputs."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -162,55 +160,67 @@ def test_duplicate_keys_keep_first_and_warn(tmp_path):
 
 
 _WRITER = textwrap.dedent("""
-    import sys, time, random
+    import os, random, signal, sys
     from recurscope.interp.results import RunDir
-    out, n_keys, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    out, n_keys, seed, kill_after, how = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     run = RunDir.create_or_open(out, kind="killtest", model_name="none", args={"n_keys": n_keys})
     rows = run.table("rows", key=["key"])
     done = rows.done_keys()
     todo = [k for k in range(n_keys) if (k,) not in done]
     rng = random.Random(seed)
-    print("ready", flush=True)
-    i = 0
+    real_write = os.write
+
+    def torn_write(fd, data):
+        # Write half of the batch's bytes, then die inside append: a real torn, uncommitted batch.
+        real_write(fd, bytes(data[:max(1, len(data) // 2)]))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    committed, i = 0, 0
     while i < len(todo):
         size = rng.randint(1, 4)
         batch = [{"key": k, "square": k * k, "pad": "x" * rng.randint(10, 200000)} for k in todo[i:i + size]]
+        if how == "torn" and committed + len(batch) >= kill_after:
+            os.write = torn_write
         rows.append(batch)
+        committed += len(batch)
         i += size
-        time.sleep(0.002)
+        if how == "between" and committed >= kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
     print("finished", flush=True)
 """)
 
 
-def test_sigkill_at_random_moments_then_resume(tmp_path):
+def test_sigkill_between_and_inside_batches_then_resume(tmp_path):
+    # Each writer SIGKILLs itself on a row-count signal (after `kill_after` committed rows, or halfway through the
+    # batch that would cross it), so every kill lands mid-run with known rows on disk, whatever the machine's speed.
     out = tmp_path / "run"
     n_keys = 150
-    rng = random.Random(1234)
+    log = RowLog(out / "rows.jsonl", key=["key"])
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]) + os.pathsep +
                os.environ.get("PYTHONPATH", ""))
-    kills = 0
-    for attempt in range(6):
-        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(out), str(n_keys), str(attempt)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
-        time.sleep(rng.uniform(0.0, 0.15))
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            kills += 1
-        proc.wait(timeout=30)
-        proc.stdout.close()
-        proc.stderr.close()
-        if attempt == 2 and (out / "rows.jsonl").exists():
-            # A kill inside write() is rare on a page cache; also leave an explicit uncommitted, torn batch.
-            with open(out / "rows.jsonl", "ab") as handle:
-                handle.write(b'{"key": 0, "square": -1}\n{"key": 1, "squ')
-    assert kills >= 3, "the writer finished too fast for the kill test to mean anything"
-    finish = subprocess.run([sys.executable, "-c", _WRITER, str(out), str(n_keys), "99"], capture_output=True,
-                            text=True, env=env, timeout=120)
+
+    def writer(seed, kill_after, how):
+        return subprocess.run([sys.executable, "-c", _WRITER, str(out), str(n_keys), str(seed), str(kill_after), how],
+                              capture_output=True, text=True, env=env, timeout=120)
+
+    on_disk = 0
+    for attempt, (kill_after, how) in enumerate([(5, "between"), (1, "torn"), (20, "between"), (12, "torn"),
+                                                 (30, "between"), (3, "torn")]):
+        proc = writer(attempt, kill_after, how)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+        committed = len(log.rows())
+        if how == "between":  # every row of this run committed, and at least kill_after of them
+            assert on_disk + kill_after <= committed <= on_disk + kill_after + 3
+            assert (out / "rows.jsonl").read_bytes().endswith(b'}\n')
+        else:  # the torn batch left bytes past the last commit line, and none of its rows counts
+            assert committed < on_disk + kill_after
+            assert not (out / "rows.jsonl").read_bytes().endswith(b'}\n')
+        on_disk = committed
+    assert 0 < on_disk < n_keys
+    finish = writer(99, n_keys + 1, "never")
     assert finish.returncode == 0, finish.stderr
     assert "finished" in finish.stdout
 
-    log = RowLog(out / "rows.jsonl", key=["key"])
     raw = log.rows()
     assert sorted(r["key"] for r in raw) == list(range(n_keys))  # every key exactly once, none missing
     assert all(r["square"] == r["key"] ** 2 for r in raw)
