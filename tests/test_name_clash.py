@@ -23,6 +23,7 @@ def _run(code: str, cwd) -> dict:
     return dict(line.split(": ", 1) for line in res.stdout.splitlines() if ": " in line)
 
 
+@pytest.mark.slow
 def test_both_kernels_packages_import_in_one_process(tmp_path):
     pytest.importorskip("kernels")  # Hugging Face's, in the test extra
     out = _run(
@@ -38,6 +39,7 @@ def test_both_kernels_packages_import_in_one_process(tmp_path):
     assert out["HF_HAS_RECURRENCE"] == "False" and out["OURS_HAS_RECURRENCE"] == "True"
 
 
+@pytest.mark.slow
 def test_transformers_finds_hugging_faces_kernels(tmp_path):
     pytest.importorskip("kernels")
     out = _run(

@@ -3,36 +3,22 @@ import json
 
 import pandas as pd
 import pytest
-import torch
 
 from recurscope.interp.cli import main
-from recurscope.interp.data import build_word_tokenizer
-from recurscope.interp.loading import save_model
-from recurscope.interp.models import ModelConfig, RecurrentLM
 
 SMALL = ["--n-facts", "2", "--presentations", "2", "--filler", "12", "--batch-size", "8"]
 
 
-def _checkpoint(path, family="gla", seed=0):
-    tok = build_word_tokenizer()
-    torch.manual_seed(seed)
-    extra = {} if family == "gla" else {"head_dim": 16}
-    model = RecurrentLM(ModelConfig.from_dict(dict(model_type=family, vocab_size=len(tok), hidden_size=32,
-                                                   num_hidden_layers=2, num_heads=2, **extra)))
-    model.tokenizer = tok
-    save_model(model, path)
-    return path
-
-
 @pytest.fixture(scope="module")
-def study(tmp_path_factory):
+def study(tmp_path_factory, tiny_checkpoint):
     root = tmp_path_factory.mktemp("cli")
-    ckpt = _checkpoint(root / "ckpt")
+    ckpt = tiny_checkpoint(root / "ckpt")
     out = root / "study"
     assert main(["run", str(ckpt), "--n-dev", "3", "--n-heldout", "4", "--out", str(out), *SMALL]) == 0
     return root, ckpt, out
 
 
+@pytest.mark.slow
 def test_run_writes_scan_confirmation_and_report(study):
     root, ckpt, out = study
     report = (out / "report.md").read_text()
@@ -49,6 +35,7 @@ def test_run_writes_scan_confirmation_and_report(study):
     assert manifest["sources"] and scan_sources  # ids are per split; the generator keeps the splits disjoint
 
 
+@pytest.mark.slow
 def test_rerun_resumes_without_duplicates(study):
     root, ckpt, out = study
     before = pd.read_json(out / "scan" / "scan_rows.jsonl", lines=True)
@@ -57,15 +44,17 @@ def test_rerun_resumes_without_duplicates(study):
     assert len(after) == len(before)
 
 
-def test_confirm_refuses_a_scan_from_another_model(study, tmp_path, capsys):
+@pytest.mark.slow
+def test_confirm_refuses_a_scan_from_another_model(study, tiny_checkpoint, tmp_path, capsys):
     root, ckpt, out = study
-    other = _checkpoint(tmp_path / "other", seed=1)
+    other = tiny_checkpoint(tmp_path / "other", seed=1)
     code = main(["confirm", str(other), "--from-scan", str(out / "scan"), "--n-sources", "2", "--out",
                  str(tmp_path / "c"), *SMALL])
     assert code == 2
     assert "made on another model" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_patch_prints_the_intervention_table(study, capsys):
     root, ckpt, out = study
     assert main(["patch", str(ckpt), "--layer", "1", "--head", "0", *SMALL]) == 0
@@ -74,6 +63,7 @@ def test_patch_prints_the_intervention_table(study, capsys):
         assert arm in text
 
 
+@pytest.mark.slow
 def test_bad_head_is_reported(study, capsys):
     root, ckpt, out = study
     assert main(["patch", str(ckpt), "--layer", "1", "--head", "9", *SMALL]) == 2

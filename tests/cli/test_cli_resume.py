@@ -9,8 +9,9 @@ import sys
 import textwrap
 
 import pandas as pd
+import pytest
 
-from tests.cli.test_cli import SMALL, _checkpoint
+from tests.cli.test_cli import SMALL
 
 # argv: kill_after_rows, then the CLI's own arguments.
 _KILLED_CLI = textwrap.dedent("""
@@ -39,8 +40,9 @@ def _rows(out):
     return RunDir.open(out).table("scan_rows").read()
 
 
-def test_scan_survives_sigkill_and_resumes(tmp_path):
-    ckpt = _checkpoint(tmp_path / "ckpt", family="gated_deltanet")
+@pytest.mark.slow
+def test_scan_survives_sigkill_and_resumes(tmp_path, tiny_checkpoint):
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", family="gated_deltanet")
     out = tmp_path / "scan"
     args = ["scan", str(ckpt), "--n-sources", "6", "--out", str(out), *SMALL[:-2], "--batch-size", "1"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

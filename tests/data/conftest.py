@@ -1,8 +1,9 @@
-"""Shared tokenizers for the data-layer tests: the project's word-level tokenizer and a small byte-level BPE."""
+"""Tokenizers for the data-layer tests: a small byte-level BPE, and `tok`, which runs a test on both it and the
+project's word-level tokenizer (`word_tok`, from tests/conftest.py)."""
 
 import pytest
 
-from recurscope.interp.data import build_word_tokenizer, niah_words, recall_words, sources
+from recurscope.interp.data import niah_words, recall_words, sources
 
 
 def train_bpe(vocab_size: int = 2000, task_repeats: int = 30, extra_text: str = ""):
@@ -22,11 +23,6 @@ def train_bpe(vocab_size: int = 2000, task_repeats: int = 30, extra_text: str = 
     backend.train_from_iterator(lines, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>",
                                    bos_token="<|endoftext|>", pad_token="<|endoftext|>")
-
-
-@pytest.fixture(scope="session")
-def word_tok():
-    return build_word_tokenizer()
 
 
 @pytest.fixture(scope="session")

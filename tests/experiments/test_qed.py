@@ -214,6 +214,7 @@ def smoke(tmp_path_factory):
     return root, frame, tables
 
 
+@pytest.mark.slow
 def test_smoke_training_run_ends_finite_and_writes_its_tables(smoke):
     root, frame, tables = smoke
     assert list(frame["arm"]) == ["gdn2", "full"]
@@ -241,6 +242,7 @@ def test_smoke_training_run_ends_finite_and_writes_its_tables(smoke):
     assert (root / "eval" / "figures" / "fig1_niah_accuracy.png").is_file()
 
 
+@pytest.mark.slow
 def test_evaluation_resumes_from_saved_per_model_results(smoke, monkeypatch):
     root, _, tables = smoke
     saved = sorted(p.name for p in (root / "eval" / "per_model").iterdir())
@@ -266,6 +268,7 @@ def test_evaluation_resumes_from_saved_per_model_results(smoke, monkeypatch):
     assert sorted(calls) == [("full", 0), ("gdn2", 0)]
 
 
+@pytest.mark.slow
 def test_notebook_executes(smoke):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -31,6 +31,7 @@ def smoke_run(train_tiny, tmp_path_factory):
     return out, model, summary
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_every_file_with_finite_losses(smoke_run, train_tiny):
     out, model, summary = smoke_run
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "train_log.csv",
@@ -55,6 +56,7 @@ def test_smoke_run_writes_every_file_with_finite_losses(smoke_run, train_tiny):
     assert config["recurscope"]["steps"] == train_tiny.SMOKE_STEPS
 
 
+@pytest.mark.slow
 def test_smoke_checkpoint_reloads_with_identical_logits_and_tokenizer(smoke_run):
     out, model, _ = smoke_run
     loaded = load_model(out)
@@ -71,6 +73,7 @@ def test_smoke_checkpoint_reloads_with_identical_logits_and_tokenizer(smoke_run)
 
 
 
+@pytest.mark.slow
 def test_smoke_run_starts_from_the_seeded_init_and_moves_away(smoke_run, train_tiny):
     out, model, _ = smoke_run
     # train() seeds torch with `seed`, builds the model and applies init_weights; redo that and compare.
@@ -156,6 +159,7 @@ def test_unknown_model_name_is_a_value_error(train_tiny, tmp_path):
         train_tiny.train("tiny-gla", steps=0, smoke=True, out=tmp_path, progress=False)
 
 
+@pytest.mark.slow
 def test_ramp_recipe_still_runs_with_its_old_loss(train_tiny, tmp_path):
     assert train_tiny.main(["--model", "tiny-gdn2", "--smoke", "--ramp", "--out", str(tmp_path), "--no-progress",
                             "--threads", "1"]) == 0
@@ -171,6 +175,7 @@ def test_ramp_recipe_still_runs_with_its_old_loss(train_tiny, tmp_path):
         train_tiny.main(["--model", "tiny-gdn2", "--smoke", "--staged", "--out", str(tmp_path)])
 
 
+@pytest.mark.slow
 def test_cli_gated_smoke_run_trains_qed_and_records_options(train_tiny, tmp_path):
     assert train_tiny.main(["--model", "tiny-qed", "--smoke", "--gated", "--lr", "1e-3", "--recall-rows", "3",
                             "--out", str(tmp_path), "--no-progress", "--threads", "1"]) == 0
@@ -242,6 +247,7 @@ def test_stage_batch_follows_its_stage(train_tiny):
         assert torch.equal(picked, batch["answer_id"])
 
 
+@pytest.mark.slow
 def test_max_minutes_stops_training_cleanly_then_evaluates_and_saves(train_tiny, tmp_path, monkeypatch):
     # A fake clock that advances 1 s per call: a 0.05-minute (3 s) limit must stop the run after a few steps,
     # far fewer than the 1000 allowed, with the log, the evaluation and the weights all written.
@@ -269,6 +275,7 @@ def test_max_minutes_stops_training_cleanly_then_evaluates_and_saves(train_tiny,
         train_tiny.train("tiny-gdn", smoke=True, staged=True, gated=True, out=tmp_path, progress=False)
 
 
+@pytest.mark.slow
 def test_staged_run_saves_a_loadable_snapshot_at_each_advance(train_tiny, tmp_path, monkeypatch):
     # Force an advance after every step: 3 smoke steps run stages 0, 1, 2 and leave snapshots of stages 0 and 1.
     monkeypatch.setattr(train_tiny, "should_advance", lambda accs: len(accs) >= 1)
@@ -304,6 +311,7 @@ def test_per_template_advance_holds_back_a_lagging_template(train_tiny):
     assert not train_tiny.should_advance_every_template([("is_in", 1.0)] * window + [("colon", 1.0)] * (per - 1))
 
 
+@pytest.mark.slow
 def test_focus_template_share_and_init_from_start_stage(train_tiny, smoke_run, tmp_path):
     import random
     tokenizer = train_tiny.build_word_tokenizer()
@@ -357,6 +365,7 @@ def test_early_templates_replace_only_the_binding_stages(train_tiny):
         train_tiny.staged_curriculum([])
 
 
+@pytest.mark.slow
 def test_summary_has_the_training_curve_and_rewrite_reproduces_it(smoke_run, train_tiny, tmp_path):
     import shutil
     out, _, summary = smoke_run

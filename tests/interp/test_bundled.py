@@ -16,6 +16,7 @@ def test_bundled_checkpoint_loads_with_its_tokenizer(name):
     assert logits.shape == (1, ids.shape[1], model.cfg.vocab_size) and torch.isfinite(logits).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", bundled_names())
 def test_bundled_checkpoint_has_learned_the_task(name):
     """Smoke check of clean recall on 32 held-out sources (every template, K=4, 3 presentations, F=512);

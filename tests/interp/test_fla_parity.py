@@ -41,6 +41,7 @@ def _compare(fla_model, tmp_path, T=24):
     return ours, tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("short_conv", [False, True])
 def test_gla_matches_fla(tmp_path, short_conv):
     cfg = fla_models.GLAConfig(hidden_size=64, num_hidden_layers=2, num_heads=2, vocab_size=97,
@@ -54,6 +55,7 @@ def test_gla_grouped_kv_heads_match_fla(tmp_path):
     _compare(fla_models.GLAForCausalLM(cfg), tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [dict(), dict(allow_neg_eigval=True), dict(num_v_heads=4, expand_v=1)])
 def test_gated_deltanet_matches_fla(tmp_path, variant):
     cfg = fla_models.GatedDeltaNetConfig(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=16,

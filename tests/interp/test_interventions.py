@@ -12,24 +12,19 @@ from recurscope.hooks.patches import ReadoutReplace, StateReplace, WriteReplace,
 from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp import metrics
-from recurscope.interp.data import build_multifact_pairs, build_pairs, build_word_tokenizer
+from recurscope.interp.data import build_multifact_pairs, build_pairs
 
 ATOL = 2e-5   # float32 rounding of a 2-4 layer model; rows in different batch positions differ by ~1e-7
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return build_word_tokenizer()
+def pairs(word_tok):
+    return build_pairs(word_tok, split="dev", n_sources=3, n_facts=2, filler_tokens=16, gap_tokens=4)
 
 
 @pytest.fixture(scope="module")
-def pairs(tok):
-    return build_pairs(tok, split="dev", n_sources=3, n_facts=2, filler_tokens=16, gap_tokens=4)
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    return tiny_model("qed", layers=2, vocab_size=len(tok))
+def model(word_tok):
+    return tiny_model("qed", layers=2, vocab_size=len(word_tok))
 
 
 def self_pairs(pairs):
@@ -44,8 +39,8 @@ def last_logits(model, pairs, i, logits):
 # ---- invariants --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", ["gla", "gla_conv", "gdn", "qed", "gdn_hybrid"])
-def test_state_swap_with_donor_equal_recipient_changes_nothing(tok, pairs, family):
-    m = tiny_model(family, layers=2, vocab_size=len(tok))
+def test_state_swap_with_donor_equal_recipient_changes_nothing(word_tok, pairs, family):
+    m = tiny_model(family, layers=2, vocab_size=len(word_tok))
     heads = [(l, h) for l in m.recurrent_layers for h in range(m.n_state_heads)]
     r = iv.state_swap(m, self_pairs(pairs), heads)
     torch.testing.assert_close(r.logits, r.clean, atol=ATOL, rtol=0)
@@ -70,10 +65,10 @@ def test_write_block_over_empty_span_changes_nothing(model, pairs):
 
 
 @pytest.mark.parametrize("layer", [0, 1])
-def test_output_restore_of_every_read_position_gives_clean_logits_at_any_depth(pairs, tok, layer):
+def test_output_restore_of_every_read_position_gives_clean_logits_at_any_depth(pairs, word_tok, layer):
     # Restoring the head's readout at every suffix position cuts the swapped state off from everything else, so the
     # logits are the clean ones in a multi-layer model too (up to float rounding between batch rows).
-    m = tiny_model("gdn", layers=3, vocab_size=len(tok), seed=1)
+    m = tiny_model("gdn", layers=3, vocab_size=len(word_tok), seed=1)
     r = iv.output_restore(m, pairs, [(layer, 0), (layer, 1)])
     torch.testing.assert_close(r.logits, r.clean, atol=ATOL, rtol=0)
     assert (r.extra["state_swap"] - r.clean).abs().max() > 1e-4
@@ -86,10 +81,10 @@ def test_output_restore_at_single_token_suffix_gives_clean_logits(model, pairs, 
     assert (r.extra["state_swap"] - r.clean).abs().max() > 1e-5
 
 
-def test_output_restore_last_only_is_exact_only_in_the_last_layer(tok, pairs):
+def test_output_restore_last_only_is_exact_only_in_the_last_layer(word_tok, pairs):
     # Multi-token query, restore at query_pos only: the head's own layer output at query_pos is clean, so a head in
     # the last layer gives clean logits; a head below it leaks through earlier query tokens into later layers' states.
-    model = tiny_model("gla", layers=2, vocab_size=len(tok))
+    model = tiny_model("gla", layers=2, vocab_size=len(word_tok))
     top = iv.output_restore(model, pairs, [(1, 0)], positions="last")
     torch.testing.assert_close(top.logits, top.clean, atol=ATOL, rtol=0)
     low = iv.output_restore(model, pairs, [(0, 0)], positions="last")
@@ -119,8 +114,8 @@ def _spans_positions(pairs, i, kind="fact"):
 
 
 @pytest.mark.parametrize("family", ["gla_conv", "gdn", "qed"])
-def test_write_block_matches_write_scale_patches(tok, pairs, family):
-    m = tiny_model(family, layers=2, vocab_size=len(tok))
+def test_write_block_matches_write_scale_patches(word_tok, pairs, family):
+    m = tiny_model(family, layers=2, vocab_size=len(word_tok))
     heads = [(0, 1), (1, 0), (1, 1)]
     r = iv.write_block(m, pairs, heads, spans="value")
     for i in range(len(pairs)):
@@ -131,8 +126,8 @@ def test_write_block_matches_write_scale_patches(tok, pairs, family):
 
 
 @pytest.mark.parametrize("family", ["gla", "gdn", "qed"])
-def test_donor_write_matches_write_replace_patches(tok, pairs, family):
-    m = tiny_model(family, layers=2, vocab_size=len(tok))
+def test_donor_write_matches_write_replace_patches(word_tok, pairs, family):
+    m = tiny_model(family, layers=2, vocab_size=len(word_tok))
     heads = [(0, 0), (1, 1)]
     r = iv.donor_write(m, pairs, heads)
     for i in range(len(pairs)):
@@ -159,8 +154,8 @@ def state_swap_reference(m, pairs, i, heads, b=None):
 
 
 @pytest.mark.parametrize("family", ["gla_conv", "gdn", "qed", "gdn_hybrid"])
-def test_state_swap_matches_hook_state_reference(tok, pairs, family):
-    m = tiny_model(family, layers=2, vocab_size=len(tok))
+def test_state_swap_matches_hook_state_reference(word_tok, pairs, family):
+    m = tiny_model(family, layers=2, vocab_size=len(word_tok))
     for heads in ([(0, 1)], [(0, 0), (m.recurrent_layers[-1], 1)]):
         r = iv.state_swap(m, pairs, heads)
         for i in range(len(pairs)):
@@ -168,10 +163,10 @@ def test_state_swap_matches_hook_state_reference(tok, pairs, family):
 
 
 @pytest.mark.parametrize("family", ["gla_conv", "gdn"])
-def test_state_swap_keeps_the_recipient_conv_tails(tok, pairs, family):
+def test_state_swap_keeps_the_recipient_conv_tails(word_tok, pairs, family):
     # Boundary on a value token of the target: the short-conv tails of donor and recipient differ there, and the
     # swap must carry only the state (rows have different boundaries, so this also runs the grouping by boundary).
-    m = tiny_model(family, layers=2, vocab_size=len(tok), use_short_conv=True)
+    m = tiny_model(family, layers=2, vocab_size=len(word_tok), use_short_conv=True)
     n, R = len(pairs), pairs.value_spans.shape[2]
     b = pairs.value_spans[torch.arange(n), pairs.target_fact, torch.arange(n) % R, 0]
     assert len(set(b.tolist())) > 1
@@ -228,8 +223,8 @@ def test_random_update_is_zero_when_donor_equals_recipient(model, pairs, kind):
     torch.testing.assert_close(r2.logits, r3.logits, atol=ATOL, rtol=0)
 
 
-def test_control_head_rules(tok, pairs):
-    m = tiny_model("gdn", layers=2, vocab_size=len(tok), num_heads=4, head_dim=8)
+def test_control_head_rules(word_tok, pairs):
+    m = tiny_model("gdn", layers=2, vocab_size=len(word_tok), num_heads=4, head_dim=8)
     assert iv.choose_control_heads(m, [(0, 1)]) == [(0, 3)]
     assert iv.choose_control_heads(m, [(0, 1), (0, 3)]) == [(0, 0), (0, 2)]
     scan = pd.DataFrame({"layer": [0] * 4 + [1] * 4, "head": list(range(4)) * 2,
@@ -245,8 +240,8 @@ def test_control_head_rules(tok, pairs):
 
 # ---- metrics -----------------------------------------------------------------------------------------------------
 
-def test_metrics_on_hand_made_logits(tok):
-    p = build_multifact_pairs(tok, split="dev", n_sources=2, n_facts=2, filler_tokens=16, gap_tokens=4)
+def test_metrics_on_hand_made_logits(word_tok):
+    p = build_multifact_pairs(word_tok, split="dev", n_sources=2, n_facts=2, filler_tokens=16, gap_tokens=4)
     n = len(p)
     r, d = p.recipient_answer_index, p.donor_answer_index
     clean = torch.zeros(n, 4)
@@ -277,8 +272,8 @@ def test_metrics_on_hand_made_logits(tok):
     assert est["nontarget_break"] == pytest.approx(per_source.nontarget_break.mean())
 
 
-def test_metrics_from_a_result_and_neutral_pairs(model, tok):
-    p = build_pairs(tok, split="dev", n_sources=2, n_facts=2, filler_tokens=16, gap_tokens=4, variant="neutral")
+def test_metrics_from_a_result_and_neutral_pairs(model, word_tok):
+    p = build_pairs(word_tok, split="dev", n_sources=2, n_facts=2, filler_tokens=16, gap_tokens=4, variant="neutral")
     f = metrics.example_metrics(p, iv.state_swap(model, p, [(0, 0)]))
     assert f.donor_margin_shift.isna().all() and f.donor_answer.isna().all()
     assert f.target_margin_change.notna().all() and (f.intervention == "state_swap").all()
@@ -287,7 +282,7 @@ def test_metrics_from_a_result_and_neutral_pairs(model, tok):
 
 # ---- errors ------------------------------------------------------------------------------------------------------
 
-def test_errors(model, pairs, tok):
+def test_errors(model, pairs, word_tok):
     with pytest.raises(ValueError, match="layer 5 is out of range"):
         iv.state_swap(model, pairs, [(5, 0)])
     with pytest.raises(ValueError, match="head 2 is out of range"):
@@ -301,7 +296,7 @@ def test_errors(model, pairs, tok):
     small = tiny_model("gdn", layers=2)  # vocab 61: the word tokenizer's ids do not fit
     with pytest.raises(ValueError, match="different tokenizer"):
         iv.output_patch(small, pairs, [(0, 0)])
-    hybrid = tiny_model("gdn_hybrid", layers=2, vocab_size=len(tok))
+    hybrid = tiny_model("gdn_hybrid", layers=2, vocab_size=len(word_tok))
     with pytest.raises(ValueError, match="full-attention layer"):
         iv.state_swap(hybrid, pairs, [(1, 0)])
     with pytest.raises(ValueError, match="random_update is defined"):

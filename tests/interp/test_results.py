@@ -190,6 +190,7 @@ _WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigkill_between_and_inside_batches_then_resume(tmp_path):
     # Each writer SIGKILLs itself on a row-count signal (after `kill_after` committed rows, or halfway through the
     # batch that would cross it), so every kill lands mid-run with known rows on disk, whatever the machine's speed.

@@ -6,20 +6,16 @@ import pytest
 
 from helpers_models import tiny_model
 from recurscope.interp import scan
-from recurscope.interp.data import build_pairs, build_word_tokenizer
+from recurscope.interp.data import build_pairs
 from recurscope.interp.results import RunDir
 
 ATOL = 2e-5
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return build_word_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def pairs(tok):
-    return build_pairs(tok, split="dev", n_sources=3, pairs_per_source=2, n_facts=2, filler_tokens=16, gap_tokens=4)
+def pairs(word_tok):
+    return build_pairs(word_tok, split="dev", n_sources=3, pairs_per_source=2, n_facts=2, filler_tokens=16,
+                       gap_tokens=4)
 
 
 def keyed(frame):
@@ -27,9 +23,9 @@ def keyed(frame):
 
 
 @pytest.mark.parametrize("family", ["gla_conv", "qed", "gdn_hybrid"])
-def test_batched_scan_equals_one_full_forward_per_head(tok, pairs, family):
-    m = tiny_model(family, layers=3, vocab_size=len(tok), use_short_conv=True) if family != "gla_conv" else \
-        tiny_model(family, layers=3, vocab_size=len(tok))
+def test_batched_scan_equals_one_full_forward_per_head(word_tok, pairs, family):
+    m = tiny_model(family, layers=3, vocab_size=len(word_tok), use_short_conv=True) if family != "gla_conv" else \
+        tiny_model(family, layers=3, vocab_size=len(word_tok))
     fast = scan.run_scan(m, pairs, batch_size=5)
     slow = scan.naive_head_shifts(m, pairs)
     assert len(fast.rows) == len(slow) == len(pairs) * len(scan.all_heads(m))
@@ -40,8 +36,8 @@ def test_batched_scan_equals_one_full_forward_per_head(tok, pairs, family):
     assert a["shift"].abs().max() > 1e-4            # the heads do something, so the comparison has teeth
 
 
-def test_scores_ranks_wins_and_winner_from_hand_computation(tok, pairs):
-    m = tiny_model("qed", layers=2, vocab_size=len(tok))
+def test_scores_ranks_wins_and_winner_from_hand_computation(word_tok, pairs):
+    m = tiny_model("qed", layers=2, vocab_size=len(word_tok))
     res = scan.run_scan(m, pairs, batch_size=3, prefix_batch=2)
     per_source = res.rows.groupby(["source", "layer", "head"])["shift"].mean()
     J = per_source.groupby(["layer", "head"]).mean()
@@ -60,8 +56,8 @@ def test_scores_ranks_wins_and_winner_from_hand_computation(tok, pairs):
     assert res.loso is not None and res.loso.winner == res.winner and res.loso.n_sources == 3
 
 
-def test_batch_sizes_and_head_subsets_agree(tok, pairs):
-    m = tiny_model("gla", layers=2, vocab_size=len(tok))
+def test_batch_sizes_and_head_subsets_agree(word_tok, pairs):
+    m = tiny_model("gla", layers=2, vocab_size=len(word_tok))
     full = keyed(scan.run_scan(m, pairs, batch_size=96).rows)
     one = keyed(scan.run_scan(m, pairs, batch_size=1, prefix_batch=1).rows)
     np.testing.assert_allclose(full["shift"], one["shift"], atol=ATOL, rtol=0)
@@ -74,8 +70,8 @@ class Interrupt(Exception):
     pass
 
 
-def test_scan_resumes_after_an_interruption_without_duplicates(tok, pairs, tmp_path):
-    m = tiny_model("qed", layers=2, vocab_size=len(tok))
+def test_scan_resumes_after_an_interruption_without_duplicates(word_tok, pairs, tmp_path):
+    m = tiny_model("qed", layers=2, vocab_size=len(word_tok))
     reference = scan.run_scan(m, pairs, batch_size=3)
     total = len(reference.rows)
 
@@ -113,9 +109,10 @@ def test_scan_resumes_after_an_interruption_without_duplicates(tok, pairs, tmp_p
     assert calls == [] and len(table.rows()) == total
 
 
-def test_scan_errors(tok, pairs):
-    m = tiny_model("gdn", layers=2, vocab_size=len(tok))
-    neutral = build_pairs(tok, split="dev", n_sources=2, n_facts=2, filler_tokens=16, gap_tokens=4, variant="neutral")
+def test_scan_errors(word_tok, pairs):
+    m = tiny_model("gdn", layers=2, vocab_size=len(word_tok))
+    neutral = build_pairs(word_tok, split="dev", n_sources=2, n_facts=2, filler_tokens=16, gap_tokens=4,
+                          variant="neutral")
     with pytest.raises(ValueError, match="no target rows with a donor answer"):
         scan.run_scan(m, neutral)
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):

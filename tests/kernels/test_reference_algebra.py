@@ -1,4 +1,5 @@
-"""The reference step loop against algebra derived by hand from the QED notes (000_..., Sec. 2.3-2.5), in float64."""
+"""The reference step loop against algebra derived by hand from the QED paper ("The Query Knows What to Forget",
+arXiv:2608.13668, Sec. 3 and eq. 6), in float64."""
 from __future__ import annotations
 
 import math

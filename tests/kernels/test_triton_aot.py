@@ -78,6 +78,7 @@ def main():
     print(json.dumps(rows))
 
 
+@pytest.mark.slow
 def test_heavy_variant_compiles_for_sm90_without_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # a real compile, not a cache hit

@@ -110,6 +110,7 @@ def test_non_tensor_input():
         call(x=[[1.0]])
 
 
+@pytest.mark.slow
 def test_triton_on_cpu_without_interpreter_subprocess():
     """tests/conftest.py sets TRITON_INTERPRET=1, so the plain-CPU case runs in a clean subprocess."""
     code = (
