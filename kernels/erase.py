@@ -1,6 +1,7 @@
 """QED erase vectors for every ablation arm, and the erase eigenvalue e_t = 1 - a_t^T k_t.
 
-a = b*k + lam * d, where d depends on the arm (000_9c2d40724e7f0e92, eq. 6 and Table 1).
+a = b*k + lam * d, where d depends on the arm: eq. 6 and Table 1 of "The Query Knows What to Forget: A Second
+Erase Direction for Linear Attention" (Gupta, Das, Gupta; arXiv:2608.13668). See docs/kernels.md.
 """
 from __future__ import annotations
 

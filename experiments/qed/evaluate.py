@@ -197,7 +197,8 @@ def diagnose(model: RecurrentLM, tokens: torch.Tensor, arm: str, seed: int, matr
 
 
 def paper_nonnormal_example() -> dict:
-    """The paper's 2x2 case: k=(1,0), b=(.5,.5), q=(0,1), lam=.2 gives M with spec {0.5, 1} and ||M(0,1)|| > 1."""
+    """A hand-worked 2x2 case (not from the paper): k=(1,0), b=(.5,.5), q=(0,1), lam=.2 gives M with spec {0.5, 1}
+    and ||M(0,1)|| > 1."""
     k = torch.tensor([[[1.0, 0.0]]], dtype=torch.float64)
     q = torch.tensor([[[0.0, 1.0]]], dtype=torch.float64)
     b = torch.full_like(k, 0.5)

@@ -138,7 +138,7 @@ def readme_tables(root: Path, profile: str) -> str:
                 "float64:", "", common.markdown_table(pd.read_csv(ev / "eigenvalue_constructed.csv")), ""]
     if (ev / "paper_nonnormal_example.json").is_file():
         ex = json.loads((ev / "paper_nonnormal_example.json").read_text())
-        out += [f"Paper's 2x2 example (k=(1,0), b=(.5,.5), q=(0,1), lam=.2): M = {ex['M']}, spectrum {ex['spectrum']}, "
+        out += [f"A hand-worked 2x2 example, not the paper's (k=(1,0), b=(.5,.5), q=(0,1), lam=.2): M = {ex['M']}, spectrum {ex['spectrum']}, "
                 f"||M (0,1)|| = {ex['norm_Mx_over_x']:.6f} (sqrt(1.01) = {ex['expected']:.6f}).", ""]
     if (root / "cost" / "cost.csv").is_file():
         out += ["### Cost: forward time, QED (full) vs GDN-2", "",
