@@ -43,12 +43,16 @@ class RecurscopeNNsight(NNsight):
 
         model_nn = RecurscopeNNsight(model)
         with model_nn.trace(state_positions=[t]) as tracer:
+            barrier = tracer.barrier(2)   # the donor's read must happen before the recipient's write
             with tracer.invoke(donor_tokens):
                 donor = model_nn.blocks[l].mixer.hook_state.output[:, 0].clone().save()
+                barrier()
             with tracer.invoke(recipient_tokens):
+                barrier()
                 model_nn.blocks[l].mixer.hook_state.output[:, 0, head] = donor[:, head]
                 logits = model_nn.output.save()
 
+    An invoke that hands a value to another needs such a barrier (see docs/nnsight.md).
     Forward arguments (`state_positions`, `use_cache`) go to `trace(...)` or to each invoke; given in several
     invokes they must agree, since all invokes share one forward call. A `cache` is accepted only with one invoke.
     """

@@ -227,3 +227,27 @@ def test_docs_example_runs(tmp_path):
     script.write_text(code)
     result = runpy.run_path(str(script), run_name="__main__")
     assert _maxdiff(result["patched_logits"], result["reference"]) < TOL
+
+
+def test_class_docstring_example_runs_and_equals_the_hook_patch(tmp_path):
+    # The example in RecurscopeNNsight's docstring, run as written (with its barrier) on a tiny model.
+    import textwrap
+
+    doc = RecurscopeNNsight.__doc__
+    start = doc.index("        model_nn = RecurscopeNNsight(model)")
+    example = textwrap.dedent(doc[start:doc.index("\n\n", start)])
+    assert "barrier()" in example
+    model = _model("gla")
+    l, head, t = 1, 0, 6
+    donor_tokens, recipient_tokens = _tokens(3), _tokens(4)
+    scope = dict(RecurscopeNNsight=RecurscopeNNsight, model=model, l=l, head=head, t=t,
+                 donor_tokens=donor_tokens, recipient_tokens=recipient_tokens)
+    script = tmp_path / "docstring_example.py"   # nnsight reads a trace's body back from its source file
+    script.write_text(example)
+    with torch.no_grad():
+        scope = runpy.run_path(str(script), init_globals=scope)
+        _, cache = model.run_with_cache(donor_tokens, state_positions=[t])
+        reference = run_with_patches(model, recipient_tokens,
+                                     [StateReplace(l, head, t, cache[f"blocks.{l}.mixer.hook_state"][:, 0])])
+    assert _maxdiff(scope["logits"], reference) < TOL
+    assert _maxdiff(reference, model(recipient_tokens)) > 1e-3  # the patch changed something
