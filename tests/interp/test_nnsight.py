@@ -248,6 +248,6 @@ def test_class_docstring_example_runs_and_equals_the_hook_patch(tmp_path):
         scope = runpy.run_path(str(script), init_globals=scope)
         _, cache = model.run_with_cache(donor_tokens, state_positions=[t])
         reference = run_with_patches(model, recipient_tokens,
-                                     [StateReplace(l, head, t, cache[f"blocks.{l}.mixer.hook_state"][:, 0])])
+                                     [StateReplace(l, head, t, cache[hook_name("hook_state", l)][:, 0])])
     assert _maxdiff(scope["logits"], reference) < TOL
     assert _maxdiff(reference, model(recipient_tokens)) > 1e-3  # the patch changed something

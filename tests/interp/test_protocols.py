@@ -8,42 +8,37 @@ import torch
 from helpers_models import tiny_model
 from recurscope.interp import interventions as iv
 from recurscope.interp import metrics, stats
-from recurscope.interp.data import build_multifact_pairs, build_neutral_pairs, build_pairs, build_word_tokenizer
+from recurscope.interp.data import build_multifact_pairs, build_neutral_pairs, build_pairs
 from recurscope.interp.protocols import coupling, headscan, heads, lens, neutral, selectivity
 
 SMALL = dict(n_facts=4, presentations=2, filler_tokens=12, gap_tokens=4)
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return build_word_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    m = tiny_model("gla_conv", layers=2, vocab_size=len(tok))
-    m.tokenizer = tok
+def model(word_tok):
+    m = tiny_model("gla_conv", layers=2, vocab_size=len(word_tok))
+    m.tokenizer = word_tok
     return m
 
 
 @pytest.fixture(scope="module")
-def multi(tok):
-    return build_multifact_pairs(tok, split="heldout", n_sources=3, **SMALL)
+def multi(word_tok):
+    return build_multifact_pairs(word_tok, split="heldout", n_sources=3, **SMALL)
 
 
 # ---- the donor-specific metric -------------------------------------------------------------------------------
 
-def test_donor_specific_and_distractor_shifts_add_up_to_the_margin_shift(tok):
-    p = build_pairs(tok, split="dev", n_sources=4, **SMALL)
+def test_donor_specific_and_distractor_shifts_add_up_to_the_margin_shift(word_tok):
+    p = build_pairs(word_tok, split="dev", n_sources=4, **SMALL)
     gen = torch.Generator().manual_seed(0)
     clean, new = torch.randn(len(p), 4, generator=gen), torch.randn(len(p), 4, generator=gen)
     f = metrics.example_metrics(p, logits=new, clean=clean)
     np.testing.assert_allclose(f.donor_specific_shift + f.distractor_shift, f.donor_margin_shift, atol=1e-12)
 
 
-def test_losing_confidence_in_the_answer_is_not_donor_specific(tok):
+def test_losing_confidence_in_the_answer_is_not_donor_specific(word_tok):
     """A drop of the recipient's logit alone raises the donor margin but leaves the donor-specific shift at 0."""
-    p = build_pairs(tok, split="dev", n_sources=3, **SMALL)
+    p = build_pairs(word_tok, split="dev", n_sources=3, **SMALL)
     clean = torch.zeros(len(p), 4)
     clean[torch.arange(len(p)), p.recipient_answer_index] = 3.0
     new = clean.clone()
@@ -56,7 +51,7 @@ def test_losing_confidence_in_the_answer_is_not_donor_specific(tok):
     np.testing.assert_allclose(metrics.example_metrics(p, logits=new, clean=clean).donor_specific_shift, 0.5)
 
 
-def test_break_rate_counts_only_nontargets_that_were_correct(tok, multi):
+def test_break_rate_counts_only_nontargets_that_were_correct(word_tok, multi):
     n = len(multi)
     r = multi.recipient_answer_index
     clean = torch.zeros(n, 4)
@@ -129,8 +124,8 @@ def test_selectivity_rows_and_counts(model, multi):
     assert "### Reading" in r.section and "89.1%" in r.section
 
 
-def test_neutral_accuracy_columns(model, tok):
-    p = build_neutral_pairs(tok, split="heldout", n_sources=3, queries="all", **SMALL)
+def test_neutral_accuracy_columns(model, word_tok):
+    p = build_neutral_pairs(word_tok, split="heldout", n_sources=3, queries="all", **SMALL)
     r = neutral.run_neutral(model, p, head=(0, 1), n_resamples=200)
     swap = r.rows[r.rows.arm == "state_swap"]
     t = swap.is_target.astype(bool)
@@ -143,8 +138,8 @@ def test_neutral_accuracy_columns(model, tok):
 
 # ---- head structure ------------------------------------------------------------------------------------------
 
-def test_recovery_of_all_heads_is_one_and_joint_runs_are_real(model, tok):
-    p = build_pairs(tok, split="heldout", n_sources=3, **SMALL)
+def test_recovery_of_all_heads_is_one_and_joint_runs_are_real(model, word_tok):
+    p = build_pairs(word_tok, split="heldout", n_sources=3, **SMALL)
     ranking = pd.DataFrame({"layer": [0, 1, 0, 1], "head": [1, 0, 0, 1], "J": [4.0, 3.0, 2.0, 1.0]})
     r = heads.run_heads(model, p, ranking=ranking, n_resamples=200)
     rec = r.summary[(r.summary.analysis == "recovery") & (r.summary.metric == "recovery")].set_index("k")
@@ -157,16 +152,16 @@ def test_recovery_of_all_heads_is_one_and_joint_runs_are_real(model, tok):
     assert heads.top_k_sizes(1) == [1] and heads.top_k_sizes(6) == [1, 2, 4, 6] and heads.top_k_sizes(8) == [1, 2, 4, 8]
 
 
-def test_a_head_with_zero_writes_has_zero_write_scan_shift(tok):
-    m = tiny_model("gla_conv", layers=2, vocab_size=len(tok), seed=3)
-    m.tokenizer = tok
+def test_a_head_with_zero_writes_has_zero_write_scan_shift(word_tok):
+    m = tiny_model("gla_conv", layers=2, vocab_size=len(word_tok), seed=3)
+    m.tokenizer = word_tok
 
     def no_write(ws, hook):
         ws = ws.clone()
         ws[:, :, 1] = 0.0
         return ws
     m.add_hook("blocks.0.mixer.hook_write_scale", no_write, is_permanent=True)
-    p = build_pairs(tok, split="heldout", n_sources=3, **SMALL)
+    p = build_pairs(word_tok, split="heldout", n_sources=3, **SMALL)
     rows = headscan.write_scan(m, p)
     per_head = rows.groupby(["layer", "head"])["shift"].apply(lambda s: s.abs().max())
     assert per_head[(0, 1)] == 0.0
@@ -179,8 +174,8 @@ def test_a_head_with_zero_writes_has_zero_write_scan_shift(tok):
 
 # ---- logit lens ----------------------------------------------------------------------------------------------
 
-def test_lens_after_the_last_layer_is_the_model_itself(model, tok):
-    p = build_pairs(tok, split="heldout", n_sources=4, **SMALL)
+def test_lens_after_the_last_layer_is_the_model_itself(model, word_tok):
+    p = build_pairs(word_tok, split="heldout", n_sources=4, **SMALL)
     rows = lens.lens_rows(model, p)
     last = rows[(rows.layer == 1) & (rows.side == "after")]
     np.testing.assert_array_equal(last["correct"], last["final_correct"])
