@@ -416,7 +416,6 @@ class StagedCurriculum:
     """The STAGES curriculum: advance one stage once the training recall passes should_advance (or
     should_advance_every_template), saving the weights that passed each stage under out/stages/."""
 
-    kind = "staged"
     extra_columns = ["stage"]
 
     def __init__(self, model: RecurrentLM, tokenizer, out: Path, data_rng: random.Random, stages: tuple[dict, ...],
@@ -480,7 +479,6 @@ class RampCurriculum:
     """The original scheduled ramp (the recipe of the first bundled checkpoints): filler and gap ceilings grow with
     curriculum_progress, under the warmup-stable-decay learning rate."""
 
-    kind = "ramp"
     extra_columns: list[str] = []
     gated = False
 
@@ -533,7 +531,6 @@ class GatedCurriculum(RampCurriculum):
     """The ramp, capped by a level that rises by 1/GATE_LEVELS only while the training recall of the last GATE_WINDOW
     steps is >= GATE_ACCURACY; level 0 trains on EASY_STAGE alone."""
 
-    kind = "gated"
     gated = True
 
     def __init__(self, *args, **kwargs):
@@ -557,7 +554,8 @@ class GatedCurriculum(RampCurriculum):
 def _train_steps(model: RecurrentLM, optimizer, curriculum, name: str, steps: int, max_minutes: Optional[float],
                  recall_weight: float, log_path: Path, progress: bool) -> tuple[list[dict], str, float]:
     """The optimisation loop shared by the curricula; writes train_log.csv. Returns (log rows, what stopped the run,
-    training seconds)."""
+    training seconds). Each step asks the curriculum for its learning rate and batch (learning_rate, next_batch),
+    then lets it note the logged row (record); train() takes its summary and meta for the saved files."""
     from tqdm import tqdm
 
     columns = ["step", "loss", "lm_loss", "recall_loss", "recall_acc", "filler_len", "gap", "seq_len", "template",
