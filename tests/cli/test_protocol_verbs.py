@@ -14,6 +14,7 @@ FIGURES = {"selectivity": ["selectivity"], "coupling": ["coupling"], "neutral": 
            "heads": ["recovery", "nonadditivity"], "headscan": ["headscan"], "lens": ["lens"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verb", VERBS)
 def test_verb_smoke(verb, tmp_path, capsys):
     out = tmp_path / verb
