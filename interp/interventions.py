@@ -280,7 +280,6 @@ def _write_intervention(name, model, pairs, heads, spans, batch_size, return_ful
     span_t = _spans(pairs, spans)
     device = model_device(model)
     n, T = pairs.recipient_ids.shape
-    H = model.n_state_heads
     parts: dict = {}
     with torch.no_grad():
         for rows in _chunks(torch.arange(n), batch_size):
