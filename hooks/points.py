@@ -67,7 +67,8 @@ def is_intercepted(point: nn.Module) -> bool:
     """Whether anything can see or change what this hook point returns: a forward hook (TransformerLens's hooks
     and caches, plain torch hooks) or a replaced `forward` (nnsight installs its controller that way). A point
     nobody intercepts returns its input unchanged, so the model can skip looking for patches there."""
-    return bool(point._forward_hooks) or "forward" in point.__dict__ or bool(nn.modules.module._global_forward_hooks)
+    global_hooks = getattr(nn.modules.module, "_global_forward_hooks", None)   # torch's register_module_forward_hook
+    return bool(point._forward_hooks) or "forward" in point.__dict__ or bool(global_hooks)
 
 
 def hook_name(point: str, layer: int | None = None) -> str:

@@ -280,7 +280,6 @@ def _write_intervention(name, model, pairs, heads, spans, batch_size, return_ful
     span_t = _spans(pairs, spans)
     device = model_device(model)
     n, T = pairs.recipient_ids.shape
-    H = model.n_state_heads
     parts: dict = {}
     with torch.no_grad():
         for rows in _chunks(torch.arange(n), batch_size):
@@ -626,7 +625,8 @@ class NamedIntervention:
     """One row of the confirmation protocol.
 
     name: the `intervention` value in result rows; label: how the report names it; controls: the intervention this
-    one is a control for (None for a main intervention or variant); metric: the effect the report reads it by.
+    one is a control for (None for a main intervention or variant); metric: the effect the report reads it by (the
+    controls: the donor-specific shift, which a mere loss of confidence in the recipient's answer does not move).
     run(model, pairs, heads, *, batch_size, seed, scan) runs it jointly on `heads`.
     """
 
@@ -674,8 +674,10 @@ REGISTRY: tuple[NamedIntervention, ...] = (
     NamedIntervention("output_patch", "output patch", _plain(output_patch)),
     NamedIntervention("output_restore", "output restore (after state swap)", _plain(output_restore)),
     NamedIntervention("output_restore_last", "output restore, answer position only", _restore_last),
-    NamedIntervention("random_update", "equal-norm random update", _random_state_update, controls="state_swap"),
-    NamedIntervention("control_head", "control head (state swap)", _control_head_swap, controls="state_swap"),
+    NamedIntervention("random_update", "equal-norm random update", _random_state_update, controls="state_swap",
+                      metric="donor_specific_shift"),
+    NamedIntervention("control_head", "control head (state swap)", _control_head_swap, controls="state_swap",
+                      metric="donor_specific_shift"),
 )
 INTERVENTION_NAMES: tuple[str, ...] = tuple(i.name for i in REGISTRY)
 #: The five interventions of the paper, as the public functions (control_head repeats one of them).

@@ -98,12 +98,13 @@ def _reading(summary: pd.DataFrame) -> list[str]:
                    "readouts at earlier query tokens.")
     for control in controls_of("state_swap"):
         arm = control.name
-        # The verdict rests on the donor-specific shift: the donor margin also rises whenever the recipient's answer
-        # merely loses confidence, towards every distractor alike (metrics.example_metrics).
-        margin = _est(summary, arm, control.metric)
-        e = _est(summary, arm, "donor_specific_shift") or margin
+        # The verdict rests on the control's registry metric, the donor-specific shift: the donor margin also rises
+        # whenever the recipient's answer merely loses confidence, towards every distractor alike
+        # (metrics.example_metrics). Summaries without it fall back to the donor-margin shift.
+        margin = _est(summary, arm, "donor_margin_shift")
+        e = _est(summary, arm, control.metric) or margin
         if e:
-            specific = _est(summary, arm, "donor_specific_shift") is not None
+            specific = _est(summary, arm, control.metric) is not None
             frac = f" ({100 * e[0] / swap[0]:.0f}% of the state swap's shift)" if swap and swap[0] > 0 else ""
             if specific and margin:
                 distractor = _est(summary, arm, "distractor_shift")

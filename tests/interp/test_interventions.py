@@ -322,7 +322,7 @@ def test_one_registry_names_every_intervention_everywhere(model, pairs):
     assert iv.controls_of("write_block") == []
     for entry in iv.REGISTRY:
         assert entry.controls is None or entry.controls in iv.INTERVENTIONS
-        assert entry.metric in ("donor_margin_shift",)
+        assert entry.metric == ("donor_specific_shift" if entry.is_control else "donor_margin_shift")
     with pytest.raises(ValueError, match="unknown intervention 'random_control'"):
         iv.named_intervention("random_control")
     # an entry runs what its name says
