@@ -2,8 +2,11 @@
 all five interventions plus both controls run on them; per-source rows, bootstrap summaries and figures.
 
 Protocol of "How Linear Attention Remembers", sections 2.2-3.2: write_block, donor_write, state_swap, output_patch,
-output_restore; controls: an equal-norm random update (standing in for the state swap) and the state swap on a
-control head chosen by the documented rule in `interventions.choose_control_heads`. Two restore variants:
+output_restore; controls (CONTROLS) for each causal arm: for the state swap an equal-norm random update and the
+control head; for the donor write an equal-norm random write (value and rank-one forms) and the control head; for the
+output patch an equal-norm random output patch and the control head (chosen by the documented rule in
+`interventions.choose_control_heads`). The write block also runs on the fact spans widened by the short
+convolution's reach (`interventions.spans_with_conv_tail`). Two restore variants:
 `output_restore` restores every readout of the swapped heads after the boundary (exactly the clean run, by
 construction) and `output_restore_last` only the readout at the answer position. The arms, their order and
 their controls come from `interventions.REGISTRY`.
@@ -23,6 +26,8 @@ from recurscope.interp.metrics import example_metrics, summarise_metrics
 CONFIRM_TABLE = "confirm_rows"
 CONFIRM_KEY = ("intervention", "row")
 ARMS = iv.INTERVENTION_NAMES   # the registry, in protocol order
+#: The controls of each causal arm, from the registry: {arm: (control names...)}.
+CONTROLS = {main: tuple(c.name for c in iv.controls_of(main)) for main in iv.INTERVENTIONS if iv.controls_of(main)}
 
 
 @dataclass

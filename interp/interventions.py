@@ -1,6 +1,7 @@
 """Donor/recipient interventions on chosen recurrent heads (How Linear Attention Remembers, Sec. 2.2 and 3.3):
-write_block, donor_write, state_swap, output_patch, output_restore, and their controls (equal-norm random update,
-control head). Every function runs batched over a PairBatch and returns the four candidate logits at query_pos.
+write_block, donor_write, state_swap, output_patch, output_restore, and their controls (equal-norm random update of
+the state or the output, equal-norm random write in two forms, control head; a write block widened by the short
+convolution's reach). Every function runs batched over a PairBatch and returns the four candidate logits at query_pos.
 
 Conventions shared by every intervention:
 - `heads` is one (layer, head) pair or a list of them; a list is intervened on JOINTLY in one run (effects of a
@@ -33,7 +34,7 @@ __all__ = [
     "InterventionResult", "INTERVENTIONS", "INTERVENTION_NAMES", "NamedIntervention", "REGISTRY",
     "RANDOM_UPDATE_KINDS", "controls_of", "named_intervention", "normalise_heads", "check_pairs",
     "clean_run", "write_block", "donor_write", "state_swap", "output_patch", "output_restore", "random_update",
-    "choose_control_heads", "control_head", "candidate_logits", "model_device", "prefix_caches",
+    "random_write", "RANDOM_WRITE_VARIANTS", "spans_with_conv_tail", "choose_control_heads", "control_head", "candidate_logits", "model_device", "prefix_caches",
 ]
 
 
@@ -338,6 +339,76 @@ def donor_write(model, pairs, heads: HeadsArg, *, spans: SpansArg = "fact", batc
     return _write_intervention("donor_write", model, pairs, heads_n, spans, batch_size, return_full, make_patches)
 
 
+#: random_write variants: "value" adds ε to x_t with ||ε|| = ||x_donor - x_recipient|| (the write key u_t kept);
+#: "rank_one" replaces u_t x_t^T by a random rank-one write u' x'^T with ||u'|| = ||u_donor||, ||x'|| = ||x_donor||.
+RANDOM_WRITE_VARIANTS = ("value", "rank_one")
+
+
+def random_write(model, pairs, heads: HeadsArg, *, variant: str = "value", spans: SpansArg = "fact", seed: int = 0,
+                 batch_size: int = 16, return_full: bool = False) -> InterventionResult:
+    """Equal-norm random control for donor_write, on the same spans and heads.
+
+    variant="value": the recipient's write value becomes x_t + ε_t, ε_t a seeded Gaussian direction scaled per
+    position and head to ||x_t(donor) - x_t(recipient)|| (zero where donor and recipient write the same value, e.g.
+    on the key and template tokens of the span); the write key u_t is the recipient's.
+    variant="rank_one": the write u_t x_t^T becomes u'_t x'^T_t with seeded Gaussian directions scaled to the donor's
+    ||u_t|| and ||x_t||: a random rank-one write of the donor write's norm in place of the donor's.
+    Directions depend on (seed, row index in pairs, layer, head, variant) only, not on batching.
+    """
+    if variant not in RANDOM_WRITE_VARIANTS:
+        raise ValueError(f"variant must be one of {RANDOM_WRITE_VARIANTS}, got {variant!r}")
+    heads_n = normalise_heads(model, heads)
+    layers = _by_layer(heads_n)
+    H = model.n_state_heads
+
+    def direction(shape, row, layer, head, stream):
+        g = _gaussian(shape, seed, row, layer, head, stream=stream)
+        return g / g.norm(dim=-1, keepdim=True)
+
+    def make_patches(rows, pos_mask, device):
+        names = {l: (hook_name("hook_write_key", l), hook_name("hook_write_value", l)) for l in layers}
+        both = _Collector([n for pair in names.values() for n in pair])
+        m = len(rows)
+        with model.hooks(fwd_hooks=both.hooks()):
+            model(torch.cat([pairs.recipient_ids[rows], pairs.donor_ids[rows]]).to(device))
+        patches = []
+        for layer, hs in layers.items():
+            key, value = both.values[names[layer][0]], both.values[names[layer][1]]
+            u_r, u_d, x_r, x_d = key[:m], key[m:], value[:m], value[m:]
+            new_u, new_x = u_r.clone(), x_r.clone()
+            T = key.shape[1]
+            for i, row in enumerate(rows.tolist()):
+                for h in hs:
+                    if variant == "value":
+                        scale = (x_d[i, :, h].double() - x_r[i, :, h].double()).norm(dim=-1, keepdim=True)
+                        eps = direction((T, x_r.shape[-1]), row, layer, h, 1).to(device) * scale
+                        new_x[i, :, h] = (x_r[i, :, h].double() + eps).to(x_r.dtype)
+                    else:
+                        u_norm = u_d[i, :, h].double().norm(dim=-1, keepdim=True)
+                        x_norm = x_d[i, :, h].double().norm(dim=-1, keepdim=True)
+                        new_u[i, :, h] = (direction((T, u_r.shape[-1]), row, layer, h, 2).to(device)
+                                          * u_norm).to(u_r.dtype)
+                        new_x[i, :, h] = (direction((T, x_r.shape[-1]), row, layer, h, 3).to(device)
+                                          * x_norm).to(x_r.dtype)
+            patches.append(WriteReplace(layer, key=new_u, value=new_x, mask=head_mask(pos_mask, H, hs).to(device)))
+        return patches
+
+    return _write_intervention(f"random_write:{variant}", model, pairs, heads_n, spans, batch_size, return_full,
+                               make_patches)
+
+
+def spans_with_conv_tail(model, pairs, spans: SpansArg = "fact") -> torch.Tensor:
+    """(N, R, 2) spans widened by the short convolution's reach: each [start, end) becomes [start, end + W - 1)
+    (W = conv_size; unchanged without short convolutions), capped at query_start. The convolution carries a span's
+    tokens into the W - 1 tokens after it, so their writes carry the fact too; write_block(spans=this) blocks them."""
+    t = _spans(pairs, spans).clone()
+    reach = int(model.cfg.conv_size) - 1 if getattr(model.cfg, "use_short_conv", False) else 0
+    cap = pairs.query_start.cpu()[:, None].expand(t.shape[:2])
+    valid = t[..., 0] >= 0
+    t[..., 1] = torch.where(valid, torch.minimum(t[..., 1] + reach, cap), t[..., 1])
+    return t
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Query-time interventions (prefix cache + suffix)
 # ---------------------------------------------------------------------------------------------------------------
@@ -497,9 +568,11 @@ def output_restore(model, pairs, heads: HeadsArg, boundary=None, *, positions: s
 RANDOM_UPDATE_KINDS = ("state_swap", "output_patch")
 
 
-def _gaussian(shape, seed: int, row: int, layer: int, head: int) -> torch.Tensor:
-    """A seeded Gaussian tensor, the same for a given (seed, row, layer, head) however rows are batched."""
-    state = np.random.SeedSequence([int(seed), int(row), int(layer), int(head)]).generate_state(2)
+def _gaussian(shape, seed: int, row: int, layer: int, head: int, stream: int = 0) -> torch.Tensor:
+    """A seeded Gaussian tensor, the same for a given (seed, row, layer, head, stream) however rows are batched;
+    `stream` separates the draws of different controls (0: random_update)."""
+    entropy = [int(seed), int(row), int(layer), int(head)] + ([int(stream)] if stream else [])
+    state = np.random.SeedSequence(entropy).generate_state(2)
     gen = torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
     return torch.randn(shape, generator=gen, dtype=torch.float64)
 
@@ -665,8 +738,41 @@ def _control_head_swap(model, pairs, heads, *, batch_size: int = 16, seed: int =
     return control_head(model, pairs, heads, "state_swap", scan=scan, batch_size=batch_size)
 
 
+def _control_head_of(kind: str):
+    def run(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
+        result = control_head(model, pairs, heads, kind, scan=scan, batch_size=batch_size)
+        result.name = f"control_head_{kind}"
+        return result
+    return run
+
+
+def _random_write_value(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
+    return random_write(model, pairs, heads, variant="value", seed=seed, batch_size=batch_size)
+
+
+def _random_write_rank_one(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
+    return random_write(model, pairs, heads, variant="rank_one", seed=seed, batch_size=batch_size)
+
+
+def _random_output_patch(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
+    return random_update(model, pairs, heads, kind="output_patch", seed=seed, batch_size=batch_size)
+
+
+def _write_block_conv_tail(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
+    result = write_block(model, pairs, heads, spans=spans_with_conv_tail(model, pairs), batch_size=batch_size)
+    result.name = "write_block_conv_tail"
+    return result
+
+
+#: What the report reads a control by: the donor-specific shift (metrics.example_metrics). The donor margin also
+#: rises whenever the recipient's answer merely loses confidence, towards the non-donor distractors alike, so a
+#: control is "near zero" when the donor in particular does not gain.
+CONTROL_METRIC = "donor_specific_shift"
+
+
 #: In protocol order (How Linear Attention Remembers, Figures 3/4): the five interventions, the answer-position
-#: restore variant, then the two controls of the state swap.
+#: restore variant and the write block widened by the short convolution, then each causal arm's controls (an
+#: equal-norm random change of what the arm changes, and the same arm on the control head).
 REGISTRY: tuple[NamedIntervention, ...] = (
     NamedIntervention("write_block", "write block", _plain(write_block)),
     NamedIntervention("donor_write", "donor write", _plain(donor_write)),
@@ -674,10 +780,21 @@ REGISTRY: tuple[NamedIntervention, ...] = (
     NamedIntervention("output_patch", "output patch", _plain(output_patch)),
     NamedIntervention("output_restore", "output restore (after state swap)", _plain(output_restore)),
     NamedIntervention("output_restore_last", "output restore, answer position only", _restore_last),
+    NamedIntervention("write_block_conv_tail", "write block, span + conv reach", _write_block_conv_tail),
     NamedIntervention("random_update", "equal-norm random update", _random_state_update, controls="state_swap",
-                      metric="donor_specific_shift"),
+                      metric=CONTROL_METRIC),
     NamedIntervention("control_head", "control head (state swap)", _control_head_swap, controls="state_swap",
-                      metric="donor_specific_shift"),
+                      metric=CONTROL_METRIC),
+    NamedIntervention("random_write", "equal-norm random write (value)", _random_write_value,
+                      controls="donor_write", metric=CONTROL_METRIC),
+    NamedIntervention("random_write_rank_one", "equal-norm random write (rank one)", _random_write_rank_one,
+                      controls="donor_write", metric=CONTROL_METRIC),
+    NamedIntervention("control_head_donor_write", "control head (donor write)", _control_head_of("donor_write"),
+                      controls="donor_write", metric=CONTROL_METRIC),
+    NamedIntervention("random_output_patch", "equal-norm random output patch", _random_output_patch,
+                      controls="output_patch", metric=CONTROL_METRIC),
+    NamedIntervention("control_head_output_patch", "control head (output patch)", _control_head_of("output_patch"),
+                      controls="output_patch", metric=CONTROL_METRIC),
 )
 INTERVENTION_NAMES: tuple[str, ...] = tuple(i.name for i in REGISTRY)
 #: The five interventions of the paper, as the public functions (control_head repeats one of them).

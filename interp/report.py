@@ -8,7 +8,7 @@ from typing import Optional
 
 import pandas as pd
 
-from recurscope.interp.interventions import REGISTRY, controls_of, named_intervention
+from recurscope.interp.interventions import INTERVENTIONS, REGISTRY, controls_of, named_intervention
 
 #: Report names of the interventions, in protocol order (from interventions.REGISTRY).
 LABELS = {entry.name: entry.label for entry in REGISTRY}
@@ -96,30 +96,37 @@ def _reading(summary: pd.DataFrame) -> list[str]:
         out.append(f"- Restoring only the answer position's readout leaves {last[0]:+.2f} [{last[1]:+.2f}, {last[2]:+.2f}] "
                    f"({100 * last[0] / swap[0]:.0f}% of the swap's shift): what reaches the answer through the head's "
                    "readouts at earlier query tokens.")
-    for control in controls_of("state_swap"):
-        arm = control.name
-        # The verdict rests on the control's registry metric, the donor-specific shift: the donor margin also rises
-        # whenever the recipient's answer merely loses confidence, towards every distractor alike
-        # (metrics.example_metrics). Summaries without it fall back to the donor-margin shift.
-        margin = _est(summary, arm, "donor_margin_shift")
-        e = _est(summary, arm, control.metric) or margin
-        if e:
-            specific = _est(summary, arm, control.metric) is not None
-            frac = f" ({100 * e[0] / swap[0]:.0f}% of the state swap's shift)" if swap and swap[0] > 0 else ""
-            if specific and margin:
-                distractor = _est(summary, arm, "distractor_shift")
-                frac += (f"; its donor-margin shift is {margin[0]:+.2f} [{margin[1]:+.2f}, {margin[2]:+.2f}]"
-                         + (f", of which {distractor[0]:+.2f} moves towards the non-donor distractors too"
-                            if distractor else ""))
-            if e[1] <= 0 <= e[2] or abs(e[0]) < 0.1:
-                verdict = "near zero, as a control should be."
-            elif swap and swap[0] > 0 and abs(e[0]) < 0.1 * swap[0]:
-                verdict = "small but its interval excludes zero."
-            else:
-                verdict = "NOT near zero: read the main effects with care."
-            answer = _est(summary, arm, "donor_answer")
-            tail = f" Donor-answer rate {100 * answer[0]:.1f}%." if answer else ""
-            what = "donor-specific shift" if specific else "donor-margin shift"
-            out.append(f"- {LABELS[arm].capitalize()}: {what} {e[0]:+.2f} [{e[1]:+.2f}, {e[2]:+.2f}]{frac} — "
-                       f"{verdict}{tail}")
+    for main in INTERVENTIONS:
+        ref = _est(summary, main, named_intervention(main).metric)
+        for control in controls_of(main):
+            out.extend(_control_line(summary, control, main, ref))
     return out
+
+
+def _control_line(summary: pd.DataFrame, control, main: str, ref) -> list[str]:
+    """One reading line for a control (a registry entry) of causal arm `main` (whose effect is `ref`).
+
+    The verdict rests on the control's registry metric, the donor-specific shift: the donor margin also rises
+    whenever the recipient's answer merely loses confidence, towards every distractor alike (metrics)."""
+    arm = control.name
+    margin = _est(summary, arm, "donor_margin_shift")
+    specific = _est(summary, arm, control.metric) if control.metric != "donor_margin_shift" else None
+    e = specific or margin
+    if not e:
+        return []
+    frac = f" ({100 * e[0] / ref[0]:.0f}% of the {LABELS[main]}'s shift)" if ref and ref[0] > 0 else ""
+    if specific and margin:
+        distractor = _est(summary, arm, "distractor_shift")
+        frac += (f"; its donor-margin shift is {margin[0]:+.2f} [{margin[1]:+.2f}, {margin[2]:+.2f}]"
+                 + (f", of which {distractor[0]:+.2f} moves towards the non-donor distractors too"
+                    if distractor else ""))
+    if e[1] <= 0 <= e[2] or abs(e[0]) < 0.1:
+        verdict = "near zero, as a control should be."
+    elif ref and ref[0] > 0 and abs(e[0]) < 0.1 * ref[0]:
+        verdict = "small but its interval excludes zero."
+    else:
+        verdict = "NOT near zero: read the main effects with care."
+    answer = _est(summary, arm, "donor_answer")
+    tail = f" Donor-answer rate {100 * answer[0]:.1f}%." if answer else ""
+    what = "donor-specific shift" if specific else "donor-margin shift"
+    return [f"- {LABELS[arm].capitalize()}: {what} {e[0]:+.2f} [{e[1]:+.2f}, {e[2]:+.2f}]{frac} — {verdict}{tail}"]

@@ -27,8 +27,9 @@ def test_run_writes_scan_confirmation_and_report(study):
     heads = pd.read_csv(out / "scan" / "scan_heads.csv")
     assert len(heads) == 4                               # 2 layers x 2 heads
     summary = pd.read_csv(out / "confirm" / "confirm_summary.csv")
-    assert set(summary["intervention"]) == {"write_block", "donor_write", "state_swap", "output_patch",
-                                             "output_restore", "output_restore_last", "random_update", "control_head"}
+    from recurscope.interp.confirm import ARMS
+
+    assert set(summary["intervention"]) == set(ARMS)
     manifest = json.loads((out / "confirm" / "manifest.json").read_text())
     assert manifest["split"] == "heldout" and manifest["checkpoint_hash"].startswith("sha256:")
     scan_sources = json.loads((out / "scan" / "manifest.json").read_text())["sources"]
