@@ -4,8 +4,8 @@ K = 4 facts, each presented 3 times, 512 filler tokens, and every fact queried i
 head, a state swap at the query boundary and a donor write over the target fact's spans change the target fact; the
 question is whether the three other facts survive. Per source: the target's donor-answer rate and donor-margin shift
 (with the donor-specific shift beside it), the non-target break rate (a correct non-target made wrong, over the
-non-targets that were correct) and the non-target margin change. Controls: the equal-norm random update and both
-interventions on the control head.
+non-targets that were correct) and the non-target margin change. Controls: the equal-norm random update (for the
+swap), the equal-norm random write (for the donor write) and both interventions on the control head.
 
 Paper (GLA-340M / GDN-340M / 1.3B): target donor-answer 89.1 / 71.9 / 61.3%, non-target break 1.42 / 0.41 / 0.56%.
 """
@@ -23,8 +23,10 @@ from recurscope.interp.protocols._common import (ProtocolResult, add_protocol_ar
 
 __all__ = ["ARMS", "PAPER", "run_selectivity", "build_selectivity_pairs", "add_verb"]
 
-ARMS = ("state_swap", "donor_write", "random_update", "control_head:state_swap", "control_head:donor_write")
+ARMS = ("state_swap", "donor_write", "random_update", "random_write", "control_head:state_swap",
+        "control_head:donor_write")
 LABELS = {"state_swap": "state swap", "donor_write": "donor write", "random_update": "equal-norm random update",
+          "random_write": "equal-norm random write",
           "control_head:state_swap": "control head, state swap", "control_head:donor_write": "control head, donor write"}
 METRICS = ("donor_answer", "donor_margin_shift", "donor_specific_shift", "nontarget_break", "nontarget_margin_change",
            "clean_correct")
@@ -43,6 +45,8 @@ def build_selectivity_pairs(tokenizer, *, n_sources: int = 32, split: str = "hel
 def _arm(model, pairs, head, arm: str, *, seed: int, batch_size: int, scan_heads=None) -> pd.DataFrame:
     if arm == "random_update":
         result = iv.random_update(model, pairs, [head], kind="state_swap", seed=seed, batch_size=batch_size)
+    elif arm == "random_write":
+        result = iv.random_write(model, pairs, [head], variant="value", seed=seed, batch_size=batch_size)
     elif arm.startswith("control_head:"):
         result = iv.control_head(model, pairs, [head], arm.split(":", 1)[1], scan=scan_heads, batch_size=batch_size)
     elif arm in ("state_swap", "donor_write"):
@@ -137,7 +141,7 @@ def _reading(s: pd.DataFrame) -> list[str]:
         out.append(text + (": the edit is selective, as in the paper." if selective else
                            ": the edit is NOT selective in the paper's sense." if answer[0] >= 0.5 else
                            ": the target edit is weaker than the paper's."))
-    for arm in ("random_update", "control_head:state_swap", "control_head:donor_write"):
+    for arm in ("random_update", "random_write", "control_head:state_swap", "control_head:donor_write"):
         e = estimate(s, {"arm": arm}, "donor_specific_shift")
         if e is not None:
             out.append(f"The {LABELS[arm]} moves the donor against the distractors by {e[0]:+.2f} "
