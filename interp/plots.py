@@ -451,6 +451,8 @@ def plot_interval_panels(summary: pd.DataFrame, out_path, *, panels: Sequence[st
                 sub = sub[sub[hue_col] == hue]
             sub = sub.set_index(row_col)
             present = [r for r in row_list if r in sub.index and pd.notna(sub.loc[r, "estimate"])]
+            if kind == "lines":
+                present = sorted(present, key=float)
             if not present:
                 continue
             est = sub.loc[present, "estimate"].to_numpy(float) * scale
@@ -477,6 +479,8 @@ def plot_interval_panels(summary: pd.DataFrame, out_path, *, panels: Sequence[st
         else:
             ax.set_ylabel(axis_label)
             ax.set_xlabel(_label(row_col))
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.ticklabel_format(axis="y", useOffset=False)
             ax.grid(alpha=0.3)
         if hue_col and len(hues) > 1:
             ax.legend(loc="best", fontsize="small", frameon=False)
