@@ -15,7 +15,8 @@ The patches map onto those calls without changing what the kernels compute:
     extra_write       the sequence is also split after each position t where u_t y_t^T is non-zero; at that boundary
                       u_t y_t^T is added to the state and scale * (q_t . u_t) y_t to o_t (the extra write enters S_t
                       after the erase and decay of step t, so this is exact)
-State replacements and readout patches live in the model's mixers, which already run them as segments with an
+beta is recovered as (a . k) / (k . k), and a counts as a multiple of k when it matches beta k to within a few ulps of
+a's dtype. State replacements and readout patches live in the model's mixers, which already run them as segments with an
 initial state and edit the readout after the kernel; they reach this path as plain calls.
 
 What falls back to the Triton kernel (kernels.triton_recurrent), and why:
@@ -85,7 +86,8 @@ def _plan(q, k, x, g, a, extra_write):
     else:
         beta = _erase_beta(k, a)
         along_k = beta[..., None] * k.float()
-        tol = 1e-6 * (a.float().abs().amax() + 1e-30)
+        # a multiple of k to within a's own rounding (a few ulps of each row's largest entry, in a's dtype)
+        tol = 4 * torch.finfo(a.dtype).eps * a.float().abs().amax(-1, keepdim=True)
         if not bool(((a.float() - along_k).abs() <= tol).all()):
             return None, None, [], "an erase that is not a multiple of k (GDN-2/QED arms): no fla chunk kernel for it"
         if bool(((beta == 0) & (x != 0).any(-1)).any()):

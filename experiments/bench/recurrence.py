@@ -35,6 +35,8 @@ import warnings
 
 import torch
 
+import recurscope
+
 from recurscope import kernels
 from recurscope.kernels.inputs import family_inputs
 
@@ -131,6 +133,10 @@ def main() -> None:
     print(f"recurrence benchmark: B={B} H={H} K=V={K}, float32, threads={torch.get_num_threads()}, "
           f"{args.repeats} interleaved rounds, order rotated per round, torch {torch.__version__}")
     print(f"uptime before: {uptime()}")
+    # A script's own folder comes first on sys.path, so `recurscope` is whatever is installed unless PYTHONPATH
+    # points at a checkout: say which code is being timed.
+    print(f"recurscope code timed: {os.path.dirname(os.path.dirname(recurscope.__file__))} "
+          "(set PYTHONPATH=<checkout> to time a checkout)")
     a, b = torch.randn(BMM_SHAPE[0], BMM_SHAPE[1], BMM_SHAPE[2]), torch.randn(BMM_SHAPE[0], BMM_SHAPE[2], BMM_SHAPE[3])
     header = (f"{'family':6s} {'T':>5s} {'contender':26s} {'median':>9s} {'min':>9s} "
               f"{'paired med ratio':>16s} {'ratio of mins':>13s}")

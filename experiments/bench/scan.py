@@ -21,11 +21,14 @@ Usage:  python experiments/bench/scan.py [--shapes gla gdn] [--lengths 611 307] 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import time
 
 import torch
+
+import recurscope
 
 from recurscope.interp.data import build_pairs, build_word_tokenizer
 from recurscope.interp.models import ModelConfig, RecurrentLM
@@ -62,6 +65,29 @@ def timed(fn, device) -> float:
     return time.perf_counter() - t0
 
 
+def scan_vs_forward(model, pairs, device, repeats: int, batch_size: int = 96):
+    """Interleaved, order-rotated rounds of the two forward ways and the scan; returns ({name: times}, the median
+    over rounds of scan time / the faster forward way of the same round)."""
+    both = torch.cat([pairs.recipient_ids, pairs.donor_ids]).to(device)
+    n_heads = len(all_heads(model))
+    with torch.no_grad():
+        model(both[:, :32])                                                     # warm-up
+    fns = {
+        "clean + donor, batched": lambda: model(both),
+        "clean + donor, row by row": lambda: [model(both[i:i + 1]) for i in range(2)],
+        f"scan, {n_heads} heads": lambda: run_scan(model, pairs, batch_size=batch_size),
+    }
+    names = list(fns)
+    times = {n: [] for n in names}
+    with torch.no_grad():
+        for r in range(repeats):
+            shift = r % len(names)
+            for n in names[shift:] + names[:shift]:
+                times[n].append(timed(fns[n], device))
+    ref = [min(a, b) for a, b in zip(times[names[0]], times[names[1]])]
+    return times, statistics.median(s / f for s, f in zip(times[names[2]], ref))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="*", default=["gla", "gdn"], choices=sorted(SHAPES))
@@ -79,6 +105,10 @@ def main():
     print(f"scan benchmark: device {device}, threads {torch.get_num_threads()}, {args.repeats} interleaved rounds, "
           f"order rotated per round, batch_size {args.batch_size}")
     print(f"uptime before: {uptime()}")
+    # A script's own folder comes first on sys.path, so `recurscope` is whatever is installed unless PYTHONPATH
+    # points at a checkout: say which code is being timed.
+    print(f"recurscope code timed: {os.path.dirname(os.path.dirname(recurscope.__file__))} "
+          "(set PYTHONPATH=<checkout> to time a checkout)")
     verdicts = []
     for shape in args.shapes:
         torch.manual_seed(0)
@@ -91,24 +121,10 @@ def main():
         for length in args.lengths:
             pairs = build_pairs(tok, split="dev", n_sources=1, presentations=3, gap_tokens=24, **LENGTHS[length])
             T = pairs.recipient_ids.shape[1]
-            both = torch.cat([pairs.recipient_ids, pairs.donor_ids]).to(device)
-            with torch.no_grad():
-                model(both[:, :32])                                             # warm-up
-            fns = {
-                "clean + donor, batched": lambda: model(both),
-                "clean + donor, row by row": lambda: [model(both[i:i + 1]) for i in range(2)],
-                f"scan, {len(heads)} heads": lambda: run_scan(model, pairs, batch_size=args.batch_size),
-            }
-            names = list(fns)
-            times = {n: [] for n in names}
-            with torch.no_grad():
-                for r in range(args.repeats):
-                    shift = r % len(names)
-                    for n in names[shift:] + names[:shift]:
-                        times[n].append(timed(fns[n], device))
+            times, paired = scan_vs_forward(model, pairs, device, args.repeats, args.batch_size)
+            names = list(times)
             ref = [min(a, b) for a, b in zip(times[names[0]], times[names[1]])]
             scan_t = times[names[2]]
-            paired = statistics.median(s / f for s, f in zip(scan_t, ref))
             print(f"  {T} tokens (query suffix {int(pairs.query_pos[0] - pairs.query_start[0] + 1)}):")
             for n in names:
                 print(f"    {n:28s} median {statistics.median(times[n]):8.2f} s   min {min(times[n]):8.2f} s")
