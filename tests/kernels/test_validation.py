@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from recurscope import kernels
+from recurscope.kernels._validate import _check_finite
 
 B, T, H, K, V = 2, 5, 3, 4, 6
 
@@ -56,6 +57,20 @@ def test_non_finite_values(name, bad):
     t.view(-1)[3] = bad
     with pytest.raises(ValueError, match=rf"^{name} contains 1 non-finite value\(s\) \(NaN or inf\)"):
         call(**{name: t})
+
+
+def test_finite_values_whose_sum_overflows_pass_the_cheap_check():
+    """The finiteness check sums first; an overflowing sum of finite values must fall through to the exact check and
+    pass, in float32 and float16."""
+    for dtype in (torch.float32, torch.float16):
+        big = torch.full((B, T, H, V), torch.finfo(dtype).max / 2, dtype=dtype)
+        assert not torch.isfinite(big.sum())
+        _check_finite("x", big)                           # no error
+        big.view(-1)[7] = float("nan")
+        with pytest.raises(ValueError, match=r"^x contains 1 non-finite value\(s\)"):
+            _check_finite("x", big)
+    out = call(x=torch.full((B, T, H, V), 3e38 / (T * V)), g=torch.zeros(B, T, H))
+    assert out.o.shape == (B, T, H, V)
 
 
 def test_non_finite_patch_inputs():
