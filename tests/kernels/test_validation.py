@@ -108,7 +108,7 @@ def test_capture_positions():
 
 @pytest.mark.parametrize("backend", ["cuda", "Chunked", ""])
 def test_unknown_backend(backend):
-    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'reference', 'chunked', 'triton'\), got"):
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'reference', 'chunked', 'triton', 'fla'\), got"):
         call(backend=backend)
 
 
