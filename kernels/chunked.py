@@ -41,22 +41,25 @@ def _pairwise_channel(xs, ym, G, max_span):
     C = G.shape[-2]
     n = len(xs)
     X = torch.stack(xs, -3)                               # (..., n, C, K)
-    out = X.new_zeros(*X.shape[:-2], C, C)
+    out = X.new_empty(*X.shape[:-2], C, C)                # every entry on or below the diagonal is written
     G0 = F.pad(G, (0, 0, 1, 0))                           # G0[..., i] = cumulative decay before position i
+    span = float((G0[..., 0:C:SUB, :] - G0[..., SUB::SUB, :]).detach().max()) if C >= SUB else 0.0
     for i in range(0, C, SUB):
         rows = slice(i, i + SUB)
         pivot = G0[..., i:i + 1, :]
         xq = X[..., rows, :] * (G[..., rows, :] - pivot).exp()[..., None, :, :]
-        # Clamped so that a block spanning more decay than max_span stays finite (also in the backward pass);
-        # only those blocks' diagonal entries can be affected, and they are recomputed exactly below.
-        yk = ym[..., : i + SUB, :] * (pivot - G[..., : i + SUB, :]).clamp(max=max_span).exp()
+        lift = pivot - G[..., : i + SUB, :]
+        if span > max_span:
+            # Clamped so that a block spanning more decay than max_span stays finite (also in the backward pass);
+            # only those blocks' diagonal entries can be affected, and they are recomputed exactly below.
+            lift = lift.clamp(max=max_span)
+        yk = ym[..., : i + SUB, :] * lift.exp()
         prod = xq.flatten(-3, -2) @ yk.transpose(-1, -2)  # (..., n*SUB, i+SUB)
         out[..., rows, : i + SUB] = prod.unflatten(-2, (n, -1))
-    span = float((G0[..., 0:C:SUB, :] - G0[..., SUB::SUB, :]).detach().max()) if C >= SUB else 0.0
     if span > max_span:
         out = _exact_diagonal_blocks(out, X, ym[..., None, :, :], G[..., None, :, :])
-    keep = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
-    return list(out.masked_fill(~keep, 0.0).unbind(-3))
+    above = torch.ones(C, C, dtype=torch.bool, device=G.device).triu(1)
+    return list(out.masked_fill_(above, 0.0).unbind(-3))
 
 
 def _exact_diagonal_blocks(out, xm, ym, G):
@@ -188,7 +191,7 @@ def recurrence_chunked(
     kd_T = (kc * to_end).transpose(-1, -2)       # (N, BH, K, C)
     qg = qc * gam
     UY = None if uc is None else (uc * to_end).transpose(-1, -2) @ yc
-    want = sorted({p // C for p in capture}) if capture else []
+    want = {p // C for p in capture} if capture else set()      # chunks whose start state a capture needs
     starts = {}
     if grad:
         # Autograd records every product, so nothing that a product saved may change afterwards: no in-place updates.
@@ -203,7 +206,7 @@ def recurrence_chunked(
             S_next = decay_C[n] * S if UY is None else torch.addcmul(UY[n], decay_C[n], S)
             S = torch.baddbmm(S_next, kd_T[n], R_n)
         O = torch.stack(outs)
-        R = torch.stack(Rs)
+        R = Rs                                   # per-chunk residuals, indexed by chunk like the buffer below
         if A_qu is not None:
             O = O + A_qu @ yc
     else:
