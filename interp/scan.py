@@ -10,10 +10,13 @@ i.e. the mean donor-margin shift, sources as the unit. The paper's eq. (6) print
 without the minus sign, which reads as a product; the text ("mean change in the donor-margin") and figure 9
 (signed margin shift) define the difference, which is what is implemented here.
 
-Cost. Per pair: one prefix forward [0, b] of recipient and donor together (b = query_start - 1), one clean suffix,
-then the suffix (the query tokens) for every head at once: the recipient's prefix cache is repeated one row per head
-(RecurrentCache.select), row j gets the donor's state in head j only, and all rows run as one batch, chunked by
-batch_size. No full forward is rerun per head; `naive_head_shifts` is that slow reference.
+Cost. Per pair: one prefix pass [0, b] of recipient and donor together (b = query_start - 1, no logits), one clean
+suffix (the query tokens), then the patched suffixes as a growing batch. A row whose patch enters at layer l computes
+exactly the clean suffix below l, so the suffix runs layer by layer from the lowest patched layer: at layer l the
+rows patched there join the batch, each starting from the clean residual at l's input with the recipient's prefix
+cache and the donor's state in its one head; rows run on through the layers above, and the logits are formed at the
+query position only. Rows are chunked by batch_size. No full forward is rerun per head; `naive_head_shifts` is that
+slow reference.
 """
 from __future__ import annotations
 
@@ -25,8 +28,8 @@ import pandas as pd
 import torch
 
 from recurscope.interp import stats
-from recurscope.interp.interventions import candidate_logits, check_pairs, model_device, normalise_heads, prefix_caches
-from recurscope.interp.models.cache import RecurrentCache
+from recurscope.interp.interventions import candidate_logits, check_pairs, model_device, normalise_heads
+from recurscope.interp.models.cache import LayerCache, RecurrentCache
 
 __all__ = ["ScanResult", "SCAN_KEY", "all_heads", "run_scan", "summarise_scan", "naive_head_shifts"]
 
@@ -73,16 +76,63 @@ def _margins(z: torch.Tensor, d: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return (z[idx, d] - z[idx, r]).double()
 
 
-def _swap_one_head_per_row(R: RecurrentCache, D: RecurrentCache, example: torch.Tensor,
-                           layer: torch.Tensor, head: torch.Tensor) -> RecurrentCache:
-    """Rows example[j] of R, each with the donor's state in (layer[j], head[j]) only."""
-    out = R.select(example)                          # index_select: fresh tensors, safe to edit
-    for l in torch.unique(layer).tolist():
-        j = torch.nonzero(layer == l)[:, 0]
-        state = out.layers[l].state
-        h = head[j].to(state.device)
-        state[j.to(state.device), h] = D.layers[l].state[example[j].to(state.device), h]
-    return out
+def _prefix_cache(model, pairs, ex: torch.Tensor, b: int, device) -> RecurrentCache:
+    """The cache after tokens [0, b] of the recipients (rows 0..n-1) then the donors (rows n..2n-1), one batched
+    pass through the blocks without the LM head (no logits are needed there)."""
+    tokens = torch.cat([pairs.recipient_ids[ex, :b + 1], pairs.donor_ids[ex, :b + 1]]).to(device)
+    resid = model.hook_embed(model.embed(tokens))
+    layers = []
+    for block in model.blocks:
+        resid, lc = block(resid, None, offset=0)
+        layers.append(lc)
+    return RecurrentCache(layers, b + 1)
+
+
+def _rows(lc: LayerCache, index: torch.Tensor) -> LayerCache:
+    return lc.map(lambda t: t.index_select(0, index.to(t.device)))
+
+
+def _query_logits(model, resid: torch.Tensor, qp: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """Candidate logits at each row's query position only (the LM head runs on one position per row)."""
+    h = resid[torch.arange(resid.shape[0], device=resid.device), qp.to(resid.device)]
+    return candidate_logits(model.lm_head(model.norm(h)), cand)
+
+
+def _clean_suffix(model, cache: RecurrentCache, suffix: torch.Tensor):
+    """Runs the recipients' suffix (cache rows 0..n-1) layer by layer; returns each layer's input residual and the
+    final residual."""
+    n = suffix.shape[0]
+    rec = torch.arange(n)
+    resid = model.hook_embed(model.embed(suffix))
+    inputs = []
+    for i, block in enumerate(model.blocks):
+        inputs.append(resid)
+        resid, _ = block(resid, _rows(cache.layers[i], rec), offset=cache.seen_tokens)
+    return inputs, resid
+
+
+def _patched_suffix(model, cache: RecurrentCache, clean_inputs: list, n: int, example: torch.Tensor,
+                    layer: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The growing batch: row j runs the layers from layer[j] up, entering with the clean residual of its example,
+    the recipient's cache, and the donor's (cache row n + example) state in (layer[j], head[j]) only.
+    Returns the final residuals and the row order (indices into example/layer/head)."""
+    order = torch.argsort(layer, stable=True)
+    example, layer, head = example[order], layer[order], head[order]
+    resid, members = None, example[:0]
+    for i in range(int(layer.min()), len(model.blocks)):
+        entering = torch.nonzero(layer == i)[:, 0]
+        if len(entering):
+            joined = clean_inputs[i][example[entering].to(clean_inputs[i].device)]
+            resid = joined if resid is None else torch.cat([resid, joined])
+            members = torch.cat([members, example[entering]])
+        lc = _rows(cache.layers[i], members)
+        if len(entering):
+            state = lc.state
+            new_rows = torch.arange(len(members) - len(entering), len(members), device=state.device)
+            h = head[entering].to(state.device)
+            state[new_rows, h] = cache.layers[i].state[(n + example[entering]).to(state.device), h]
+        resid, _ = model.blocks[i](resid, lc, offset=cache.seen_tokens)
+    return resid, order
 
 
 def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optional[Sequence] = None,
@@ -120,22 +170,22 @@ def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optiona
                         if (int(pairs.source_id[i]), int(pairs.group[i]), l, h) not in done]
                 if not todo:
                     continue
-                R, D = prefix_caches(model, pairs, ex, b, device)
+                cache = _prefix_cache(model, pairs, ex, b, device)
                 suffix = pairs.recipient_ids[ex, b + 1:].to(device)
-                qp = (pairs.query_pos[ex] - (b + 1)).to(device)
+                qp = pairs.query_pos[ex] - (b + 1)
                 cand = pairs.candidate_ids[ex]
                 d, r = pairs.donor_answer_index[ex], pairs.recipient_answer_index[ex]
-                logits, _ = model(suffix, cache=R, use_cache=True)
-                clean = _margins(candidate_logits(logits[torch.arange(len(ex), device=device), qp], cand), d, r)
+                clean_inputs, clean_out = _clean_suffix(model, cache, suffix)
+                clean = _margins(_query_logits(model, clean_out, qp, cand), d, r)
                 todo_t = torch.tensor(todo, dtype=torch.long)
                 for c in range(0, len(todo_t), batch_size):
                     chunk = todo_t[c:c + batch_size]
                     e, j = chunk[:, 0], chunk[:, 1]
+                    resid, order = _patched_suffix(model, cache, clean_inputs, len(ex), e, heads_t[j, 0],
+                                                   heads_t[j, 1])
+                    e, j = e[order], j[order]
                     layer, head = heads_t[j, 0], heads_t[j, 1]
-                    cache = _swap_one_head_per_row(R, D, e, layer, head)
-                    logits, _ = model(suffix[e.to(device)], cache=cache, use_cache=True)
-                    z = candidate_logits(logits[torch.arange(len(e), device=device), qp[e.to(device)]], cand[e])
-                    margin = _margins(z, d[e], r[e])
+                    margin = _margins(_query_logits(model, resid, qp[e], cand[e]), d[e], r[e])
                     new_rows = []
                     for k in range(len(e)):
                         i = int(ex[e[k]])

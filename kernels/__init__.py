@@ -18,7 +18,7 @@ from recurscope.kernels.chunked import recurrence_chunked
 from recurscope.kernels.erase import ERASE_ARMS, erase_eigenvalue, erase_vector, project_out
 from recurscope.kernels.reference import recurrence_reference
 
-BACKENDS = ("auto", "reference", "chunked", "triton")
+BACKENDS = ("auto", "reference", "chunked", "triton", "fla")
 
 __all__ = [
     "BACKENDS", "ERASE_ARMS", "RecurrenceOutput", "erase_eigenvalue", "erase_vector", "project_out",
@@ -33,7 +33,8 @@ class RecurrenceOutput(NamedTuple):
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """"auto" means triton on CUDA and chunked elsewhere; RECURSCOPE_BACKEND overrides "auto"."""
+    """"auto" means fla's chunk kernels on CUDA when fla imports (kernels.fla_chunk, which falls back to triton for
+    what fla cannot express), triton on CUDA otherwise, and chunked elsewhere; RECURSCOPE_BACKEND overrides "auto"."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -43,10 +44,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
                 raise ValueError(f"RECURSCOPE_BACKEND must be one of {BACKENDS}, got {env!r}")
             backend = env
     if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "chunked"
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device.type == "cuda":
+            from recurscope.kernels.fla_chunk import fla_available
+
+            backend = "fla" if fla_available() else "triton"
+        else:
+            backend = "chunked"
+    if backend in ("triton", "fla") and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
-            "backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before kernels.triton_recurrent is "
+            f"backend '{backend}' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton kernels are "
             "imported; use backend='chunked' on a CPU"
         )
     return backend
@@ -75,6 +81,10 @@ def recurrence(
         o, S, states = recurrence_reference(q, k, x, g, a, dtype=dtype, **kwargs)
     elif chosen == "chunked":
         o, S, states = recurrence_chunked(q, k, x, g, a, dtype=dtype, **kwargs)
+    elif chosen == "fla":
+        from recurscope.kernels.fla_chunk import recurrence_fla
+
+        o, S, states = recurrence_fla(q, k, x, g, a, output_final_state=output_final_state, **kwargs)
     else:
         from recurscope.kernels.triton_recurrent import recurrence_triton
 

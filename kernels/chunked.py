@@ -6,8 +6,8 @@ Within a chunk of C steps starting from S_0, write r_t for the residual that ste
 
 Unrolling with the cumulative log decay G_t gives a unit lower-triangular system for all r_t of a chunk,
     (I + A_ak) R = X - (a * e^G) S_0 - A_au Y,    A_xy[t, s] = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]},
-solved once per chunk for R = R0 - M S_0 (all chunks at once). The sequential part is then two
-(C, K) x (K, V) products per chunk: R = R0 - M S_0 and S_C = e^{G_C} S_0 + (k e^{G_C - G})^T R.
+solved once per chunk for R = R0 - M S_0 (all chunks at once). The sequential part is then, per chunk,
+R = R0 - M S_0, the output O = A_qk R + (q e^G) S_0 and S_C = e^{G_C} S_0 + (k e^{G_C - G})^T R.
 Decay factors are only ever formed as e^{G_t - G_s} with t >= s (or through a pivot that keeps each factor
 bounded), so strong decays never overflow.
 """
@@ -24,11 +24,10 @@ SUB = 16  # sub-chunk for the per-channel decay pivots
 def _pairwise_scalar(xs, ym, G):
     """For each x in xs: A[t, s] = (x_t . y_s) e^{G_t - G_s} for s <= t, zero above; G is (..., C)."""
     C = G.shape[-1]
-    diff = G[..., :, None] - G[..., None, :]
-    keep = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
-    dec = diff.masked_fill(~keep, float("-inf")).exp()
-    prods = torch.cat(xs, -2) @ ym.transpose(-1, -2)     # one product for every row set
-    return [p * dec for p in prods.split(C, -2)]
+    above = torch.ones(C, C, dtype=torch.bool, device=G.device).triu(1)
+    dec = (G[..., :, None] - G[..., None, :]).masked_fill_(above, float("-inf")).exp_()
+    y_T = ym.transpose(-1, -2)
+    return [(x @ y_T).mul_(dec) for x in xs]              # one product per row set: no concatenated copy
 
 
 def _pairwise_channel(xs, ym, G, max_span):
@@ -42,22 +41,25 @@ def _pairwise_channel(xs, ym, G, max_span):
     C = G.shape[-2]
     n = len(xs)
     X = torch.stack(xs, -3)                               # (..., n, C, K)
-    out = X.new_zeros(*X.shape[:-2], C, C)
+    out = X.new_empty(*X.shape[:-2], C, C)                # every entry on or below the diagonal is written
     G0 = F.pad(G, (0, 0, 1, 0))                           # G0[..., i] = cumulative decay before position i
+    span = float((G0[..., 0:C:SUB, :] - G0[..., SUB::SUB, :]).detach().max()) if C >= SUB else 0.0
     for i in range(0, C, SUB):
         rows = slice(i, i + SUB)
         pivot = G0[..., i:i + 1, :]
         xq = X[..., rows, :] * (G[..., rows, :] - pivot).exp()[..., None, :, :]
-        # Clamped so that a block spanning more decay than max_span stays finite (also in the backward pass);
-        # only those blocks' diagonal entries can be affected, and they are recomputed exactly below.
-        yk = ym[..., : i + SUB, :] * (pivot - G[..., : i + SUB, :]).clamp(max=max_span).exp()
+        lift = pivot - G[..., : i + SUB, :]
+        if span > max_span:
+            # Clamped so that a block spanning more decay than max_span stays finite (also in the backward pass);
+            # only those blocks' diagonal entries can be affected, and they are recomputed exactly below.
+            lift = lift.clamp(max=max_span)
+        yk = ym[..., : i + SUB, :] * lift.exp()
         prod = xq.flatten(-3, -2) @ yk.transpose(-1, -2)  # (..., n*SUB, i+SUB)
         out[..., rows, : i + SUB] = prod.unflatten(-2, (n, -1))
-    span = float((G0[..., 0:C:SUB, :] - G0[..., SUB::SUB, :]).detach().max()) if C >= SUB else 0.0
     if span > max_span:
         out = _exact_diagonal_blocks(out, X, ym[..., None, :, :], G[..., None, :, :])
-    keep = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
-    return list(out.masked_fill(~keep, 0.0).unbind(-3))
+    above = torch.ones(C, C, dtype=torch.bool, device=G.device).triu(1)
+    return list(out.masked_fill_(above, 0.0).unbind(-3))
 
 
 def _exact_diagonal_blocks(out, xm, ym, G):
@@ -76,6 +78,58 @@ def _exact_diagonal_blocks(out, xm, ym, G):
     return out
 
 
+def _unit_lower_inverse(A):
+    """(I + strict lower part of A)^-1 for a batch of (C, C) blocks; A's diagonal and upper triangle are never read.
+
+    Blocked: the two diagonal halves are inverted together (one batch, recursively down to SUB), then the
+    off-diagonal block is -X22 A21 X11. Batched products run much faster than LAPACK's per-matrix triangular solve."""
+    C = A.shape[-1]
+    if C <= SUB:
+        eye = torch.eye(C, dtype=A.dtype, device=A.device)
+        return torch.linalg.solve_triangular(A, eye.expand_as(A), upper=False, unitriangular=True)
+    h = C // 2
+    X11, X22 = _unit_lower_inverse(torch.stack([A[..., :h, :h], A[..., h:, h:]]))
+    X21 = -(X22 @ (A[..., h:, :h] @ X11))
+    return torch.cat([torch.cat([X11, torch.zeros_like(X11)], -1), torch.cat([X21, X22], -1)], -2)
+
+
+def _chunk_major(t, B, T, H, N, C, dtype, scale=None):
+    """(B, T, H[, D]) -> (N, B*H, C, D), zero-padded to N*C steps: one contiguous copy (cast included), so that
+    each step of the sequential loop reads one block. A per-head tensor (B, T, H) becomes (N, B*H, C)."""
+    squeeze = t.dim() == 3
+    if squeeze:
+        t = t[..., None]
+    D = t.shape[-1]
+    out = (torch.zeros if N * C > T else torch.empty)(N, B, H, C, D, dtype=dtype, device=t.device)
+    dst = out.permute(1, 0, 3, 2, 4)                       # (B, N, C, H, D) view of the chunk-major buffer
+    full = T // C
+    if full:
+        dst[:, :full].copy_(t[:, : full * C].reshape(B, full, C, H, D))
+    if T > full * C:
+        dst[:, full, : T - full * C].copy_(t[:, full * C:])
+    out = out.view(N, B * H, C, D)
+    if scale is not None:
+        out = out * scale if torch.is_grad_enabled() else out.mul_(scale)
+    return out[..., 0] if squeeze else out
+
+
+def _capture_states(capture, C, G, channel, starts, chunk_R, kc, uc, yc):
+    """S after step p for each capture position p, from its chunk's start state and residuals:
+    S_p = e^{G_p} S_0 + sum_{s <= p} (k_s e^{G_p - G_s}) r_s^T (+ the same sum over u_s y_s^T). Returns (BH, P, K, V)."""
+    caps = []
+    for p in capture:
+        n, i = divmod(p, C)
+        Gn = G[n]                                                        # (BH, C, K) or (BH, C)
+        dec = (Gn[:, i:i + 1] - Gn[:, : i + 1]).exp()
+        start = Gn[:, i].exp()[..., None] * starts[n] if channel else Gn[:, i].exp()[:, None, None] * starts[n]
+        dec = dec if channel else dec[..., None]
+        st = torch.baddbmm(start, (kc[n, :, : i + 1] * dec).transpose(-1, -2), chunk_R[n][:, : i + 1])
+        if uc is not None:
+            st = torch.baddbmm(st, (uc[n, :, : i + 1] * dec).transpose(-1, -2), yc[n, :, : i + 1])
+        caps.append(st)
+    return torch.stack(caps, dim=1)
+
+
 def recurrence_chunked(
     q, k, x, g, a=None, *, scale: float, initial_state=None, write_scale=None, extra_write=None,
     capture: Optional[list[int]] = None, dtype: torch.dtype = torch.float32, chunk_size: int = 64,
@@ -88,22 +142,16 @@ def recurrence_chunked(
     C = min(chunk_size, -(-T // SUB) * SUB)
     if C % SUB:
         raise ValueError(f"chunk_size must be a multiple of {SUB}, got {chunk_size}")
-    pad = (-T) % C
-    N = (T + pad) // C
+    N = -(-T // C)
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad
+        for t in (q, k, x, g, a, initial_state, write_scale, *(extra_write or ())))
 
-    def prep(t, has_last_dim=True):
-        """(B, T, H, ...) -> (N, B*H, C, ...): chunk-major, so that each step of the loop reads one block."""
-        t = t.to(dtype)
-        if not has_last_dim:
-            t = t[..., None]
-        if pad:
-            t = F.pad(t, (0, 0, 0, 0, 0, pad))
-        t = t.reshape(B, N, C, H, t.shape[-1]).permute(1, 0, 3, 2, 4).reshape(N, BH, C, t.shape[-1])
-        return t if has_last_dim else t[..., 0]
-
-    xw = x if write_scale is None else x.to(dtype) * write_scale[..., None].to(dtype)
-    qc, kc, xc = prep(q), prep(k), prep(xw)
-    gc = prep(g, channel)
+    prep = lambda t, s=None: _chunk_major(t, B, T, H, N, C, dtype, s)  # noqa: E731
+    qc, kc, xc, gc = prep(q, scale), prep(k), prep(x), prep(g)        # the output scale rides on q
+    if write_scale is not None:
+        wc = prep(write_scale)[..., None]
+        xc = xc * wc if grad else xc.mul_(wc)
     ac = None if a is None else prep(a)
     uc, yc = (None, None) if extra_write is None else (prep(extra_write[0]), prep(extra_write[1]))
 
@@ -122,60 +170,77 @@ def recurrence_chunked(
         decay_C = G_last.exp()[..., None]        # (N, BH, 1, 1)
         pair = lambda xs, ym: _pairwise_scalar(xs, ym, G)  # noqa: E731
 
-    strict = ~torch.eye(C, dtype=torch.bool, device=q.device)
     rows = [qc] if ac is None else [qc, ac]
     A_qk, *A_ak = pair(rows, kc)
     A_qu, *A_au = (None,) if uc is None else pair(rows, uc)
 
-    # Chunk-local solve: R = R0 - M S_0, for all chunks at once.
+    # Chunk-local solve: R = R0 - M S_0, for all chunks at once. The system's diagonal is 1 and its upper triangle
+    # is never read, so A_ak goes in as it is.
     rhs = xc
     if uc is not None and ac is not None:
+        strict = ~torch.eye(C, dtype=torch.bool, device=q.device)
         rhs = rhs - (A_au[0] * strict) @ yc
     if ac is not None:
-        eye = torch.eye(C, dtype=dtype, device=q.device)
         # The explicit inverse of the unit triangular system, then two products: faster than a solve with V+K columns.
-        L_inv = torch.linalg.solve_triangular(A_ak[0] * strict + eye, eye.expand_as(A_qk), upper=False, unitriangular=True)
+        L_inv = _unit_lower_inverse(A_ak[0])
         R0, M = L_inv @ rhs, L_inv @ (ac * gam)
     else:
         R0, M = rhs, None
 
-    # The sequential part, one chunk per step.
-    kd_T = (kc * to_end).transpose(-1, -2).contiguous()  # (N, BH, K, C)
+    # The sequential part, one chunk per step; the output of a chunk is formed as soon as its residuals are known.
+    kd_T = (kc * to_end).transpose(-1, -2)       # (N, BH, K, C)
+    qg = qc * gam
     UY = None if uc is None else (uc * to_end).transpose(-1, -2) @ yc
-    S = q.new_zeros(BH, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype).reshape(BH, K, V)
-    if M is None:
-        KR = kd_T @ R0 if UY is None else torch.baddbmm(UY.flatten(0, 1), kd_T.flatten(0, 1), R0.flatten(0, 1)).view(N, BH, K, V)
-    starts, Rs = [], []
-    for n in range(N):
-        starts.append(S)
-        if M is None:
-            S = decay_C[n] * S + KR[n]
-        else:
-            R_n = torch.baddbmm(R0[n], M[n], S, alpha=-1.0)
+    want = {p // C for p in capture} if capture else set()      # chunks whose start state a capture needs
+    starts = {}
+    if grad:
+        # Autograd records every product, so nothing that a product saved may change afterwards: no in-place updates.
+        S = q.new_zeros(BH, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype).reshape(BH, K, V)
+        outs, Rs = [], []
+        for n in range(N):
+            if n in want:
+                starts[n] = S
+            R_n = R0[n] if M is None else torch.baddbmm(R0[n], M[n], S, alpha=-1.0)
             Rs.append(R_n)
+            outs.append(torch.baddbmm(A_qk[n] @ R_n, qg[n], S))
             S_next = decay_C[n] * S if UY is None else torch.addcmul(UY[n], decay_C[n], S)
             S = torch.baddbmm(S_next, kd_T[n], R_n)
-    S0 = torch.stack(starts)                     # (N, BH, K, V)
-    R = R0 if M is None else torch.stack(Rs)
-
-    O = A_qk @ R + (qc * gam) @ S0
-    if uc is not None:
-        O = O + A_qu @ yc
-    O = O * scale
-    o = O.reshape(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(q.dtype)
+        O = torch.stack(outs)
+        R = Rs                                   # per-chunk residuals, indexed by chunk like the buffer below
+        if A_qu is not None:
+            O = O + A_qu @ yc
+    else:
+        # No graph: one preallocated output, the state updated in place, the residuals written over R0.
+        S = q.new_zeros(BH, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype).reshape(BH, K, V).clone()
+        R = R0
+        if M is None:
+            # Without an erase the residuals are the inputs: the chunk-local terms are batched over all chunks.
+            O = A_qk @ R
+            KR = kd_T @ R if UY is None else (kd_T @ R).add_(UY)
+        else:
+            O = torch.empty(N, BH, C, V, dtype=dtype, device=q.device)
+        if A_qu is not None:
+            O = O.add_(A_qu @ yc) if M is None else torch.matmul(A_qu, yc, out=O)
+        for n in range(N):
+            if n in want:
+                starts[n] = S.clone()
+            if M is None:
+                O[n].baddbmm_(qg[n], S)
+                S.mul_(decay_C[n]).add_(KR[n])
+                continue
+            R_n = R[n].baddbmm_(M[n], S, alpha=-1.0)
+            if A_qu is None:
+                torch.bmm(A_qk[n], R_n, out=O[n])
+            else:
+                O[n].baddbmm_(A_qk[n], R_n)
+            O[n].baddbmm_(qg[n], S)
+            S.mul_(decay_C[n]).baddbmm_(kd_T[n], R_n)
+            if UY is not None:
+                S.add_(UY[n])
+    o = O.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(q.dtype)
 
     states = None
     if capture:
-        caps = []
-        for p in capture:
-            n, i = divmod(p, C)
-            Gn = G[n]                                                    # (BH, C, K) or (BH, C)
-            dec = (Gn[:, i:i + 1] - Gn[:, : i + 1]).exp()
-            st = Gn[:, i].exp()[..., None] * S0[n] if channel else Gn[:, i].exp()[:, None, None] * S0[n]
-            dec = dec if channel else dec[..., None]
-            st = st + (kc[n, :, : i + 1] * dec).transpose(-1, -2) @ R[n, :, : i + 1]
-            if uc is not None:
-                st = st + (uc[n, :, : i + 1] * dec).transpose(-1, -2) @ yc[n, :, : i + 1]
-            caps.append(st.reshape(B, H, K, V))
-        states = torch.stack(caps, dim=1)
+        caps = _capture_states(capture, C, G, channel, starts, R, kc, uc, yc)
+        states = caps.view(B, H, len(capture), K, V).transpose(1, 2)
     return o, S.reshape(B, H, K, V), states

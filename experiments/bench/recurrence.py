@@ -1,34 +1,48 @@
-"""Times the recurrence backends side by side on a CPU: reference step loop, chunked, and fla's pure-torch chunk form.
+"""Times the recurrence on a CPU against its pure-torch peers, interleaved and order-rotated, at one thread.
 
-Prints, for GDN and GDN-2/QED at B=1, H=4, K=V=128: median times, speed ratios, the chunked path's GFLOP/s
-next to a plain torch matmul's GFLOP/s measured in the same run, and QED's overhead over GDN-2.
+Contenders per family (B=1, H=4, K=V=128, float32), all called through their public entry points:
+    GDN    recurscope chunked (kernels.recurrence, input checks included), fla 0.6's naive_chunk_gated_delta_rule,
+           transformers' torch_chunk_gated_delta_rule (its pure-torch body, unwrapped from the hub-kernel
+           dispatcher), and optionally the step-loop reference (--reference)
+    GDN-2  recurscope chunked, fla's naive_chunk_gdn2
+    GLA    recurscope chunked, fla's naive_recurrent_gla (fla has no pure-torch chunked GLA)
+    QED    recurscope chunked (fla has no QED op); its overhead over GDN-2 is printed
+plus a plain torch bmm of the chunked path's shape class, so that a same-run matmul rate sits in every round.
 
-Useful FLOPs of the chunked algorithm, per chunk of C steps and per head (multiply-add = 2 FLOPs), as implemented
-in kernels/chunked.py:
+Each round runs every contender of a (family, T) once, in an order rotated by one place per round; a ratio is
+formed within each round (paired) and the median of those paired ratios is printed beside the ratio of the minima.
+`uptime` is printed before and after: on a shared machine other jobs inflate every figure, the ratios less so.
+
+Useful FLOPs of the chunked algorithm, per chunk of C steps and per head (multiply-add = 2 FLOPs):
     pairwise A_qk, A_ak (lower triangles)          C(C+1) K + C(C-1) K
     unit-triangular inverse of (I + A_ak)           C^3 / 3
     R0 = L^-1 X, M = L^-1 (a e^G)                   2 C^2 (V + K)
     sequential: R = R0 - M S, S' = D S + K^T R      4 C K V
-    output: A_qk R + (q e^G) S_0                    2 C^2 V + 2 C K V   (lower triangle of A_qk: C(C+1) V)
+    output: A_qk R + (q e^G) S_0                    C(C+1) V + 2 C K V
 For a family without an erase vector (GLA) the A_ak, inverse, M and M S terms drop out. Elementwise work
 (exponentials, decay factors) is not counted.
 
-Usage:  python experiments/bench/recurrence.py [--quick] [--threads N] [--repeats R]
+Usage:  python experiments/bench/recurrence.py [--lengths 2048 8192] [--repeats 7] [--threads 1] [--reference]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import subprocess
 import time
 import warnings
 
 import torch
 
+import recurscope
+
 from recurscope import kernels
 from recurscope.kernels.inputs import family_inputs
 
 B, H, K, V, C = 1, 4, 128, 128, 64
+TARGETS = {"GDN": 0.67, "GDN-2": 0.67, "GLA": 0.5}       # chunked time / fastest peer's, at T >= 2048
+RATE_TARGETS = {"GDN": 60, "GDN-2": 60, "GLA": 45}      # chunked rate, % of the same-run bmm rate
 
 
 def chunked_flops(T: int, with_erase: bool = True) -> float:
@@ -40,78 +54,143 @@ def chunked_flops(T: int, with_erase: bool = True) -> float:
     return float(per * n_chunks * B * H)
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()                                                              # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+BMM_SHAPE = (128, 64, 128, 128)                                       # (batch, C, K, V)
+BMM_FLOPS = 2.0 * BMM_SHAPE[0] * BMM_SHAPE[1] * BMM_SHAPE[2] * BMM_SHAPE[3]
 
 
-def matmul_gflops(repeats: int) -> float:
-    """A plain (B*H*N, C, K) @ (K, V)-sized batched product, the shape class the chunked path lives on."""
-    a, b = torch.randn(128, 64, 128), torch.randn(128, 128, 128)
-    t = median_time(lambda: torch.bmm(a, b), max(repeats, 5) * 3)
-    return 2 * 128 * 64 * 128 * 128 / t / 1e9
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "load average %.2f %.2f %.2f" % os.getloadavg()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="T in {512, 2048} and 3 repeats (about a minute)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads (default: all cores)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed repeats per entry (median reported)")
-    ap.add_argument("--lengths", type=int, nargs="*", default=None, help="sequence lengths")
-    ap.add_argument("--reference-max-T", type=int, default=2048, help="skip the step loop above this length")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    repeats = args.repeats or (3 if args.quick else 7)
-    lengths = args.lengths or ([512, 2048] if args.quick else [512, 2048, 8192])
+def peers():
+    """The pure-torch peers, imported quietly (fla warns that Triton has no CPU driver)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule
         from fla.ops.gdn2.naive import naive_chunk_gdn2
+        from fla.ops.gla.naive import naive_recurrent_gla
+        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+    # transformers wraps the function in a hub-kernel dispatcher that routes to fla's Triton op when fla is
+    # installed (no CPU driver here); __wrapped__ is its own pure-torch body.
+    hf = getattr(torch_chunk_gated_delta_rule, "__wrapped__", torch_chunk_gated_delta_rule)
+    return naive_chunk_gated_delta_rule, naive_chunk_gdn2, naive_recurrent_gla, hf
 
+
+def contenders(T: int, with_reference: bool):
+    """{family: (recurscope args, {peer name: fn returning the output o})}."""
+    fla_gdn, fla_gdn2, fla_gla, hf_gdn = peers()
+    # One builder for every family (kernels.inputs); one seed, so the families share q, k and v.
+    gla, gdn, gdn2, qed = (family_inputs(f, B, T, H, K, V, dtype=torch.float32, decay=(0.0, 0.05))
+                           for f in ("gla", "gdn", "gdn2", "qed"))
+    fams = {
+        "GDN": (gdn.args(), {
+            "fla naive chunk": lambda: fla_gdn(gdn.q, gdn.k, gdn.v, gdn.g, gdn.beta, chunk_size=64,
+                                               output_final_state=True)[0],
+            "transformers torch chunk": lambda: hf_gdn(gdn.q, gdn.k, gdn.v, gdn.g, gdn.beta, chunk_size=64,
+                                                       output_final_state=True)[0]}),
+        "GDN-2": (gdn2.args(), {
+            "fla naive chunk": lambda: fla_gdn2(gdn2.q, gdn2.k, gdn2.v, gdn2.g, gdn2.b, gdn2.w, chunk_size=64,
+                                                output_final_state=True)[0]}),
+        "GLA": (gla.args(), {
+            "fla naive recurrent": lambda: fla_gla(gla.q, gla.k, gla.v, gla.g, output_final_state=True)[0]}),
+        "QED": (qed.args(), {}),
+    }
+    if with_reference:
+        for args_, peer in fams.values():
+            peer["step reference"] = (lambda a: lambda: kernels.recurrence(*a, backend="reference").o)(args_)
+    return fams
+
+
+def paired_rounds(fns: dict, repeats: int) -> dict:
+    """Every fn once per round, the order rotated by one place per round (after one untimed warm-up round)."""
+    names = list(fns)
+    for n in names:
+        fns[n]()
+    times = {n: [] for n in names}
+    for r in range(repeats):
+        shift = r % len(names)
+        for n in names[shift:] + names[:shift]:
+            t0 = time.perf_counter()
+            fns[n]()
+            times[n].append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1: stable under load)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed rounds per (family, T)")
+    ap.add_argument("--lengths", type=int, nargs="*", default=[512, 2048, 8192], help="sequence lengths")
+    ap.add_argument("--families", nargs="*", default=["GDN", "GDN-2", "GLA", "QED"])
+    ap.add_argument("--reference", action="store_true", help="also time the step-loop reference (slow)")
+    ap.add_argument("--slow-peer-max-T", type=int, default=2048,
+                    help="skip fla's naive GDN-2 and recurrent GLA above this length (they take seconds per call)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     print(f"recurrence benchmark: B={B} H={H} K=V={K}, float32, threads={torch.get_num_threads()}, "
-          f"median of {repeats}, torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}")
-    mm_rate = matmul_gflops(repeats)
-    print(f"torch bmm (128 x 64x128 @ 128x128) in this run: {mm_rate:.1f} GFLOP/s")
-    print("fla baseline: fla.ops.gated_delta_rule.naive.naive_chunk_gated_delta_rule (GDN) and "
-          "fla.ops.gdn2.naive.naive_chunk_gdn2 (GDN-2; QED has no fla op), both pure-torch chunk forms, C=64")
-    header = (f"{'family':7s} {'T':>5s} {'reference':>10s} {'chunked':>9s} {'fla naive':>10s} "
-              f"{'ref/chk':>8s} {'fla/chk':>8s} {'GFLOP/s':>8s} {'% mm':>6s}")
+          f"{args.repeats} interleaved rounds, order rotated per round, torch {torch.__version__}")
+    print(f"uptime before: {uptime()}")
+    # A script's own folder comes first on sys.path, so `recurscope` is whatever is installed unless PYTHONPATH
+    # points at a checkout: say which code is being timed.
+    print(f"recurscope code timed: {os.path.dirname(os.path.dirname(recurscope.__file__))} "
+          "(set PYTHONPATH=<checkout> to time a checkout)")
+    a, b = torch.randn(BMM_SHAPE[0], BMM_SHAPE[1], BMM_SHAPE[2]), torch.randn(BMM_SHAPE[0], BMM_SHAPE[2], BMM_SHAPE[3])
+    header = (f"{'family':6s} {'T':>5s} {'contender':26s} {'median':>9s} {'min':>9s} "
+              f"{'paired med ratio':>16s} {'ratio of mins':>13s}")
+    print("ratios are contender time / recurscope chunked time (> 1: recurscope faster)")
     print(header)
     print("-" * len(header))
-    chunked_times = {}
+    verdicts, chunked_med = [], {}
     with torch.no_grad():
-        for T in lengths:
-            # One builder for every family (kernels.inputs); one seed, so the three share q, k and v.
-            gdn, gdn2, qed = (family_inputs(f, B, T, H, K, V, dtype=torch.float32, decay=(0.0, 0.05))
-                              for f in ("gdn", "gdn2", "qed"))
-            cases = {
-                "GDN": (gdn.args(), lambda: naive_chunk_gated_delta_rule(gdn.q, gdn.k, gdn.v, gdn.g, gdn.beta,
-                                                                         chunk_size=64)),
-                "GDN-2": (gdn2.args(), lambda: naive_chunk_gdn2(gdn2.q, gdn2.k, gdn2.v, gdn2.g, gdn2.b, gdn2.w,
-                                                                chunk_size=64)),
-                "QED": (qed.args(), None),
-            }
-            for fam, (args_, fla_fn) in cases.items():
-                run = lambda backend: kernels.recurrence(*args_, backend=backend)  # noqa: E731
-                t_chk = median_time(lambda: run("chunked"), repeats)
-                chunked_times[fam, T] = t_chk
-                t_ref = median_time(lambda: run("reference"), max(1, repeats // 2)) if T <= args.reference_max_T else None
-                t_fla = median_time(fla_fn, repeats) if fla_fn is not None else None
-                rate = chunked_flops(T) / t_chk / 1e9
-                fmt = lambda t, why="skipped": f"{t * 1e3:8.1f}ms" if t is not None else f"{why:>10s}"  # noqa: E731
-                ratio = lambda t: f"{t / t_chk:7.1f}x" if t is not None else f"{'-':>8s}"  # noqa: E731
-                print(f"{fam:7s} {T:5d} {fmt(t_ref):>10s} {fmt(t_chk):>9s} {fmt(t_fla, 'no fla op'):>10s} "
-                      f"{ratio(t_ref)} {ratio(t_fla)} {rate:8.1f} {100 * rate / mm_rate:5.0f}%")
-    if any(T > args.reference_max_T for T in lengths):
-        print(f"reference skipped above T={args.reference_max_T}: the step loop is linear in T and only adds minutes")
-    print("QED overhead over GDN-2 (chunked, same shapes): " + ", ".join(
-        f"T={T}: {100 * (chunked_times['QED', T] / chunked_times['GDN-2', T] - 1):+.0f}%" for T in lengths))
-    print(f"load average at the end: {os.getloadavg()[0]:.2f} (other jobs on the machine inflate every figure)")
+        for T in args.lengths:
+            fams = contenders(T, args.reference)
+            for fam in args.families:
+                rc_args, peer = fams[fam]
+                fns = {"recurscope chunked": lambda: kernels.recurrence(*rc_args, backend="chunked").o}
+                slow = fam in ("GDN-2", "GLA") and T > args.slow_peer_max_T
+                fns.update({} if slow else peer)
+                fns["torch bmm"] = lambda: torch.bmm(a, b)
+                mine = fns["recurscope chunked"]()
+                for name, fn in peer.items():
+                    if name in fns and name != "step reference":
+                        err = (fn().float() - mine.float()).abs().max().item()
+                        if err > 1e-3:
+                            print(f"  warning: {fam} T={T} {name} differs from recurscope by {err:.1e}")
+                times = paired_rounds(fns, args.repeats)
+                tc = times["recurscope chunked"]
+                chunked_med[fam, T] = statistics.median(tc)
+                best_peer = None
+                for name, ts in times.items():
+                    if name == "torch bmm":
+                        continue
+                    paired = statistics.median(t / c for t, c in zip(ts, tc))
+                    print(f"{fam:6s} {T:5d} {name:26s} {statistics.median(ts) * 1e3:7.1f}ms {min(ts) * 1e3:7.1f}ms "
+                          f"{paired:15.2f}x {min(ts) / min(tc):12.2f}x")
+                    if name not in ("recurscope chunked", "step reference"):
+                        best_peer = min(best_peer or (paired, name), (paired, name))
+                flops = chunked_flops(T, with_erase=fam != "GLA")
+                pct = [100 * (flops / c) / (BMM_FLOPS / m) for c, m in zip(tc, times["torch bmm"])]
+                mm_rate = BMM_FLOPS / statistics.median(times["torch bmm"]) / 1e9
+                print(f"{fam:6s} {T:5d} {'chunked GFLOP/s, % of bmm':26s} {flops / statistics.median(tc) / 1e9:7.1f}   "
+                      f"bmm {mm_rate:5.1f} GFLOP/s   paired median {statistics.median(pct):4.0f}% of bmm, "
+                      f"best-of {100 * (flops / min(tc)) / (BMM_FLOPS / min(times['torch bmm'])):4.0f}%")
+                if fam in TARGETS and T >= 2048:
+                    if best_peer is not None:
+                        ratio = 1 / best_peer[0]
+                        verdicts.append(f"{fam} T={T}: chunked / fastest peer ({best_peer[1]}) = {ratio:.2f} "
+                                        f"(target <= {TARGETS[fam]}) {'met' if ratio <= TARGETS[fam] else 'MISSED'}")
+                    p = statistics.median(pct)
+                    verdicts.append(f"{fam} T={T}: {p:.0f}% of the same-run bmm rate (target >= {RATE_TARGETS[fam]}%) "
+                                    f"{'met' if p >= RATE_TARGETS[fam] else 'MISSED'}")
+    if "QED" in args.families and "GDN-2" in args.families:
+        print("QED over GDN-2 (chunked medians, not paired): " + ", ".join(
+            f"T={T}: {100 * (chunked_med['QED', T] / chunked_med['GDN-2', T] - 1):+.0f}%" for T in args.lengths))
+    print(f"uptime after: {uptime()}")
+    for v in verdicts:
+        print("target: " + v)
 
 
 if __name__ == "__main__":

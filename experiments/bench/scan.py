@@ -1,34 +1,55 @@
-"""Times the head-selection scan two ways on a GLA-340M-shaped model with random weights: the batched scan
-(interp.scan.run_scan: one prefix forward of recipient and donor per pair, then every head's query suffix in one
-batch) against the naive scan (interp.scan.naive_head_shifts: one full patched forward per head), side by side in
-one run, each also as a ratio to one clean plus one donor full forward of the same pairs (the faster of running
-them as one 2-row batch or one row at a time).
+"""Times the head-selection scan against one clean plus one donor forward, interleaved and order-rotated, on
+GLA-340M- and GDN-340M-shaped models with random weights, at two sequence lengths.
 
-Shape (fla's GLA-340M config): 24 layers, hidden 1024, 4 heads, expand_k 0.5, expand_v 1 (state 128 x 256 per
-head, 96 heads), vocab 32000. Pairs: word-tokenizer recall pairs of about 600 tokens (4 facts x 3 presentations,
-24-token gaps, 256 filler tokens, 7-token query). Target: all 96 heads for at most 3x one clean + one donor forward.
+Per (shape, length) each round runs, in an order rotated by one place per round:
+    clean + donor forward, batched    model(recipient and donor as one 2-row batch), full logits
+    clean + donor forward, row by row model(recipient), model(donor)
+    scan, all heads                   interp.scan.run_scan (prefix pass, clean suffix, growing batch of patched rows)
+and the scan's time is divided, within the round, by the faster of the two forward ways (paired ratio); the median
+of the paired ratios is printed beside the ratio of the minima. `uptime` is printed before and after: other jobs on
+a shared machine inflate every figure. --naive-heads N also times one full patched forward per head on N heads
+(interp.scan.naive_head_shifts), scales it to all heads and checks that the two agree.
 
-The naive scan takes about (heads + 2) full forwards per pair; --naive-heads N times it on the first N heads only
-and scales the time to all heads (printed as an extrapolation), for slow CPUs.
+Shapes (fla's configs): GLA-340M: 24 layers, hidden 1024, 4 heads, expand_k 0.5, expand_v 1 (state 128 x 256 per
+head); GDN-340M: 24 layers, hidden 1024, 4 heads, head_dim 256, expand_v 1 (state 256 x 256). 96 heads each.
+Pairs: word-tokenizer recall pairs with a 7-token query; 4 facts and 256 filler tokens give 611 tokens, 2 facts
+and 126 filler tokens 307. Targets: scan <= 1.5x clean + donor at 611 tokens, <= 2x at 307.
 
-Usage:  python experiments/bench/scan.py [--pairs 1] [--naive-heads 96] [--batch-size 96] [--threads N]
-                                         [--device cpu|cuda] [--layers 24]
+Usage:  python experiments/bench/scan.py [--shapes gla gdn] [--lengths 611 307] [--repeats 3] [--threads 1]
+                                         [--layers 24] [--naive-heads 0] [--device cpu|cuda]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
 import time
 
 import torch
+
+import recurscope
 
 from recurscope.interp.data import build_pairs, build_word_tokenizer
 from recurscope.interp.models import ModelConfig, RecurrentLM
 from recurscope.interp.scan import all_heads, naive_head_shifts, run_scan
 
-GLA_340M = dict(model_type="gla", vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_heads=4,
+SHAPES = {
+    "gla": dict(model_type="gla", vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_heads=4,
                 expand_k=0.5, expand_v=1.0, hidden_ratio=4, use_short_conv=False, use_output_gate=True,
-                gate_logit_normalizer=16, gate_low_rank_dim=16, tie_word_embeddings=False)
+                gate_logit_normalizer=16, gate_low_rank_dim=16, tie_word_embeddings=False),
+    "gdn": dict(model_type="gated_deltanet", vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_heads=4,
+                head_dim=256, expand_v=1.0, hidden_ratio=4, tie_word_embeddings=False),
+}
+LENGTHS = {611: dict(n_facts=4, filler_tokens=256), 307: dict(n_facts=2, filler_tokens=126)}
+TARGETS = {611: 1.5, 307: 2.0}
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "uptime unavailable"
 
 
 def sync(device):
@@ -36,74 +57,92 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed(fn, device, repeats=1):
-    times = []
-    out = None
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        out = fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+def timed(fn, device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def scan_vs_forward(model, pairs, device, repeats: int, batch_size: int = 96):
+    """Interleaved, order-rotated rounds of the two forward ways and the scan; returns ({name: times}, the median
+    over rounds of scan time / the faster forward way of the same round)."""
+    both = torch.cat([pairs.recipient_ids, pairs.donor_ids]).to(device)
+    n_heads = len(all_heads(model))
+    with torch.no_grad():
+        model(both[:, :32])                                                     # warm-up
+    fns = {
+        "clean + donor, batched": lambda: model(both),
+        "clean + donor, row by row": lambda: [model(both[i:i + 1]) for i in range(2)],
+        f"scan, {n_heads} heads": lambda: run_scan(model, pairs, batch_size=batch_size),
+    }
+    names = list(fns)
+    times = {n: [] for n in names}
+    with torch.no_grad():
+        for r in range(repeats):
+            shift = r % len(names)
+            for n in names[shift:] + names[:shift]:
+                times[n].append(timed(fns[n], device))
+    ref = [min(a, b) for a, b in zip(times[names[0]], times[names[1]])]
+    return times, statistics.median(s / f for s, f in zip(times[names[2]], ref))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=1, help="pairs (sources) to scan")
-    ap.add_argument("--naive-heads", type=int, default=None, help="time the naive scan on this many heads only")
+    ap.add_argument("--shapes", nargs="*", default=["gla", "gdn"], choices=sorted(SHAPES))
+    ap.add_argument("--lengths", type=int, nargs="*", default=[611, 307], choices=sorted(LENGTHS))
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per (shape, length)")
     ap.add_argument("--batch-size", type=int, default=96, help="(pair, head) rows per suffix batch")
-    ap.add_argument("--filler", type=int, default=256, help="filler tokens before the query (256 -> ~611 tokens)")
     ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--naive-heads", type=int, default=0, help="time the naive scan on this many heads (0: skip)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--repeats", type=int, default=3, help="repeats of the clean+donor forward (median)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-
-    torch.manual_seed(0)
-    cfg = ModelConfig.from_dict({**GLA_340M, "num_hidden_layers": args.layers})
-    model = RecurrentLM(cfg).eval().to(device)
-    n_params = sum(p.numel() for p in model.parameters())
     tok = build_word_tokenizer()
-    pairs = build_pairs(tok, split="dev", n_sources=args.pairs, n_facts=4, presentations=3, gap_tokens=24,
-                        filler_tokens=args.filler)
-    T = pairs.recipient_ids.shape[1]
-    suffix = int(pairs.query_pos[0] - pairs.query_start[0] + 1)
-    heads = all_heads(model)
-    print(f"model: GLA shape, {args.layers} layers, {len(heads)} heads, state {cfg.state_shape()}, "
-          f"{n_params / 1e6:.1f}M params, device {device}, threads {torch.get_num_threads()}")
-    print(f"pairs: {len(pairs)} x {T} tokens (query suffix {suffix} tokens)")
-
-    with torch.no_grad():
-        both = torch.cat([pairs.recipient_ids, pairs.donor_ids]).to(device)
-        model(both[:, :32])                                                     # warm-up
-        t_pair, _ = timed(lambda: model(both), device, args.repeats)
-        t_clean, _ = timed(lambda: [model(both[i:i + 1]) for i in range(len(both))], device, 1)
-
-    t_fast, res = timed(lambda: run_scan(model, pairs, batch_size=args.batch_size), device)
-    n_naive = len(heads) if args.naive_heads is None else min(args.naive_heads, len(heads))
-    t_naive, slow = timed(lambda: naive_head_shifts(model, pairs, heads=heads[:n_naive]), device)
-    t_naive_all = t_naive * len(heads) / n_naive
-    label = "naive (one full forward per head)" + ("" if n_naive == len(heads) else
-                                                    f", {n_naive} heads timed, scaled to {len(heads)}")
-
-    fast = res.rows.set_index(["source", "pair", "layer", "head"])["shift"]
-    ref = slow.set_index(["source", "pair", "layer", "head"])["shift"]
-    diff = (fast.loc[ref.index] - ref).abs().max()
-
-    # The reference is the faster of the two ways to run one clean + one donor forward (conservative for the scan).
-    t_ref = min(t_pair, t_clean)
-    print()
-    print(f"{'one clean + one donor forward, batched (2 rows)':<60} {t_pair:9.2f} s   {t_pair / t_ref:5.2f}x")
-    print(f"{'one clean + one donor forward, one row at a time':<60} {t_clean:9.2f} s   {t_clean / t_ref:5.2f}x")
-    print(f"{'batched scan, all ' + str(len(heads)) + ' heads':<60} {t_fast:9.2f} s   {t_fast / t_ref:5.2f}x")
-    print(f"{label:<60} {t_naive_all:9.2f} s   {t_naive_all / t_ref:5.2f}x")
-    print(f"naive / batched: {t_naive_all / t_fast:.1f}x;  batched scan vs target (<= 3x clean+donor): "
-          f"{t_fast / t_ref:.2f}x {'OK' if t_fast / t_ref <= 3 else 'MISSED'}")
-    print(f"max |shift(batched) - shift(naive)| over {len(ref)} (pair, head) rows: {diff:.2e}")
+    print(f"scan benchmark: device {device}, threads {torch.get_num_threads()}, {args.repeats} interleaved rounds, "
+          f"order rotated per round, batch_size {args.batch_size}")
+    print(f"uptime before: {uptime()}")
+    # A script's own folder comes first on sys.path, so `recurscope` is whatever is installed unless PYTHONPATH
+    # points at a checkout: say which code is being timed.
+    print(f"recurscope code timed: {os.path.dirname(os.path.dirname(recurscope.__file__))} "
+          "(set PYTHONPATH=<checkout> to time a checkout)")
+    verdicts = []
+    for shape in args.shapes:
+        torch.manual_seed(0)
+        cfg = ModelConfig.from_dict({**SHAPES[shape], "num_hidden_layers": args.layers})
+        model = RecurrentLM(cfg).eval().to(device)
+        heads = all_heads(model)
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"\n{shape.upper()}-340M shape: {args.layers} layers, {len(heads)} heads, state {cfg.state_shape()}, "
+              f"{n_params / 1e6:.1f}M params")
+        for length in args.lengths:
+            pairs = build_pairs(tok, split="dev", n_sources=1, presentations=3, gap_tokens=24, **LENGTHS[length])
+            T = pairs.recipient_ids.shape[1]
+            times, paired = scan_vs_forward(model, pairs, device, args.repeats, args.batch_size)
+            names = list(times)
+            ref = [min(a, b) for a, b in zip(times[names[0]], times[names[1]])]
+            scan_t = times[names[2]]
+            print(f"  {T} tokens (query suffix {int(pairs.query_pos[0] - pairs.query_start[0] + 1)}):")
+            for n in names:
+                print(f"    {n:28s} median {statistics.median(times[n]):8.2f} s   min {min(times[n]):8.2f} s")
+            print(f"    scan / (clean + donor): paired median {paired:.2f}x, ratio of minima "
+                  f"{min(scan_t) / min(ref):.2f}x (target <= {TARGETS[length]}x)")
+            verdicts.append(f"{shape.upper()} {T} tokens: scan / (clean + donor) = {paired:.2f}x (target <= "
+                            f"{TARGETS[length]}x) {'met' if paired <= TARGETS[length] else 'MISSED'}")
+            if args.naive_heads:
+                n_naive = min(args.naive_heads, len(heads))
+                t_naive = timed(lambda: naive_head_shifts(model, pairs, heads=heads[:n_naive]), device)
+                slow = naive_head_shifts(model, pairs, heads=heads[:n_naive]).set_index(["layer", "head"])["shift"]
+                fast = run_scan(model, pairs, heads=heads[:n_naive]).rows.set_index(["layer", "head"])["shift"]
+                print(f"    naive scan, {n_naive} heads timed, scaled to {len(heads)}: "
+                      f"{t_naive * len(heads) / n_naive:.1f} s; max |shift difference| "
+                      f"{(fast.loc[slow.index] - slow).abs().max():.2e}")
+    print(f"\nuptime after: {uptime()}")
+    for v in verdicts:
+        print("target: " + v)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from helpers_models import tiny_model
+from helpers_models import FAMILIES, tiny_model
 from recurscope.interp import scan
 from recurscope.interp.data import build_pairs
 from recurscope.interp.results import RunDir
@@ -34,6 +34,19 @@ def test_batched_scan_equals_one_full_forward_per_head(word_tok, pairs, family):
     np.testing.assert_allclose(a["shift"], b["shift"], atol=ATOL, rtol=0)
     np.testing.assert_allclose(a["clean_margin"], b["clean_margin"], atol=ATOL, rtol=0)
     assert a["shift"].abs().max() > 1e-4            # the heads do something, so the comparison has teeth
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_growing_batch_scan_equals_naive_scan_on_every_family(word_tok, pairs, family):
+    """The growing batch (rows join at their patched layer, logits at the query position only) against one full
+    patched forward per head, to 1e-5, on every bundled family, hybrids included; batch_size splits layers."""
+    m = tiny_model(family, layers=3, vocab_size=len(word_tok))
+    fast = keyed(scan.run_scan(m, pairs, batch_size=4, prefix_batch=2).rows)
+    slow = keyed(scan.naive_head_shifts(m, pairs))
+    assert fast.index.equals(slow.index)
+    np.testing.assert_allclose(fast["shift"], slow["shift"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(fast["clean_margin"], slow["clean_margin"], atol=1e-5, rtol=0)
+    assert fast["shift"].abs().max() > 1e-4
 
 
 def test_scores_ranks_wins_and_winner_from_hand_computation(word_tok, pairs):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from recurscope import kernels
+from recurscope.kernels._validate import _check_finite
 
 B, T, H, K, V = 2, 5, 3, 4, 6
 
@@ -58,6 +59,20 @@ def test_non_finite_values(name, bad):
         call(**{name: t})
 
 
+def test_finite_values_whose_sum_overflows_pass_the_cheap_check():
+    """The finiteness check sums first; an overflowing sum of finite values must fall through to the exact check and
+    pass, in float32 and float16."""
+    for dtype in (torch.float32, torch.float16):
+        big = torch.full((B, T, H, V), torch.finfo(dtype).max / 2, dtype=dtype)
+        assert not torch.isfinite(big.sum())
+        _check_finite("x", big)                           # no error
+        big.view(-1)[7] = float("nan")
+        with pytest.raises(ValueError, match=r"^x contains 1 non-finite value\(s\)"):
+            _check_finite("x", big)
+    out = call(x=torch.full((B, T, H, V), 3e38 / (T * V)), g=torch.zeros(B, T, H))
+    assert out.o.shape == (B, T, H, V)
+
+
 def test_non_finite_patch_inputs():
     state = torch.randn(B, H, K, V)
     state[0, 0, 0, 0] = float("nan")
@@ -93,7 +108,7 @@ def test_capture_positions():
 
 @pytest.mark.parametrize("backend", ["cuda", "Chunked", ""])
 def test_unknown_backend(backend):
-    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'reference', 'chunked', 'triton'\), got"):
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'reference', 'chunked', 'triton', 'fla'\), got"):
         call(backend=backend)
 
 

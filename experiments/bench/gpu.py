@@ -1,0 +1,163 @@
+"""The GPU measurements, in one short run (a few minutes on one GPU): interleaved, order-rotated rounds, paired
+median ratios beside ratios of minima, CUDA synchronised around every timed call.
+
+1. The recurrence through fla's chunk kernels (kernels.recurrence(backend="fla")) against fla's own plain chunk call,
+   for GLA (chunk_gla) and Gated DeltaNet (chunk_gated_delta_rule), patches off and on. "On" means write_scale at
+   every step, states captured at 4 positions and extra writes at 2 positions (6 splits).
+   Targets: <= 1.25x fla's plain call with patches off, <= 1.5x with patches on.
+2. Our Triton kernel (backend="triton", kernels.triton_recurrent) against fla's fused recurrent kernel
+   (fused_recurrent_gla, fused_recurrent_gated_delta_rule), plain calls.
+3. The 96-head scan against one clean + one donor forward on a GLA-340M-shaped model (experiments/bench/scan.py's
+   scan_vs_forward) at 611 tokens; targets <= 1.25x with the scan's patches counted as "on": <= 1.5x.
+
+Shapes for 1-2: B=4, T=4096, H=16, K=V=128, bfloat16 inputs (float32 gates), fla's usual training shape.
+Run with the checkout on the path:  PYTHONPATH=. python experiments/bench/gpu.py [--repeats 10] [--skip-scan]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import recurscope
+from recurscope import kernels
+from recurscope.kernels.fla_chunk import fallback_reason
+
+B, T, H, K, V = 4, 4096, 16, 128, 128
+
+
+def timed_rounds(fns: dict, repeats: int) -> dict:
+    names = list(fns)
+    for n in names:                                        # warm-up: compiles and autotunes every kernel
+        fns[n]()
+    torch.cuda.synchronize()
+    times = {n: [] for n in names}
+    for r in range(repeats):
+        shift = r % len(names)
+        for n in names[shift:] + names[:shift]:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fns[n]()
+            torch.cuda.synchronize()
+            times[n].append(time.perf_counter() - t0)
+    return times
+
+
+def report(title: str, times: dict, base: str, targets: dict) -> list[str]:
+    print(f"\n{title}  (ratios: time / {base})")
+    verdicts = []
+    for n, ts in times.items():
+        paired = statistics.median(t / b for t, b in zip(ts, times[base]))
+        print(f"  {n:44s} median {statistics.median(ts) * 1e3:8.3f} ms  min {min(ts) * 1e3:8.3f} ms  "
+              f"paired {paired:5.2f}x  mins {min(ts) / min(times[base]):5.2f}x")
+        if n in targets:
+            ok = paired <= targets[n]
+            verdicts.append(f"{title}: {n} = {paired:.2f}x (target <= {targets[n]}x) {'met' if ok else 'MISSED'}")
+    return verdicts
+
+
+def inputs(device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
+    q, k, v = r(B, T, H, K), F.normalize(r(B, T, H, K), dim=-1), r(B, T, H, V)
+    beta = torch.rand(B, T, H, generator=gen, device=device) * 0.9 + 0.05
+    g_chan = F.logsigmoid(r(B, T, H, K) + 4.0) / 16
+    g_head = F.logsigmoid(r(B, T, H) + 4.0)
+    ws = torch.rand(B, T, H, generator=gen, device=device)
+    u, y = torch.zeros(B, T, H, K, device=device), torch.zeros(B, T, H, V, device=device)
+    for t in (T // 3, 2 * T // 3):
+        u[:, t], y[:, t] = r(B, H, K) * 0.1, r(B, H, V)
+    bf = lambda t: t.to(torch.bfloat16)  # noqa: E731
+    return dict(q=bf(q), k=bf(k), v=bf(v), beta=beta, g_chan=g_chan, g_head=g_head, ws=ws, extra=(u, y),
+                capture=[T // 4, T // 2, 3 * T // 4, T - 1])
+
+
+def recurrence_benches(repeats: int) -> list[str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.gla import chunk_gla, fused_recurrent_gla
+    d = inputs(torch.device("cuda"))
+    q, k, v, beta = d["q"], d["k"], d["v"], d["beta"]
+    scale = K ** -0.5
+    patches = dict(write_scale=d["ws"], extra_write=d["extra"], capture=d["capture"])
+    bt = beta[..., None]
+    families = {
+        "GLA": ((q, k, v, d["g_chan"], None),
+                lambda: chunk_gla(q, k, v, d["g_chan"], scale=scale, output_final_state=True),
+                lambda: fused_recurrent_gla(q, k, v, gk=d["g_chan"], scale=scale, output_final_state=True)),
+        "GDN": ((q, k, (bt * v.float()).to(v.dtype), d["g_head"], (bt * k.float()).to(k.dtype)),
+                lambda: chunk_gated_delta_rule(q, k, v, d["g_head"], beta.to(q.dtype), scale=scale,
+                                               output_final_state=True),
+                lambda: fused_recurrent_gated_delta_rule(q, k, v, g=d["g_head"], beta=beta.to(q.dtype), scale=scale,
+                                                         output_final_state=True)),
+    }
+    verdicts = []
+    with torch.no_grad():
+        for fam, (args_, fla_chunk_fn, fla_fused_fn) in families.items():
+            for label, kw in (("patches off", {}), ("patches on", patches)):
+                why = fallback_reason(*args_, extra_write=kw.get("extra_write"))
+                print(f"{fam} {label}: {'fla chunk kernels' if why is None else 'FALLS BACK to triton: ' + why}")
+            times = timed_rounds({
+                "fla plain chunk": fla_chunk_fn,
+                "recurscope fla path, patches off": lambda: kernels.recurrence(*args_, scale=scale, backend="fla"),
+                "recurscope fla path, patches on": lambda: kernels.recurrence(*args_, scale=scale, backend="fla",
+                                                                              **patches),
+            }, repeats)
+            verdicts += report(f"{fam} B={B} T={T} H={H} K=V={K} bf16: fla path vs fla's chunk call", times,
+                               "fla plain chunk", {"recurscope fla path, patches off": 1.25,
+                                                   "recurscope fla path, patches on": 1.5})
+            times = timed_rounds({
+                "fla fused recurrent": fla_fused_fn,
+                "recurscope triton kernel": lambda: kernels.recurrence(*args_, scale=scale, backend="triton"),
+            }, repeats)
+            verdicts += report(f"{fam}: our Triton kernel vs fla's fused recurrent", times, "fla fused recurrent",
+                               {"recurscope triton kernel": 1.25})
+    return verdicts
+
+
+def scan_bench(repeats: int) -> list[str]:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from scan import LENGTHS, SHAPES, scan_vs_forward
+
+    from recurscope.interp.data import build_pairs, build_word_tokenizer
+    from recurscope.interp.models import ModelConfig, RecurrentLM
+
+    torch.manual_seed(0)
+    model = RecurrentLM(ModelConfig.from_dict(SHAPES["gla"])).eval().cuda()
+    pairs = build_pairs(build_word_tokenizer(), split="dev", n_sources=1, presentations=3, gap_tokens=24,
+                        **LENGTHS[611])
+    times, paired = scan_vs_forward(model, pairs, torch.device("cuda"), repeats)
+    print(f"\n96-head scan vs one clean + one donor forward, GLA-340M shape, {pairs.recipient_ids.shape[1]} tokens, "
+          f"backend {kernels.resolve_backend('auto', torch.device('cuda'))}")
+    for n, ts in times.items():
+        print(f"  {n:44s} median {statistics.median(ts):8.3f} s  min {min(ts):8.3f} s")
+    ok = paired <= 1.5
+    return [f"scan / (clean + donor) = {paired:.2f}x (target <= 1.5x with patches on) {'met' if ok else 'MISSED'}"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--skip-scan", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("experiments/bench/gpu.py needs a CUDA GPU; the CPU benchmarks are recurrence.py and scan.py")
+    print(f"GPU benchmark on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"recurscope code timed: {os.path.dirname(os.path.dirname(recurscope.__file__))}")
+    verdicts = recurrence_benches(args.repeats)
+    if not args.skip_scan:
+        verdicts += scan_bench(max(3, args.repeats // 3))
+    print()
+    for v in verdicts:
+        print("target: " + v)
+
+
+if __name__ == "__main__":
+    main()

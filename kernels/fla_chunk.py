@@ -1,0 +1,156 @@
+"""The GPU path on fla's chunk kernels, with the patch features expressed exactly around them.
+
+    S_t = (I - k_t a_t^T) Diag(exp g_t) S_{t-1} + write_scale_t k_t x_t^T + u_t y_t^T
+    o_t = scale * S_t^T q_t
+
+fla (0.6) has a chunk kernel for three of the forms this recurrence takes:
+    no erase, per-channel decay (GLA)            fla.ops.gla.chunk_gla(q, k, v = x, g)
+    no erase, per-head decay                     fla.ops.simple_gla.chunk_simple_gla(q, k, v = x, g)
+    erase along the key, a = beta k, per-head    fla.ops.gated_delta_rule.chunk_gated_delta_rule(q, k, v = x / beta,
+    decay (Gated DeltaNet, DeltaNet with g = 0)      g, beta), which writes beta k v^T = k x^T and erases beta k k^T
+The patches map onto those calls without changing what the kernels compute:
+    write_scale       scales the written value (x * write_scale); the erase term does not involve x, so it keeps acting
+    capture           the sequence is split after each captured position; a segment's final state is the capture,
+                      and the next segment starts from it (initial_state / output_final_state)
+    extra_write       the sequence is also split after each position t where u_t y_t^T is non-zero; at that boundary
+                      u_t y_t^T is added to the state and scale * (q_t . u_t) y_t to o_t (the extra write enters S_t
+                      after the erase and decay of step t, so this is exact)
+beta is recovered as (a . k) / (k . k), and a counts as a multiple of k when it matches beta k to within a few ulps of
+a's dtype. State replacements and readout patches live in the model's mixers, which already run them as segments with an
+initial state and edit the readout after the kernel; they reach this path as plain calls.
+
+What falls back to the Triton kernel (kernels.triton_recurrent), and why:
+    an erase that is not a multiple of k (GDN-2, QED, KDA, any per-channel decay with an erase): no fla chunk kernel
+        computes (I - k a^T) for a general a;
+    beta = (a . k) / (k . k) equal to zero where a write happens (x / beta is undefined);
+    extra writes at more than MAX_SPLITS positions (a write-key patch at every position, as the mixers express a
+        patched write key today): each one costs a split;
+    float64 inputs (fla's kernels run in float32 and lower precisions), K or V above 256, or fla not importable.
+`fallback_reason` names the case; the choice costs one host sync per call (the beta and extra-write checks).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+MAX_SPLITS = 32
+MAX_DIM = 256
+
+
+def _fla_ops():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fla warns at import when Triton has no GPU driver (the CPU interpreter)
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.gla import chunk_gla
+        from fla.ops.simple_gla import chunk_simple_gla
+    return chunk_gla, chunk_simple_gla, chunk_gated_delta_rule
+
+
+def fla_available() -> bool:
+    try:
+        _fla_ops()
+    except Exception:  # noqa: BLE001 - any import failure (missing package, incompatible triton) means "not available"
+        return False
+    return True
+
+
+def _erase_beta(k: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """beta with a = beta k where a is a multiple of k: the projection (a . k) / (k . k), in float32."""
+    kf, af = k.float(), a.float()
+    return (af * kf).sum(-1) / (kf * kf).sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def _extra_write_positions(extra_write, T: int) -> list[int]:
+    u, y = extra_write
+    live = (u != 0).any(-1) & (y != 0).any(-1)           # (B, T, H)
+    return torch.nonzero(live.any(0).any(-1))[:, 0].tolist()
+
+
+def _plan(q, k, x, g, a, extra_write):
+    """(form, beta, extra-write positions, reason): form None with a reason when the call must fall back."""
+    K, V = q.shape[-1], x.shape[-1]
+    if q.dtype == torch.float64:
+        return None, None, [], "float64 inputs (fla's chunk kernels have no float64 path)"
+    if K > MAX_DIM or V > MAX_DIM:
+        return None, None, [], f"K = {K}, V = {V}: fla's chunk kernels take head dimensions up to {MAX_DIM}"
+    if not fla_available():
+        return None, None, [], "fla is not importable"
+    beta = None
+    if a is None:
+        form = "gla" if g.dim() == 4 else "simple_gla"
+    elif g.dim() == 4:
+        return None, None, [], "an erase with a per-channel decay (KDA, GDN-2, QED): no fla chunk kernel for it"
+    else:
+        beta = _erase_beta(k, a)
+        along_k = beta[..., None] * k.float()
+        # a multiple of k to within a's own rounding (a few ulps of each row's largest entry, in a's dtype)
+        tol = 4 * torch.finfo(a.dtype).eps * a.float().abs().amax(-1, keepdim=True)
+        if not bool(((a.float() - along_k).abs() <= tol).all()):
+            return None, None, [], "an erase that is not a multiple of k (GDN-2/QED arms): no fla chunk kernel for it"
+        if bool(((beta == 0) & (x != 0).any(-1)).any()):
+            return None, None, [], "beta = 0 at a step that writes: x / beta is undefined"
+        form = "gated_delta"
+    splits = [] if extra_write is None else _extra_write_positions(extra_write, q.shape[1])
+    if len(splits) > MAX_SPLITS:
+        return None, None, [], f"extra writes at {len(splits)} positions (more than MAX_SPLITS = {MAX_SPLITS})"
+    return form, beta, splits, None
+
+
+def fallback_reason(q, k, x, g, a=None, *, extra_write=None) -> Optional[str]:
+    """Why a call would fall back to the Triton kernel, or None when it runs on fla's chunk kernels."""
+    return _plan(q, k, x, g, a, extra_write)[3]
+
+
+def recurrence_fla(
+    q, k, x, g, a=None, *, scale: float, initial_state=None, write_scale=None, extra_write=None,
+    capture: Optional[list[int]] = None, output_final_state: bool = True,
+):
+    """Same contract as `recurrence_triton`: (o in q's dtype, final_state and states in float32). Inputs are assumed
+    validated. Falls back to the Triton kernel where the module docstring says."""
+    form, beta, extra_at, reason = _plan(q, k, x, g, a, extra_write)
+    if reason is not None:
+        from recurscope.kernels.triton_recurrent import recurrence_triton
+
+        return recurrence_triton(q, k, x, g, a, output_final_state=output_final_state, scale=scale,
+                                 initial_state=initial_state, write_scale=write_scale, extra_write=extra_write,
+                                 capture=capture)
+    chunk_gla, chunk_simple_gla, chunk_gated_delta_rule = _fla_ops()
+    T = q.shape[1]
+    v = x.float() if write_scale is None else x.float() * write_scale[..., None].float()
+    if form == "gated_delta":
+        v = torch.where(beta[..., None] == 0, torch.zeros_like(v), v / beta[..., None])
+    k, v = k.to(q.dtype), v.to(q.dtype)                  # fla's kernels take q, k, v in one dtype
+
+    def segment(sl, S):
+        args = (q[:, sl], k[:, sl], v[:, sl], g[:, sl])
+        kw = dict(scale=scale, initial_state=S, output_final_state=True)
+        if form == "gla":
+            return chunk_gla(*args, **kw)
+        if form == "simple_gla":
+            return chunk_simple_gla(*args, **kw)
+        return chunk_gated_delta_rule(*args, beta[:, sl].to(q.dtype), **kw)
+
+    captured = set(capture or [])
+    extra = set(extra_at)
+    ends = sorted(captured | extra)
+    if not ends or ends[-1] != T - 1:
+        ends.append(T - 1)
+    S = None if initial_state is None else initial_state.float()
+    outs, states, start = [], [], 0
+    for end in ends:
+        o_seg, S = segment(slice(start, end + 1), S)
+        S = S.float()
+        if end in extra:
+            u_t, y_t = extra_write[0][:, end].float(), extra_write[1][:, end].float()   # (B, H, K), (B, H, V)
+            S = S + u_t[..., :, None] * y_t[..., None, :]
+            fix = scale * (q[:, end].float() * u_t).sum(-1)[..., None] * y_t
+            o_seg = torch.cat([o_seg[:, :-1], (o_seg[:, -1].float() + fix).to(o_seg.dtype)[:, None]], 1)
+        if end in captured:
+            states.append(S)
+        outs.append(o_seg)
+        start = end + 1
+    o = torch.cat(outs, 1).to(q.dtype)
+    return o, S if output_final_state else None, torch.stack(states, 1) if states else None

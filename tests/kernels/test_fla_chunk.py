@@ -1,0 +1,110 @@
+"""The fla chunk-kernel path (kernels.fla_chunk) against the float64 reference, with every patch feature, on tiny
+shapes. On a CPU fla's Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest), with two
+test-only adjustments made by the `interpreter_for_fla` fixture and undone after this module:
+  - autotuning picks the first config (the interpreter has no GPU driver to benchmark configs on);
+  - `for` loop variables are wrapped as interpreter tensors, as assignments already are (fla calls `i_t.to(...)` on
+    loop counters, which Triton's interpreter leaves as Python ints).
+Each fla call takes seconds in the interpreter, so the shapes are tiny and the cases few."""
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recurscope import kernels
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="needs CUDA or TRITON_INTERPRET=1")
+
+fla_chunk = pytest.importorskip("recurscope.kernels.fla_chunk")
+if not fla_chunk.fla_available():
+    pytest.skip("fla is not importable", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def _wrap_loop_variable(self, node):
+    node = self.generic_visit(node)
+    if isinstance(node.target, ast.Name):
+        to_tensor = ast.Attribute(value=ast.Name(id="interpreter_semantic", ctx=ast.Load()), attr="to_tensor",
+                                  ctx=ast.Load())
+        assign = ast.Assign(targets=[ast.Name(id=node.target.id, ctx=ast.Store())],
+                            value=ast.Call(func=to_tensor, args=[ast.Name(id=node.target.id, ctx=ast.Load()),
+                                                                 ast.Constant(value=False)], keywords=[]))
+        node.body.insert(0, ast.copy_location(assign, node))
+        ast.fix_missing_locations(node)
+    return node
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_for_fla():
+    if DEVICE == "cuda":
+        yield
+        return
+    import triton.runtime.autotuner as autotuner
+    import triton.runtime.interpreter as interpreter
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(autotuner.Autotuner, "prune_configs", lambda self, kwargs: self.configs[:1])
+    mp.setattr(interpreter.ASTTransformer, "visit_For", _wrap_loop_variable, raising=False)
+    yield
+    mp.undo()
+
+
+def make(family, B=1, T=21, H=2, K=8, V=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(B, T, H, K), F.normalize(r(B, T, H, K), dim=-1), r(B, T, H, V)
+    if family == "gla":
+        g, a, x = F.logsigmoid(r(B, T, H, K) + 2), None, v
+    elif family == "simple_gla":
+        g, a, x = F.logsigmoid(r(B, T, H) + 2), None, v
+    else:  # gdn: a = beta k, x = beta v
+        beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 0.9 + 0.05
+        g, a, x = F.logsigmoid(r(B, T, H) + 2), beta[..., None] * k, beta[..., None] * v
+    ws = torch.rand(B, T, H, generator=gen, dtype=torch.float64) * 1.5
+    ws[:, ::5] = 0.0
+    u = torch.zeros(B, T, H, K, dtype=torch.float64)
+    y = torch.zeros(B, T, H, V, dtype=torch.float64)
+    for t in (3, 11):                                    # extra writes at two positions: two splits
+        u[:, t], y[:, t] = r(B, H, K) * 0.3, r(B, H, V)
+    S0 = r(B, H, K, V) * 0.5
+    return (q, k, x, g, a), dict(write_scale=ws, extra_write=(u, y), initial_state=S0, capture=[0, 7, 11, T - 1])
+
+
+def to32(t):
+    if t is None:
+        return None
+    if isinstance(t, tuple):
+        return tuple(to32(s) for s in t)
+    return t.to(DEVICE, torch.float32) if isinstance(t, torch.Tensor) else t
+
+
+@pytest.mark.parametrize("family", ["gla", "simple_gla", "gdn"])
+def test_fla_path_matches_the_reference_with_every_patch(family):
+    inputs, kw = make(family)
+    assert fla_chunk.fallback_reason(*map(to32, inputs), extra_write=to32(kw["extra_write"])) is None
+    ref = kernels.recurrence(*inputs, backend="reference", **kw)
+    got = kernels.recurrence(*map(to32, inputs), backend="fla", **{n: to32(v) for n, v in kw.items()})
+    for name, r, c in zip(("o", "final_state", "states"), ref, got):
+        torch.testing.assert_close(c.double().cpu(), r, atol=2e-4, rtol=2e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_plain_call_matches_and_falls_back_where_fla_has_no_kernel():
+    inputs, _ = make("gdn", seed=3)
+    q, k, x, g, a = map(to32, inputs)
+    ref = kernels.recurrence(*inputs, backend="reference")
+    got = kernels.recurrence(q, k, x, g, a, backend="fla")
+    torch.testing.assert_close(got.o.double().cpu(), ref.o, atol=2e-4, rtol=2e-4)
+    # An erase that is not a multiple of k (a QED-like arm) falls back, to the Triton kernel, and still matches.
+    a_off = a + 0.1 * torch.roll(k, 1, dims=-1)
+    assert "not a multiple of k" in fla_chunk.fallback_reason(q, k, x, g, a_off)
+    g_chan = g[..., None].expand(*g.shape, k.shape[-1]).contiguous()
+    assert "per-channel decay" in fla_chunk.fallback_reason(q, k, x, g_chan, a)
+    assert "float64" in fla_chunk.fallback_reason(*inputs)
+    fell = kernels.recurrence(q, k, x, g, a_off, backend="fla")
+    want = kernels.recurrence(*(t.double().cpu() for t in (q, k, x, g, a_off)), backend="reference")
+    torch.testing.assert_close(fell.o.double().cpu(), want.o, atol=2e-4, rtol=2e-4)
