@@ -59,6 +59,36 @@ def _pairs(model, args):
     return build_pairs(model.tokenizer, split=args.sources, n_sources=args.n_sources, **kwargs)
 
 
+def _ray_args(p, scan=True):
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run the work units on Ray: alone, a local Ray instance sized to the machine; 'auto' or "
+                        "HOST:PORT, an existing cluster (docs/distributed.md; pip install 'recurscope[distributed]')")
+    p.add_argument("--workers", type=int, default=None,
+                   help="with --ray: at most this many workers, each a process holding the model (default: one per "
+                        "CPU, or per GPU with --device cuda)")
+    if scan:
+        p.add_argument("--head-block", type=int, default=None,
+                       help="with --ray: heads per scan work unit (default: whole sources when there are at least "
+                            "twice as many sources as workers)")
+
+
+def _ray_spec(args):
+    from recurscope.interp.distributed import ModelSpec, require_ray
+
+    require_ray()   # before any model loads: say how to install Ray at once
+    return ModelSpec(str(args.model), device=args.device, dtype=args.dtype)
+
+
+def _unit_bar(desc):
+    bar = tqdm(desc=desc, unit="unit")
+
+    def progress(done, total):
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+    return bar, progress
+
+
 def _work_args(args, keys):
     return {k: getattr(args, k) for k in keys}
 
@@ -96,18 +126,28 @@ def cmd_scan(args):
     from recurscope.interp.results import RunDir
     from recurscope.interp.scan import run_scan
 
+    spec = _ray_spec(args) if getattr(args, "ray", None) else None
     model = _load(args)
     pairs = _pairs(model, args)
     run = RunDir.create_or_open(args.out, kind="scan", model_name=args.model, checkpoint_path=model.checkpoint_dir,
                                 args=_work_args(args, PAIR_KEYS), seeds=[args.seed],
                                 sources=sorted(set(pairs.source_id.tolist())), split=args.sources)
-    bar = tqdm(desc="scan: (pair, head) rows", unit="row")
+    if spec is not None:
+        from recurscope.interp.distributed import run_scan_ray
+        from recurscope.interp.scan import all_heads
 
-    def progress(done, total):
-        bar.total = total
-        bar.n = done
-        bar.refresh()
-    result = run_scan(model, pairs, run_dir=run, batch_size=max(args.batch_size, 1), progress=progress)
+        bar, progress = _unit_bar("scan: (source, head block) units")
+        result, _ = run_scan_ray(spec, pairs, all_heads(model), run_dir=run, batch_size=max(args.batch_size, 1),
+                                 head_block=args.head_block, workers=args.workers, address=args.ray,
+                                 progress=progress)
+    else:
+        bar = tqdm(desc="scan: (pair, head) rows", unit="row")
+
+        def progress(done, total):
+            bar.total = total
+            bar.n = done
+            bar.refresh()
+        result = run_scan(model, pairs, run_dir=run, batch_size=max(args.batch_size, 1), progress=progress)
     bar.close()
     from recurscope.interp.plots import plot_head_scan
 
@@ -128,6 +168,7 @@ def cmd_confirm(args):
     from recurscope.interp.plots import plot_intervention_effects
     from recurscope.interp.results import RunDir
 
+    spec = _ray_spec(args) if getattr(args, "ray", None) else None
     model = _load(args)
     heads = heads_from_scan(args.from_scan, model, top_k=args.top_k)
     scan_heads = pd.read_csv(Path(args.from_scan) / "scan_heads.csv")
@@ -135,9 +176,19 @@ def cmd_confirm(args):
     run = RunDir.create_or_open(args.out, kind="confirm", model_name=args.model, checkpoint_path=model.checkpoint_dir,
                                 args={**_work_args(args, PAIR_KEYS), "heads": heads, "from_scan": str(args.from_scan)},
                                 seeds=[args.seed], sources=sorted(set(pairs.source_id.tolist())), split=args.sources)
-    bar = tqdm(total=len(ARMS), desc="confirm: interventions", unit="arm")
-    result = run_confirm(model, pairs, heads, run_dir=run, scan_heads=scan_heads, seed=args.seed,
-                         batch_size=args.batch_size, progress=lambda arm: (bar.set_postfix_str(arm), bar.update(1)))
+    if spec is not None:
+        from recurscope.interp.distributed import run_confirm_ray
+        from recurscope.interp.interventions import choose_control_heads, normalise_heads
+
+        heads = normalise_heads(model, heads)
+        bar, progress = _unit_bar("confirm: (source, arm) units")
+        result, _ = run_confirm_ray(spec, pairs, heads, choose_control_heads(model, heads, scan=scan_heads),
+                                    run_dir=run, scan_heads=scan_heads, seed=args.seed, batch_size=args.batch_size,
+                                    workers=args.workers, address=args.ray, progress=progress)
+    else:
+        bar = tqdm(total=len(ARMS), desc="confirm: interventions", unit="arm")
+        result = run_confirm(model, pairs, heads, run_dir=run, scan_heads=scan_heads, seed=args.seed,
+                             batch_size=args.batch_size, progress=lambda arm: (bar.set_postfix_str(arm), bar.update(1)))
     bar.close()
     summary = result.summary.assign(model=args.model)
     plot_intervention_effects(summary, run.figure_path("effects"),
@@ -233,6 +284,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("scan", help="head-selection scan (state swap per head) on dev sources")
     _model_args(p)
     _pair_args(p, "dev")
+    _ray_args(p, scan=True)
     p.add_argument("--out", required=True)
     p.set_defaults(fn=cmd_scan)
     p = sub.add_parser("confirm", help="confirmatory patching of the scan's head on held-out sources")
@@ -240,6 +292,7 @@ def main(argv=None) -> int:
     _pair_args(p, "heldout")
     p.add_argument("--from-scan", required=True, help="a scan result directory")
     p.add_argument("--top-k", type=int, default=1, help="confirm the top-k heads jointly")
+    _ray_args(p, scan=False)
     p.add_argument("--out", required=True)
     p.set_defaults(fn=cmd_confirm)
     p = sub.add_parser("patch", help="run the five interventions on one pair and print the table")
@@ -254,6 +307,7 @@ def main(argv=None) -> int:
     _pair_args(p, "dev")
     p.add_argument("--n-dev", type=int, default=16)
     p.add_argument("--n-heldout", type=int, default=32)
+    _ray_args(p, scan=True)
     p.add_argument("--out", default="results/tiny-gla")
     p.set_defaults(fn=cmd_run)
     from recurscope.interp.protocols import register_verbs

@@ -62,28 +62,42 @@ def heads_from_scan(scan_dir, model=None, top_k: int = 1) -> list[tuple[int, int
     return [(int(r.layer), int(r.head)) for r in heads.head(top_k).itertuples()]
 
 
+def confirm_arm(model, pairs, heads: Sequence, arm: str, *, scan_heads: Optional[pd.DataFrame] = None,
+                seed: int = 0, batch_size: int = 16, row_ids: Optional[Sequence[int]] = None) -> pd.DataFrame:
+    """One arm of the confirmation (a name in interventions.REGISTRY) jointly on `heads` over `pairs`: one row per
+    example (interp.metrics columns).
+
+    row_ids: when `pairs` is a subset of a larger batch (a distributed work unit), each row's index in that batch;
+    it fills the "row" column and seeds the random control, so a subset gives the rows the whole batch would."""
+    entry = iv.named_intervention(arm)
+    result = entry.run(model, pairs, heads, batch_size=batch_size, seed=seed, scan=scan_heads, row_ids=row_ids)
+    frame = example_metrics(pairs, result, intervention=arm)
+    frame["row"] = list(range(len(frame))) if row_ids is None else [int(i) for i in row_ids]
+    return frame
+
+
 def run_confirm(model, pairs, heads: Sequence, run_dir=None, *, scan_heads: Optional[pd.DataFrame] = None,
                 seed: int = 0, batch_size: int = 16, arms: Sequence[str] = ARMS,
                 progress: Optional[Callable[[str], None]] = None, n_resamples: int = 9999) -> ConfirmResult:
     """Runs every arm jointly on `heads` over the held-out `pairs`; rows are appended per arm, so an interrupted
-    run resumes at the first arm whose rows are missing."""
+    run resumes at the first arm whose rows are incomplete (an arm a distributed run left half done is rerun and
+    only its missing rows are written)."""
     entries = [iv.named_intervention(arm) for arm in arms]
     heads = iv.normalise_heads(model, heads)
     controls = iv.choose_control_heads(model, heads, scan=scan_heads)
     log = None if run_dir is None else run_dir.table(CONFIRM_TABLE, key=list(CONFIRM_KEY))
-    done_arms = set() if log is None else {k[0] for k in log.done_keys()}
+    done = set() if log is None else log.done_keys()
     frames = []
     for entry in entries:
         arm = entry.name
-        if arm in done_arms:
+        missing = [i for i in range(len(pairs)) if (arm, i) not in done]
+        if not missing:
             continue
         if progress:
             progress(arm)
-        result = entry.run(model, pairs, heads, batch_size=batch_size, seed=seed, scan=scan_heads)
-        frame = example_metrics(pairs, result, intervention=arm)
-        frame["row"] = range(len(frame))
+        frame = confirm_arm(model, pairs, heads, arm, scan_heads=scan_heads, seed=seed, batch_size=batch_size)
         if log is not None:
-            log.append(frame.to_dict("records"))
+            log.append(frame[frame["row"].isin(missing)].to_dict("records"))
         frames.append(frame)
     rows = log.read() if log is not None else pd.concat(frames, ignore_index=True)
     summary = summarise_confirm(rows, n_resamples=n_resamples, seed=seed)

@@ -588,26 +588,31 @@ def _random_like_delta(delta: torch.Tensor, rows: torch.Tensor, layer: int, head
 
 
 def random_update(model, pairs, heads: HeadsArg, kind: str = "state_swap", *, seed: int = 0, boundary=None,
-                  batch_size: int = 16, return_full: bool = False) -> InterventionResult:
+                  batch_size: int = 16, return_full: bool = False, row_ids=None) -> InterventionResult:
     """Equal-norm random control for `kind` in RANDOM_UPDATE_KINDS.
 
     state_swap: for each row and chosen head, add G to the recipient state S_b, where G is a seeded Gaussian matrix
     scaled to ||S_b(donor) - S_b(recipient)||_F of that row and head (the change the swap would make).
     output_patch: at every query position, add to the recipient's o_t a seeded Gaussian vector scaled to
     ||o_t(donor) - o_t(recipient)|| of that row, position and head.
-    Directions depend on (seed, row index in pairs, layer, head) only, not on batching.
+    Directions depend on (seed, row index in pairs, layer, head) only, not on batching. row_ids: when `pairs` is a
+    subset of a larger batch (a distributed work unit), each row's index in that batch, so the subset draws the
+    same directions as the whole batch would.
     """
     if kind not in RANDOM_UPDATE_KINDS:
         raise ValueError(f"random_update is defined for kind in {RANDOM_UPDATE_KINDS}, got {kind!r}: write_block has "
                          f"no donor change to match, donor_write changes rank-one writes (use a control head "
                          f"instead), output_restore is a restore")
+    ids = torch.arange(len(pairs)) if row_ids is None else torch.as_tensor(row_ids, dtype=torch.long).cpu()
+    if ids.shape != (len(pairs),):
+        raise ValueError(f"row_ids must give one index per row of pairs ({len(pairs)}), got shape {tuple(ids.shape)}")
 
     if kind == "state_swap":
         def body(ctx: _SuffixContext, R, D, heads):
             perturbed = R.clone()
             for layer, head in heads:
                 S_r, S_d = R.head_state(layer, head), D.head_state(layer, head)
-                g = _random_like_delta(S_d - S_r, ctx.rows, layer, head, seed)
+                g = _random_like_delta(S_d - S_r, ids[ctx.rows], layer, head, seed)
                 perturbed.set_head_state(layer, head, (S_r.double() + g.to(S_r.device)).to(S_r.dtype))
             z, last = ctx.run(torch.cat([ctx.rec, ctx.rec]), RecurrentCache.cat([R, perturbed]))
             out = {"clean": z[:ctx.m], "logits": z[ctx.m:]}
@@ -625,7 +630,7 @@ def random_update(model, pairs, heads: HeadsArg, kind: str = "state_swap", *, se
         for layer, hs in _by_layer(heads).items():
             directions = torch.zeros(ctx.m, L, model.n_state_heads, V, dtype=torch.float64)
             for h in hs:
-                for i, row in enumerate(ctx.rows.tolist()):
+                for i, row in enumerate(ids[ctx.rows].tolist()):
                     g = _gaussian((L, V), seed, row, layer, h)
                     directions[i, :, h] = g / g.norm(dim=-1, keepdim=True)
             noise[layer] = directions
@@ -700,7 +705,8 @@ class NamedIntervention:
     name: the `intervention` value in result rows; label: how the report names it; controls: the intervention this
     one is a control for (None for a main intervention or variant); metric: the effect the report reads it by (the
     controls: the donor-specific shift, which a mere loss of confidence in the recipient's answer does not move).
-    run(model, pairs, heads, *, batch_size, seed, scan) runs it jointly on `heads`.
+    run(model, pairs, heads, *, batch_size, seed, scan, row_ids) runs it jointly on `heads`; row_ids (each row's
+    index in a larger batch that `pairs` was taken from) seeds the random control, the others ignore it.
     """
 
     name: str
@@ -715,12 +721,12 @@ class NamedIntervention:
 
 
 def _plain(fn, **fixed):
-    def run(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
+    def run(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None, row_ids=None):
         return fn(model, pairs, heads, batch_size=batch_size, **fixed)
     return run
 
 
-def _restore_last(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
+def _restore_last(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None, row_ids=None):
     # Restores only the readout at the answer position. Restoring every readout after the swap ("output_restore")
     # gives the clean run by construction, since a head's state reaches the rest of the network only through its
     # readouts; with a multi-token query this variant can leak through readouts at earlier query tokens, which is
@@ -730,11 +736,11 @@ def _restore_last(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, s
     return result
 
 
-def _random_state_update(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
-    return random_update(model, pairs, heads, kind="state_swap", seed=seed, batch_size=batch_size)
+def _random_state_update(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None, row_ids=None):
+    return random_update(model, pairs, heads, kind="state_swap", seed=seed, batch_size=batch_size, row_ids=row_ids)
 
 
-def _control_head_swap(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
+def _control_head_swap(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None, row_ids=None):
     return control_head(model, pairs, heads, "state_swap", scan=scan, batch_size=batch_size)
 
 
