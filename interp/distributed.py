@@ -49,12 +49,15 @@ class DistributedError(ValueError):
 @dataclass
 class RayRunStats:
     """What the driver did: units run (this call) and skipped as already written, units retried after their actor
-    died, actors started in all, and the driver's wall time."""
+    died, actors started in all; seconds until the first actors had loaded the model (startup_s), from then until
+    the last unit's rows were written (work_s), and in all (wall_s, with Ray's own start and the summary)."""
 
     units: int = 0
     skipped_units: int = 0
     retried_units: int = 0
     actors_started: int = 0
+    startup_s: float = 0.0
+    work_s: float = 0.0
     wall_s: float = 0.0
 
 
@@ -317,8 +320,16 @@ def _execute(ray, units: list[Unit], new_actor: Callable[[int], object], submit:
         stats.actors_started += 1
         next_id += 1
 
+    t0 = time.perf_counter()
     for _ in range(min(n_workers, total)):
         start_actor()
+    try:   # wait for every model to load: a checkpoint that cannot load fails here, once, with its reason
+        ray.get([actor.info.remote() for actor in actors.values()])
+    except rex.RayError as err:
+        raise DistributedError(f"a worker could not load the model: {str(err).splitlines()[-1] if str(err) else err}"
+                               ) from err
+    stats.startup_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     finished = 0
     if progress is not None:
         progress(0, total)
@@ -371,6 +382,7 @@ def _execute(ray, units: list[Unit], new_actor: Callable[[int], object], submit:
         finished += 1
         if progress is not None:
             progress(finished, total)
+    stats.work_s = time.perf_counter() - t0
     for actor in actors.values():              # frees each actor's model now, not when the driver exits
         ray.kill(actor, no_restart=True)
 
