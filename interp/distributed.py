@@ -199,10 +199,8 @@ def scan_units(pairs, heads: Sequence, head_block: Optional[int] = None, workers
     larger units cost least), else each source's heads cut into enough blocks to give every worker two units.
     Units whose keys (source, pair, layer, head) are all in `done` are left out; a partly done unit keeps only
     its heads with work left."""
-    from recurscope.interp.scan import _target_rows
-
     heads = [tuple(int(x) for x in h) for h in heads]
-    target = _target_rows(pairs).tolist()
+    target = _scan_rows(pairs)
     by_source = _rows_by_source(pairs, target)
     if head_block is None:
         n_blocks = max(1, math.ceil(2 * workers / max(len(by_source), 1)))
@@ -450,11 +448,16 @@ def run_scan_ray(model_factory: Callable, pairs, heads: Sequence, run_dir=None, 
     return result, stats
 
 
-def _target_keys(pairs, heads) -> set:
-    from recurscope.interp.scan import _target_rows
+def _scan_rows(pairs) -> list[int]:
+    """The rows a scan scores: target rows with a donor answer (as run_scan selects them)."""
+    rows = torch.nonzero(pairs.is_target.cpu() & (pairs.donor_answer_index.cpu() >= 0))[:, 0].tolist()
+    if not rows:
+        raise DistributedError("pairs has no target rows with a donor answer: the scan needs swap (or update) pairs")
+    return rows
 
-    rows = _target_rows(pairs).tolist()
-    return {(int(pairs.source_id[i]), int(pairs.group[i]), l, h) for i in rows for l, h in heads}
+
+def _target_keys(pairs, heads) -> set:
+    return {(int(pairs.source_id[i]), int(pairs.group[i]), l, h) for i in _scan_rows(pairs) for l, h in heads}
 
 
 def _check_workers(workers) -> int:

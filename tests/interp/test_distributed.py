@@ -129,6 +129,7 @@ def ray_address():
     ray.shutdown()
 
 
+@pytest.mark.slow
 def test_ray_scan_equals_single_process_scan(ckpt, ray_address, tmp_path):
     args = [str(ckpt), "--n-sources", "4", *SMALL]
     assert main(["scan", *args, "--out", str(tmp_path / "local")]) == 0
@@ -169,6 +170,7 @@ class DiesMidUnit:
         return model
 
 
+@pytest.mark.slow
 def test_killed_worker_is_replaced_and_its_unit_retried(ckpt, ray_address, tmp_path):
     model = load_model(ckpt)
     pairs = _pairs(model)
@@ -224,6 +226,7 @@ dist.run_scan_ray(factory, pairs, all_heads(model), run, batch_size=1, head_bloc
 """
 
 
+@pytest.mark.slow
 def test_sigkilled_driver_resumes_without_duplicates_or_gaps(ckpt, ray_address, tmp_path):
     out, gate = tmp_path / "scan", tmp_path / "gate"
     cmd = [sys.executable, "-c", textwrap.dedent(DRIVER), str(ckpt), str(out), ray_address, str(gate)]
