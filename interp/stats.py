@@ -449,8 +449,13 @@ def rank_per_source(scores: pd.DataFrame, *, source_col: str = "source", unit_co
     """The score table with a ``rank`` column: each head's rank within its source, 1 = largest score, ties share
     the better rank (competition ranking via scipy.stats.rankdata)."""
     matrix = _score_matrix(scores, source_col=source_col, unit_cols=unit_cols, score_col=score_col)
-    ranks = pd.DataFrame(_rank_desc(matrix.to_numpy(), axis=1), index=matrix.index, columns=matrix.columns)
-    long = ranks.stack(list(range(len(list(unit_cols)))), future_stack=True).rename("rank").reset_index()
+    ranks = _rank_desc(matrix.to_numpy(), axis=1)
+    # The long table built from arrays: DataFrame.stack over (layer, head) columns costs ~1 s per 100 heads.
+    units = matrix.columns.to_frame(index=False)
+    n_sources, n_units = ranks.shape
+    long = pd.DataFrame({source_col: np.repeat(matrix.index.to_numpy(), n_units),
+                         **{c: np.tile(units[c].to_numpy(), n_sources) for c in units.columns},
+                         "rank": ranks.ravel()})
     return scores.merge(long, on=[source_col, *unit_cols], how="left")
 
 
