@@ -24,7 +24,7 @@ from recurscope.interp.interventions import choose_control_heads
 from recurscope.interp.loading import load_model
 from recurscope.interp.results import RowLog, RunDir
 from recurscope.interp.scan import SCAN_KEY, all_heads, run_scan
-from tests.cli.test_cli import SMALL, _checkpoint
+from tests.cli.test_cli import SMALL
 
 ROOT = Path(__file__).resolve().parents[2]
 PAIRS = dict(n_facts=2, presentations=2, filler_tokens=12)
@@ -32,8 +32,8 @@ KEY = list(SCAN_KEY)
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return _checkpoint(tmp_path_factory.mktemp("distributed") / "ckpt")
+def ckpt(tmp_path_factory, tiny_checkpoint):
+    return tiny_checkpoint(tmp_path_factory.mktemp("distributed") / "ckpt")
 
 
 def _pairs(model, n_sources=4, split="dev"):
