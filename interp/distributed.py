@@ -237,9 +237,9 @@ class UnitOutOfMemory(RuntimeError):
     """Raised inside a worker when a unit runs out of GPU or host memory; the message names unit and setting."""
 
 
-def _memory_message(unit: Unit, where: str, settings: str) -> str:
-    return (f"work unit ({unit.label()}) ran out of {where} memory on worker {socket.gethostname()}; lower "
-            f"{settings}, or give each worker more memory")
+def _memory_message(unit: Unit, where: str, settings: str, host: Optional[str] = None) -> str:
+    on = f" on worker {host}" if host else ""
+    return f"work unit ({unit.label()}) ran out of {where} memory{on}; lower {settings}, or give each worker more memory"
 
 
 class UnitWorker:
@@ -259,9 +259,9 @@ class UnitWorker:
             return fn()
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
-            raise UnitOutOfMemory(_memory_message(unit, "GPU", settings)) from None
+            raise UnitOutOfMemory(_memory_message(unit, "GPU", settings, socket.gethostname())) from None
         except MemoryError:
-            raise UnitOutOfMemory(_memory_message(unit, "host", settings)) from None
+            raise UnitOutOfMemory(_memory_message(unit, "host", settings, socket.gethostname())) from None
 
     def scan(self, unit: Unit, batch_size: int, prefix_batch: int) -> list[dict]:
         from recurscope.interp.scan import run_scan
@@ -310,7 +310,6 @@ def _execute(ray, units: list[Unit], new_actor: Callable[[int], object], submit:
     in_flight: dict = {}                       # ObjectRef -> (actor id, unit)
     failures: dict[Unit, int] = {}
     next_id = 0
-    replacements = n_workers                   # a dead actor is replaced at most this many times in all
 
     def start_actor():
         nonlocal next_id
@@ -318,6 +317,17 @@ def _execute(ray, units: list[Unit], new_actor: Callable[[int], object], submit:
         stats.actors_started += 1
         next_id += 1
 
+    try:
+        _run_units(ray, rex, queue, total, actors, in_flight, failures, start_actor, submit, on_rows, n_workers,
+                   stats, progress)
+    finally:
+        for actor in actors.values():          # frees each actor's model now, not when the driver exits
+            ray.kill(actor, no_restart=True)
+
+
+def _run_units(ray, rex, queue, total, actors, in_flight, failures, start_actor, submit, on_rows, n_workers, stats,
+               progress):
+    replacements = n_workers                   # a dead actor is replaced at most this many times in all
     t0 = time.perf_counter()
     for _ in range(min(n_workers, total)):
         start_actor()
@@ -381,8 +391,6 @@ def _execute(ray, units: list[Unit], new_actor: Callable[[int], object], submit:
         if progress is not None:
             progress(finished, total)
     stats.work_s = time.perf_counter() - t0
-    for actor in actors.values():              # frees each actor's model now, not when the driver exits
-        ray.kill(actor, no_restart=True)
 
 
 def _actor_factory(ray, model_factory, pairs_ref, uses_gpu: bool, threads: int, name_prefix: Optional[str]):
