@@ -345,7 +345,7 @@ RANDOM_WRITE_VARIANTS = ("value", "rank_one")
 
 
 def random_write(model, pairs, heads: HeadsArg, *, variant: str = "value", spans: SpansArg = "fact", seed: int = 0,
-                 batch_size: int = 16, return_full: bool = False) -> InterventionResult:
+                 batch_size: int = 16, return_full: bool = False, row_ids=None) -> InterventionResult:
     """Equal-norm random control for donor_write, on the same spans and heads.
 
     variant="value": the recipient's write value becomes x_t + ε_t, ε_t a seeded Gaussian direction scaled per
@@ -353,7 +353,8 @@ def random_write(model, pairs, heads: HeadsArg, *, variant: str = "value", spans
     on the key and template tokens of the span); the write key u_t is the recipient's.
     variant="rank_one": the write u_t x_t^T becomes u'_t x'^T_t with seeded Gaussian directions scaled to the donor's
     ||u_t|| and ||x_t||: a random rank-one write of the donor write's norm in place of the donor's.
-    Directions depend on (seed, row index in pairs, layer, head, variant) only, not on batching.
+    Directions depend on (seed, row index in pairs, layer, head, variant) only, not on batching; row_ids as in
+    random_update (row indices in the larger batch a subset `pairs` was taken from).
     """
     if variant not in RANDOM_WRITE_VARIANTS:
         raise ValueError(f"variant must be one of {RANDOM_WRITE_VARIANTS}, got {variant!r}")
@@ -361,8 +362,12 @@ def random_write(model, pairs, heads: HeadsArg, *, variant: str = "value", spans
     layers = _by_layer(heads_n)
     H = model.n_state_heads
 
+    ids = torch.arange(len(pairs)) if row_ids is None else torch.as_tensor(row_ids, dtype=torch.long).cpu()
+    if ids.shape != (len(pairs),):
+        raise ValueError(f"row_ids must give one index per row of pairs ({len(pairs)}), got shape {tuple(ids.shape)}")
+
     def direction(shape, row, layer, head, stream):
-        g = _gaussian(shape, seed, row, layer, head, stream=stream)
+        g = _gaussian(shape, seed, int(ids[row]), layer, head, stream=stream)
         return g / g.norm(dim=-1, keepdim=True)
 
     def make_patches(rows, pos_mask, device):
@@ -745,26 +750,26 @@ def _control_head_swap(model, pairs, heads, *, batch_size: int = 16, seed: int =
 
 
 def _control_head_of(kind: str):
-    def run(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
+    def run(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None, row_ids=None):
         result = control_head(model, pairs, heads, kind, scan=scan, batch_size=batch_size)
         result.name = f"control_head_{kind}"
         return result
     return run
 
 
-def _random_write_value(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
-    return random_write(model, pairs, heads, variant="value", seed=seed, batch_size=batch_size)
+def _random_write_value(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None, row_ids=None):
+    return random_write(model, pairs, heads, variant="value", seed=seed, batch_size=batch_size, row_ids=row_ids)
 
 
-def _random_write_rank_one(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
-    return random_write(model, pairs, heads, variant="rank_one", seed=seed, batch_size=batch_size)
+def _random_write_rank_one(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None, row_ids=None):
+    return random_write(model, pairs, heads, variant="rank_one", seed=seed, batch_size=batch_size, row_ids=row_ids)
 
 
-def _random_output_patch(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
-    return random_update(model, pairs, heads, kind="output_patch", seed=seed, batch_size=batch_size)
+def _random_output_patch(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None, row_ids=None):
+    return random_update(model, pairs, heads, kind="output_patch", seed=seed, batch_size=batch_size, row_ids=row_ids)
 
 
-def _write_block_conv_tail(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None):
+def _write_block_conv_tail(model, pairs, heads, *, batch_size: int = 16, seed: int = 0, scan=None, row_ids=None):
     result = write_block(model, pairs, heads, spans=spans_with_conv_tail(model, pairs), batch_size=batch_size)
     result.name = "write_block_conv_tail"
     return result

@@ -96,7 +96,7 @@ def test_out_of_memory_names_the_unit_and_the_setting(ckpt):
 
     def out_of_memory(module, args):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    model.register_forward_pre_hook(out_of_memory)
+    model.blocks[-1].register_forward_pre_hook(out_of_memory)
     worker = dist.UnitWorker(lambda: model, _pairs(model, n_sources=2))
     unit = dist.scan_units(worker.pairs, all_heads(model))[1]
     with pytest.raises(dist.UnitOutOfMemory, match=r"source \d+, heads L0H0..L1H1 \(4 heads\)\) ran out of GPU "
@@ -147,8 +147,8 @@ def test_ray_scan_equals_single_process_scan(ckpt, ray_address, tmp_path):
 
 @dataclass(frozen=True)
 class DiesMidUnit:
-    """A model factory whose model kills its own worker process at its `after`-th forward call, in whichever
-    worker gets there first (the marker file makes it happen once across the cluster)."""
+    """A model factory whose model kills its own worker process at the `after`-th call of its last block (which
+    every pass of the model runs), in whichever worker gets there first (the marker file makes it happen once)."""
 
     path: str
     marker: str
@@ -166,7 +166,7 @@ class DiesMidUnit:
                 except FileExistsError:
                     return
                 os._exit(1)
-        model.register_forward_pre_hook(maybe_die)
+        model.blocks[-1].register_forward_pre_hook(maybe_die)
         return model
 
 
@@ -190,7 +190,7 @@ def test_killed_worker_is_replaced_and_its_unit_retried(ckpt, ray_address, tmp_p
 
 @dataclass(frozen=True)
 class WaitsAtRowCount:
-    """A model factory whose model blocks every forward once the run's row log holds `rows` committed rows, until
+    """A model factory whose model blocks every pass (at its last block) once the run's row log holds `rows` rows, until
     the `gate` file exists: the driver is then mid-run with rows on disk and work in flight, whatever the load."""
 
     path: str
@@ -204,7 +204,7 @@ class WaitsAtRowCount:
         def wait(module, args):
             while not os.path.exists(self.gate) and len(RowLog(self.log).rows()) >= self.rows:
                 time.sleep(0.05)
-        model.register_forward_pre_hook(wait)
+        model.blocks[-1].register_forward_pre_hook(wait)
         return model
 
 
