@@ -16,13 +16,30 @@ from recurscope.interp.models.layers import GatedMLP, RMSNorm
 from recurscope.interp.models.mixers import AttentionMixer, GatedDeltaNet2Mixer, RecurrentMixer
 
 
+def _at_positions(resid: torch.Tensor, positions) -> torch.Tensor:
+    """resid (B, T, D) at per-row positions (B,) or (B, P) -> (B, D) or (B, P, D)."""
+    B, T = resid.shape[:2]
+    pos = torch.as_tensor(positions, dtype=torch.long, device=resid.device)
+    if pos.dim() not in (1, 2) or pos.shape[0] != B:
+        raise ValueError(f"logit_positions must have shape (B,) or (B, P) with B={B}; received {tuple(pos.shape)}.")
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= T):
+        raise ValueError(f"logit_positions must lie in [0, {T - 1}] for {T} tokens; received "
+                         f"[{int(pos.min())}, {int(pos.max())}].")
+    rows = torch.arange(B, device=resid.device)
+    return resid[rows, pos] if pos.dim() == 1 else resid[rows[:, None], pos]
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
         spec = cfg.attention_spec(layer)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mixer = AttentionMixer(cfg, spec) if spec is not None else cfg.family.mixer_class(cfg)
+        mixer = cfg.family.mixer_class
+        if spec is not None:
+            self.mixer = AttentionMixer(cfg, spec)
+        else:  # GDN-2 takes its layer to seed the rand arm's directions per (layer, head)
+            self.mixer = mixer(cfg, layer=layer) if mixer is GatedDeltaNet2Mixer else mixer(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.mlp_intermediate)
         self.hook_resid_pre = HookPoint()
@@ -51,6 +68,8 @@ class RecurrentLM(HookedRootModule):
 
     `model(tokens)` returns logits; `model(tokens, cache=c, use_cache=True)` returns (logits, RecurrentCache).
     `state_positions` asks the recurrent mixers for S_t at those positions (hook `blocks.{l}.mixer.hook_state`).
+    `logit_positions` ((B,) or (B, P) token indices) returns logits at those positions only, (B, V) or (B, P, V):
+    the LM head over every position dominates time and memory at long lengths when only a few are read.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -134,7 +153,7 @@ class RecurrentLM(HookedRootModule):
 
     # ---- forward ------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: Optional[RecurrentCache] = None, use_cache: bool = False,
-                state_positions: Optional[Sequence[int]] = None):
+                state_positions: Optional[Sequence[int]] = None, logit_positions: Optional[torch.Tensor] = None):
         if tokens.dim() == 1:
             tokens = tokens[None]
         if tokens.dtype not in (torch.long, torch.int32, torch.int64):
@@ -152,6 +171,8 @@ class RecurrentLM(HookedRootModule):
             lc = None if cache is None else cache.layers[i]
             resid, new_lc = block(resid, lc, state_positions, offset)
             new_layers.append(new_lc)
+        if logit_positions is not None:
+            resid = _at_positions(resid, logit_positions)
         logits = self.lm_head(self.norm(resid))
         if use_cache:
             return logits, RecurrentCache(new_layers, offset + tokens.shape[1])

@@ -148,7 +148,7 @@ GLA = FamilySpec(
                    "x": "v = v_proj (short conv)", "g": "logsigmoid(gk_proj x) / gate_logit_normalizer, per channel",
                    "a": "none (no erase)"},
     mixer="GLAMixer", state_shape=_gla_state_shape, state_heads=lambda cfg: cfg.num_heads,
-    absent_hooks=frozenset({"hook_erase"}), validate=_gla_validate,
+    absent_hooks=frozenset({"hook_erase", "hook_erase_gate"}), validate=_gla_validate,
     readout_norm=_gla_norm, readout_gate=_gla_gate,
 )
 
@@ -199,6 +199,7 @@ GATED_DELTANET = FamilySpec(
                    "g": "-exp(A_log) softplus(a_proj + dt_bias), per head", "a": "beta k"},
     mixer="GatedDeltaNetMixer", state_shape=_delta_state_shape, state_heads=lambda cfg: cfg.num_v_heads or cfg.num_heads,
     validate=_delta_validate, readout_norm=lambda mixer: mixer.o_norm, readout_gate=_gdn_gate,
+    absent_hooks=frozenset({"hook_erase_gate"}),   # beta is its erase gate, folded into a; only GDN-2 hooks b
 )
 
 GATED_DELTANET2 = FamilySpec(

@@ -269,14 +269,28 @@ class GatedDeltaNetMixer(_DeltaBase):
         return self._finish(o.to(h.dtype), gate, layer_cache, S, new_conv)
 
 
+def rand_arm_directions(layer: int, heads: int, dim: int) -> torch.Tensor:
+    """The rand arm's fixed unit directions z, (heads, dim): head h of layer l draws from its own seed (l, h), so
+    every layer and head gets its own z (the QED paper draws z per head)."""
+    rows = [torch.randn(dim, generator=torch.Generator().manual_seed(RAND_Z_SEED + 1009 * int(layer) + h))
+            for h in range(heads)]
+    z = torch.stack(rows)
+    return z / z.norm(dim=-1, keepdim=True)
+
+
+RAND_Z_SEED = 20_260_813
+
+
 class GatedDeltaNet2Mixer(_DeltaBase):
     """Gated DeltaNet-2 with an optional QED erase arm: per-channel decay, erase gate b in R^K, write gate w in R^V.
 
     a = kernels.erase_vector(k, q, b, lam, arm), lam_h = qed_lambda_max * sigmoid(theta_h) * strength.
+    `layer` seeds the rand arm's fixed directions.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__(cfg)
+        self.hook_erase_gate = HookPoint()   # b: (B, T, H, K), the erase gate entering the erase vector
         d = cfg.hidden_size
         self._convs(cfg)
         self.f_proj = nn.Sequential(nn.Linear(d, self.head_v, bias=False), nn.Linear(self.head_v, self.key_dim, bias=False))
@@ -295,8 +309,7 @@ class GatedDeltaNet2Mixer(_DeltaBase):
         if self.erase_arm != "gdn2":
             self.qed_theta = nn.Parameter(torch.full((self.num_v_heads,), float(cfg.qed_theta_init)))
         if self.erase_arm == "rand":
-            z = torch.randn(self.num_v_heads, self.head_k, generator=torch.Generator().manual_seed(0))
-            self.register_buffer("qed_z", z / z.norm(dim=-1, keepdim=True))
+            self.register_buffer("qed_z", rand_arm_directions(layer, self.num_v_heads, self.head_k))
 
     def qed_lambda(self) -> Optional[torch.Tensor]:
         """lam_h per state head, strength applied; None for the GDN-2 arm."""
@@ -317,6 +330,7 @@ class GatedDeltaNet2Mixer(_DeltaBase):
         g, b = _repeat_heads(g, self.groups), _repeat_heads(b, self.groups)
         if self.allow_neg_eigval:
             b = b * 2.0
+        b = self.hook_erase_gate(b)
         g = self.hook_decay(g)
         lam = self.qed_lambda()
         a = kernels.erase_vector(k.float(), q.float(), b, lam if lam is not None else torch.zeros(k.shape[2]),
