@@ -1,7 +1,9 @@
-"""Shared pieces of the QED experiment suite: the arms, the one architecture and recipe, the theta learning-rate
-groups, fast last-position logits, and the per-token quantities (b, d, e, rho) the diagnostics need."""
+"""Shared pieces of the QED experiment suite: the arms and lambda-study runs, the one architecture and recipe, the
+theta learning-rate groups, logits at chosen positions, and the per-token quantities (d, e) the diagnostics need
+(b comes from the mixer's hook_erase_gate)."""
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -15,7 +17,8 @@ if str(ROOT) not in sys.path:  # so the scripts run as `python experiments/qed/x
 
 from recurscope import kernels  # noqa: E402
 from recurscope.interp.models import ModelConfig, RecurrentLM  # noqa: E402
-from recurscope.interp.models.mixers import GatedDeltaNet2Mixer, _split_heads  # noqa: E402
+from recurscope.hooks import hook_name  # noqa: E402
+from recurscope.interp.models.mixers import GatedDeltaNet2Mixer  # noqa: E402
 from recurscope.interp.models.optim import param_groups  # noqa: E402
 
 #: Every arm, baseline first. "noproj" (gate without projection) is the arm the paper never ran.
@@ -35,15 +38,48 @@ THETA_LR_MULT = 10.0
 WEIGHT_DECAY = 0.1
 
 
+#: The lambda_max study (paper Sec. 7): the full arm with lam_0 = lambda_max * sigmoid(theta_0) set through theta_0.
+#: "full" itself is the (lambda_max 0.25, lam_0 0.03) cell.
+LAMBDA_STUDY = {f"full-lm{lm:g}-l{l0:g}": (lm, l0) for lm in (0.25, 0.5) for l0 in (0.03, 0.1, 0.2)
+                if (lm, l0) != (0.25, 0.03)}
+#: Every trainable run name: the six arms and the lambda-study variants of full.
+RUNS = ARMS + tuple(LAMBDA_STUDY)
+
+
 def check_arm(arm: str) -> str:
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {ARMS}; received {arm!r}.")
     return arm
 
 
+def check_run(run: str) -> str:
+    if run not in RUNS:
+        raise ValueError(f"run must be an arm {ARMS} or a lambda-study variant {tuple(LAMBDA_STUDY)}; received {run!r}.")
+    return run
+
+
+def theta_for(lambda_0: float, lambda_max: float) -> float:
+    """theta_0 with lambda_max * sigmoid(theta_0) = lambda_0."""
+    if not 0 < lambda_0 < lambda_max:
+        raise ValueError(f"lambda_0 must lie in (0, lambda_max={lambda_max}); received {lambda_0}.")
+    p = lambda_0 / lambda_max
+    return math.log(p / (1 - p))
+
+
+def run_settings(run: str) -> dict:
+    """erase_arm, qed_lambda_max and qed_theta_init of a run name (an arm or a lambda-study variant)."""
+    check_run(run)
+    if run in LAMBDA_STUDY:
+        lm, l0 = LAMBDA_STUDY[run]
+        return {"erase_arm": "full", "qed_lambda_max": lm, "qed_theta_init": theta_for(l0, lm)}
+    return {"erase_arm": run, "qed_lambda_max": ARCHITECTURE["qed_lambda_max"],
+            "qed_theta_init": ARCHITECTURE["qed_theta_init"]}
+
+
 def model_config(arm: str, tokenizer) -> ModelConfig:
-    """The suite's ModelConfig for `arm`, with the vocabulary and special ids of `tokenizer`."""
-    raw = dict(ARCHITECTURE, erase_arm=check_arm(arm), vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+    """The suite's ModelConfig for `arm` (or a lambda-study run name), with the vocabulary and special ids of
+    `tokenizer`."""
+    raw = dict(ARCHITECTURE, **run_settings(arm), vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
     return ModelConfig.from_dict(raw)
 
@@ -76,23 +112,14 @@ def qed_scalar_count(model: RecurrentLM) -> int:
 
 @torch.no_grad()
 def last_logits(model: RecurrentLM, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Logits at one position per row, (B, V): the decoder without the full (B, T, V) LM head, which dominates
-    memory and time at long lengths. Every block (and its hook points) runs as in model.forward."""
-    resid = model.hook_embed(model.embed(tokens))
-    for block in model.blocks:
-        resid, _ = block(resid)
-    picked = resid[torch.arange(tokens.shape[0]), positions.to(tokens.device)]
-    return model.lm_head(model.norm(picked))
+    """Logits at `positions` only ((B,) -> (B, V), (B, P) -> (B, P, V)): the model's `logit_positions` option,
+    which skips the full (B, T, V) LM head that dominates memory and time at long lengths."""
+    return model(tokens, logit_positions=positions)
 
 
-def erase_gate_from_block(block, resid_pre: torch.Tensor) -> torch.Tensor:
-    """b_t (B, T, H, K) of a GDN-2 block, recomputed from `blocks.{l}.hook_resid_pre` with the block's own
-    attn_norm and b_proj (b has no hook point of its own)."""
-    mixer = block.mixer
-    b = torch.sigmoid(_split_heads(mixer.b_proj(block.attn_norm(resid_pre)).float(), mixer.head_k))
-    if mixer.groups > 1:
-        b = b.repeat_interleave(mixer.groups, dim=2)
-    return b * 2.0 if mixer.allow_neg_eigval else b
+def erase_gate_name(layer: int) -> str:
+    """The hook holding b_t (B, T, H, K) of a GDN-2 layer, the erase gate entering the erase vector."""
+    return hook_name("hook_erase_gate", layer)
 
 
 def qed_direction(k: torch.Tensor, q: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from recurscope import kernels  # noqa: E402
 from experiments.qed import common  # noqa: E402
 from experiments.qed.train_arms import DEFAULT_OUT as DEFAULT_TRAIN, validation_loss  # noqa: E402
+from recurscope.hooks import hook_name  # noqa: E402
 from recurscope.interp.data import FillerSource, NiahBatch, build_niah  # noqa: E402
 from recurscope.interp.loading import load_model  # noqa: E402
 from recurscope.interp.models import RecurrentLM  # noqa: E402
@@ -88,16 +89,15 @@ def token_head_quantities(model: RecurrentLM, tokens: torch.Tensor) -> dict[int,
     T = tokens.shape[1]
     names = set()
     for layer, _ in common.qed_mixers(model):
-        names |= {f"blocks.{layer}.mixer.{h}" for h in ("hook_q", "hook_k", "hook_erase", "hook_decay", "hook_state")}
-        names.add(f"blocks.{layer}.hook_resid_pre")
+        names |= {hook_name(h, layer) for h in ("hook_q", "hook_k", "hook_erase", "hook_erase_gate", "hook_decay",
+                                                 "hook_state")}
     _, cache = model.run_with_cache(tokens, state_positions=list(range(T)), names_filter=lambda n: n in names)
     out = {}
     for layer, mixer in common.qed_mixers(model):
-        p = f"blocks.{layer}.mixer."
-        q, k = cache[p + "hook_q"].float(), cache[p + "hook_k"].float()
-        a, g = cache[p + "hook_erase"].float(), cache[p + "hook_decay"].float()
-        states = cache[p + "hook_state"].float()                         # (B, T, H, K, V), S_t after step t
-        b = common.erase_gate_from_block(model.blocks[layer], cache[f"blocks.{layer}.hook_resid_pre"])
+        q, k = cache[hook_name("hook_q", layer)].float(), cache[hook_name("hook_k", layer)].float()
+        a, g = cache[hook_name("hook_erase", layer)].float(), cache[hook_name("hook_decay", layer)].float()
+        states = cache[hook_name("hook_state", layer)].float()          # (B, T, H, K, V), S_t after step t
+        b = cache[common.erase_gate_name(layer)].float()
         prev = torch.cat([torch.zeros_like(states[:, :1]), states[:, :-1]], dim=1)
         sbar = g.exp()[..., None] * prev
         d = common.qed_direction(k, q, b)

@@ -28,9 +28,9 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from experiments.qed import common  # noqa: E402
+from experiments.qed import common, tasks  # noqa: E402
 from experiments.train_tiny import init_weights, should_advance, staged_learning_rate  # noqa: E402  (shared recipe)
-from recurscope.interp.data import FillerSource, build_niah, build_word_tokenizer, save_word_tokenizer  # noqa: E402
+from recurscope.interp.data import FillerSource, build_word_tokenizer, save_word_tokenizer  # noqa: E402
 from recurscope.interp.loading import save_model  # noqa: E402
 from recurscope.interp.models import RecurrentLM  # noqa: E402
 
@@ -51,30 +51,57 @@ VAL_ROWS = 32                          # held-out filler rows for the validation
 DATA_SEED_OFFSET = 1_000_003           # S-NIAH training examples use seeds far from the evaluation seed
 
 
+#: Training mix: task -> weight of its rows. A task joins the mix once the curriculum's length reaches
+#: TRAIN_MIN_LENGTH[task] (its needles and query then take at most about half the context; S-NIAH-1 runs from 32).
+TRAIN_MIX = {"sniah1": 3, "sniah2": 2, "sniah3": 2, "mk2": 2, "mk4": 2, "mk8": 1, "mk2v2": 1, "mk4v2": 1, "doc": 1,
+             "qa": 1}
+TRAIN_MIN_LENGTH = {"sniah1": 32, "sniah2": 64, "sniah3": 64, "mk2": 128, "mk4": 128, "mk2v2": 128, "mk4v2": 128,
+                    "mk8": 256, "doc": 256, "qa": 256}
+
+
 def training_batch(tokenizer, step: int, seed: int, length: int = common.TRAIN_LENGTH,
                    niah_rows: int = NIAH_ROWS, filler_rows: int = FILLER_ROWS) -> dict:
-    """One step's batch, a pure function of (step, seed): S-NIAH rows at random depths, then train-split filler."""
+    """One step's batch, a pure function of (step, seed, length): `niah_rows` task rows (train-split items, random
+    depths; each row's task drawn from TRAIN_MIX among the tasks that fit `length`), then train-split filler."""
     rng = random.Random(f"qed-train/{seed}/{step}")
-    niah = build_niah(tokenizer, niah_rows, length, depths=[rng.random() for _ in range(niah_rows)],
-                      seed=DATA_SEED_OFFSET + seed * 100_003 + step)
+    mix = [t for t in TRAIN_MIX if TRAIN_MIN_LENGTH[t] <= length]
+    drawn = rng.choices(mix, weights=[TRAIN_MIX[t] for t in mix], k=niah_rows)
+    parts = []
+    for task in mix:
+        count = drawn.count(task)
+        if count:
+            parts.append(tasks.build_task(tokenizer, task, count, length, split="train",
+                                          seed=DATA_SEED_OFFSET + seed * 100_003 + step,
+                                          depths=[rng.random() for _ in range(count)]))
     filler = [FillerSource(id=(seed * 100_003 + step) * filler_rows + j, split="train").token_ids(tokenizer, length)
               for j in range(filler_rows)]
-    tokens = torch.cat([niah.input_ids, torch.tensor(filler, dtype=torch.long)])
-    return {"tokens": tokens, "n_niah": niah_rows, "query_pos": niah.query_pos, "answer_ids": niah.answer_ids,
-            "candidate_ids": niah.candidate_ids, "answer_index": niah.answer_index}
+    tokens = torch.cat([p.input_ids for p in parts] + [torch.tensor(filler, dtype=torch.long)])
+    return {"tokens": tokens, "n_niah": niah_rows, "parts": parts}
 
 
 def batch_losses(model: RecurrentLM, batch: dict, niah_weight: float = 1.0) -> dict:
-    """LM loss on the filler rows (every next token) plus `niah_weight` x the S-NIAH answer cross-entropy (full
-    vocabulary) at query_pos; niah_acc is the argmax over the number candidates."""
+    """LM loss on the filler rows (every next token) plus `niah_weight` x the answer cross-entropy (full vocabulary,
+    every answer token under teacher forcing) of the task rows. niah_acc: S-NIAH-1 rows' accuracy (argmax over the
+    number candidates; the curriculum advances on it, as before); task_acc: every task row's accuracy."""
     tokens, n = batch["tokens"], batch["n_niah"]
     logits = model(tokens)
     lm = common.lm_loss(logits[n:], tokens[n:])
-    at_query = logits[torch.arange(n), batch["query_pos"]].float()
-    niah = F.cross_entropy(at_query, batch["answer_ids"])
-    with torch.no_grad():
-        acc = (at_query[:, batch["candidate_ids"]].argmax(-1) == batch["answer_index"]).float().mean()
-    return {"loss": lm + niah_weight * niah, "lm_loss": lm, "niah_loss": niah, "niah_acc": acc}
+    losses, correct, sniah1, row = [], [], [], 0
+    for part in batch["parts"]:
+        rows = torch.arange(row, row + len(part))
+        at = logits[rows[:, None], part.positions].float()           # (n_part, P, V)
+        losses.append(F.cross_entropy(at.reshape(-1, at.shape[-1]), part.answer_ids.reshape(-1), reduction="sum"))
+        with torch.no_grad():
+            ok = part.correct(at)
+        correct.append(ok)
+        if part.task == "sniah1":
+            sniah1.append(ok)
+        row += len(part)
+    answer_tokens = sum(p.answer_ids.numel() for p in batch["parts"])
+    niah = torch.stack(losses).sum() / answer_tokens
+    acc = torch.cat(sniah1).float().mean() if sniah1 else torch.tensor(float("nan"))
+    return {"loss": lm + niah_weight * niah, "lm_loss": lm, "niah_loss": niah, "niah_acc": acc,
+            "task_acc": torch.cat(correct).float().mean()}
 
 
 @torch.no_grad()
@@ -105,6 +132,11 @@ def stage_for_step(stage_index: int, stage_accuracies: list[float], stage_length
     return stage_index, False
 
 
+def suite_tokenizer():
+    """The word tokenizer with the document and comprehension tasks' words added."""
+    return build_word_tokenizer(extra_words=tasks.task_words())
+
+
 def initial_model(arm: str, seed: int, tokenizer) -> RecurrentLM:
     """The arm's model with the seed's shared initial weights: a gdn2 model is built and initialised
     (experiments/train_tiny.init_weights: N(0, 0.02), residual writers / sqrt(2L), long-memory decays) under
@@ -122,6 +154,15 @@ def initial_model(arm: str, seed: int, tokenizer) -> RecurrentLM:
     return model
 
 
+RESUME_EVERY = 25
+
+
+def _save_resume(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)   # atomic: a kill mid-write leaves the previous resume point
+
+
 def _parse_stage_lengths(stage_lengths: Sequence[int]) -> tuple[int, ...]:
     lengths = tuple(int(x) for x in stage_lengths)
     if not lengths or list(lengths) != sorted(lengths) or lengths[-1] != common.TRAIN_LENGTH:
@@ -133,12 +174,16 @@ def _parse_stage_lengths(stage_lengths: Sequence[int]) -> tuple[int, ...]:
 def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smoke: bool = False,
               command: Optional[str] = None, log_every: int = 50, peak_lr: float = PEAK_LR,
               max_minutes: Optional[float] = None, stage_lengths: Sequence[int] = STAGE_LENGTHS,
-              niah_rows: int = NIAH_ROWS, niah_weight: float = NIAH_WEIGHT) -> dict:
+              niah_rows: int = NIAH_ROWS, niah_weight: float = NIAH_WEIGHT, snapshots: Sequence[int] = ()) -> dict:
     """Trains one (arm, seed) into `out` (checkpoint, tokenizer, train_log.csv, summary.json); returns the summary.
+
+    Resumable: every RESUME_EVERY steps the model, optimizer and curriculum state go to `out/resume.pt`, and a call
+    with the same settings continues from there (batches are pure functions of the step, so the run is the same).
+    `snapshots`: step counts after which the model is also saved to `out/at-step-<n>/`.
 
     At most `steps` optimizer steps, fewer if `max_minutes` of wall-clock training run out first (recorded in
     summary["stopped_by"]). The batch of a step is a pure function of (seed, step, stage length)."""
-    common.check_arm(arm)
+    common.check_run(arm)
     if steps < 1:
         raise ValueError(f"steps must be >= 1; received {steps}.")
     if max_minutes is not None and not max_minutes > 0:
@@ -149,19 +194,46 @@ def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smok
     out.mkdir(parents=True, exist_ok=True)
     random.seed(seed)
     np.random.seed(seed)
-    tokenizer = build_word_tokenizer()
+    tokenizer = suite_tokenizer()
     model = initial_model(arm, seed, tokenizer)
     model.set_backend("chunked")
     model.train()
     optimizer = torch.optim.AdamW(common.qed_param_groups(model, peak_lr), lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
-    columns = ["step", "stage", "length", "loss", "lm_loss", "niah_loss", "niah_acc", "lr", "lam_mean",
+    columns = ["step", "stage", "length", "loss", "lm_loss", "niah_loss", "niah_acc", "task_acc", "lr", "lam_mean",
                "reference_fallback", "skipped", "seconds"]
     history, skipped_steps, fallback_steps, t0 = [], [], 0, time.time()
     stage, stage_accs, advances, stopped_by = 0, [], [], "steps"
+    resume_key = {"arm": arm, "seed": seed, "steps": steps, "peak_lr": peak_lr, "stage_lengths": list(stage_lengths),
+                  "niah_rows": niah_rows, "niah_weight": niah_weight, "max_minutes": max_minutes}
+    resume_file, start = out / "resume.pt", 0
+    if resume_file.is_file():
+        saved = torch.load(resume_file, weights_only=False)
+        if saved["key"] == resume_key:   # the same run, interrupted: continue from its last saved step
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+            start, history, skipped_steps = saved["step"], saved["history"], saved["skipped_steps"]
+            fallback_steps, stage, stage_accs, advances = (saved["fallback_steps"], saved["stage"],
+                                                           saved["stage_accs"], saved["advances"])
+            t0 = time.time() - saved["elapsed"]
+            print(f"[{arm} s{seed}] resuming at step {start}", flush=True)
     with open(out / "train_log.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=columns)
         writer.writeheader()
-        for step in range(steps):
+        writer.writerows(history)
+        for step in range(start, steps):
+            if step > start and step % RESUME_EVERY == 0:
+                _save_resume(resume_file, {"key": resume_key, "step": step, "model": model.state_dict(),
+                                           "optimizer": optimizer.state_dict(), "history": history,
+                                           "skipped_steps": skipped_steps, "fallback_steps": fallback_steps,
+                                           "stage": stage, "stage_accs": stage_accs, "advances": advances,
+                                           "elapsed": time.time() - t0})
+            if step in snapshots:   # the model after `step` steps, for choosing a step budget from the curve
+                snap = out / f"at-step-{step}"
+                model.eval()
+                model.tokenizer = tokenizer
+                save_model(model, snap)
+                save_word_tokenizer(tokenizer, snap)
+                model.train()
             if max_minutes is not None and time.time() - t0 >= 60.0 * max_minutes:
                 stopped_by = "max_minutes"
                 break
@@ -211,7 +283,8 @@ def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smok
             writer.writerow(row)
             fh.flush()
             history.append(row)
-            stage_accs.append(row["niah_acc"])
+            if row["niah_acc"] == row["niah_acc"]:   # a step without S-NIAH-1 rows (nan) leaves the window alone
+                stage_accs.append(row["niah_acc"])
             if log_every and (step % log_every == 0 or step == steps - 1 or advanced):
                 print(f"[{arm} s{seed}] step {step}/{steps} len {length} loss {row['loss']:.3f} "
                       f"niah_acc {row['niah_acc']:.2f} {row['seconds']:.0f}s", flush=True)
@@ -222,13 +295,14 @@ def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smok
     model.eval()
     model.tokenizer = tokenizer
     tail = history[-min(20, steps_done):]
-    final = {k: round(float(np.mean([r[k] for r in tail])), 4) for k in ("loss", "lm_loss", "niah_loss", "niah_acc")}
+    final = {k: round(float(np.nanmean([r[k] for r in tail])), 4)
+             for k in ("loss", "lm_loss", "niah_loss", "niah_acc", "task_acc")}
     at_train_length = [r for r in history if r["length"] == common.TRAIN_LENGTH][-20:]
-    final["niah_acc_at_train_length"] = (round(float(np.mean([r["niah_acc"] for r in at_train_length])), 4)
+    final["niah_acc_at_train_length"] = (round(float(np.nanmean([r["niah_acc"] for r in at_train_length])), 4)
                                          if at_train_length else None)
     val = validation_loss(model, tokenizer, rows=4 if smoke else VAL_ROWS)
     n_params = sum(p.numel() for p in model.parameters())
-    summary = {"arm": arm, "seed": seed, "steps": steps_done, "max_steps": steps, "max_minutes": max_minutes,
+    summary = {"arm": arm, "settings": common.run_settings(arm), "seed": seed, "steps": steps_done, "max_steps": steps, "max_minutes": max_minutes,
                "stopped_by": stopped_by, "smoke": smoke, "parameters": n_params,
                "qed_scalars": common.qed_scalar_count(model), "train_seconds": round(train_seconds, 1),
                "val_loss": round(val, 5), "final": final, "skipped_steps": skipped_steps,
@@ -246,6 +320,7 @@ def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smok
     save_model(model, out, extra_config={"recurscope": {k: summary[k] for k in ("arm", "seed", "steps", "smoke")}})
     save_word_tokenizer(tokenizer, out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "resume.pt").unlink(missing_ok=True)
     return summary
 
 
@@ -279,7 +354,7 @@ def summary_table(out_root: Path) -> pd.DataFrame:
                      "skipped_steps": len(s.get("skipped_steps", [])), "train_seconds": s["train_seconds"]})
     frame = pd.DataFrame(rows)
     if len(frame):
-        frame["arm"] = pd.Categorical(frame["arm"], categories=common.ARMS, ordered=True)
+        frame["arm"] = pd.Categorical(frame["arm"], categories=common.RUNS, ordered=True)
         frame = frame.sort_values(["arm", "seed"]).reset_index(drop=True)
         frame["arm"] = frame["arm"].astype(str)
     return frame
@@ -297,7 +372,7 @@ def run(arms: Sequence[str], seeds: Sequence[int], steps: int, out_root: Path, j
         max_minutes: Optional[float] = None) -> pd.DataFrame:
     """Trains every (arm, seed) not already trained with this budget (unless `force`), `jobs` at a time."""
     for a in arms:
-        common.check_arm(a)
+        common.check_run(a)
     out_root = Path(out_root)
     todo = [(a, s) for s in seeds for a in arms
             if force or not _done(out_root / f"{a}-s{s}", steps, peak_lr, max_minutes)]
@@ -316,7 +391,7 @@ def run(arms: Sequence[str], seeds: Sequence[int], steps: int, out_root: Path, j
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arms", nargs="+", default=list(common.ARMS), choices=common.ARMS)
+    parser.add_argument("--arms", nargs="+", default=list(common.ARMS), choices=common.RUNS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps per model (default {FULL_STEPS})")
     parser.add_argument("--max-minutes", type=float, default=None,

@@ -1,6 +1,8 @@
 """Tests for experiments/qed: each arm's erase vector against the paper's formula on the mixer's own cached q, k and
-b; the 10x theta learning-rate group; strength 0 equals GDN-2 with the same weights; McNemar against scipy and closed
-forms; a smoke train + evaluate run; and the 03_qed notebook executed end to end."""
+b (hook_erase_gate checked against a recomputation); the rand arm's z per (layer, head); logits at chosen positions;
+the 10x theta learning-rate group; strength 0 equals GDN-2 with the same weights; McNemar, the sign test and the seed
+bootstrap against scipy and enumeration; the task generators (deterministic, dev and eval disjoint); resumable
+training; the seed study's pipeline; and the 03_qed notebook executed end to end."""
 from __future__ import annotations
 
 import math
@@ -19,10 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from recurscope import kernels  # noqa: E402
-from experiments.qed import common, evaluate, train_arms  # noqa: E402
+from experiments.qed import common, evaluate, seeds, tasks, train_arms  # noqa: E402
 from recurscope.interp.data import build_word_tokenizer  # noqa: E402
 from recurscope.interp.models import RecurrentLM  # noqa: E402
-from recurscope.interp.stats import mcnemar_exact  # noqa: E402
+from recurscope.interp.stats import mcnemar_exact, seed_bootstrap_ci, seed_contrast, sign_test  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +67,11 @@ def test_each_arm_builds_the_papers_erase_vector_from_its_own_q_k_b(arm, tokeniz
     for layer, mixer in common.qed_mixers(model):
         p = f"blocks.{layer}.mixer."
         q, k, a = cache[p + "hook_q"].float(), cache[p + "hook_k"].float(), cache[p + "hook_erase"]
-        b = common.erase_gate_from_block(model.blocks[layer], cache[f"blocks.{layer}.hook_resid_pre"])
+        b = cache[common.erase_gate_name(layer)]
+        # the hook holds the gate the paper defines, recomputed here from the block's input and weights
+        block = model.blocks[layer]
+        b_ref = torch.sigmoid(block.mixer.b_proj(block.attn_norm(cache[f"blocks.{layer}.hook_resid_pre"])).float())
+        torch.testing.assert_close(b, b_ref.reshape(b.shape), rtol=1e-6, atol=1e-7)
         assert ((b > 0) & (b < 1)).all()
         lam = torch.zeros(2) if arm == "gdn2" else 0.25 * torch.sigmoid(torch.tensor([0.7, -1.3]))
         z = getattr(mixer, "qed_z", None)
@@ -282,3 +288,204 @@ def test_notebook_executes(smoke):
         os.environ.pop("QED_CHECKPOINT", None)
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "lambda per head" in text and "strength" in text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hooks and forward options the suite uses instead of re-implementing the model
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_rand_arm_draws_its_direction_per_layer_and_head(tokenizer):
+    model = _model("rand", tokenizer)
+    z = torch.stack([m.qed_z for _, m in common.qed_mixers(model)])        # (layers, heads, K)
+    assert z.shape == (2, 2, 32)
+    torch.testing.assert_close(z.norm(dim=-1), torch.ones(2, 2))
+    flat = z.reshape(4, 32)
+    gram = flat @ flat.T
+    off = gram[~torch.eye(4, dtype=torch.bool)]
+    assert off.abs().max() < 0.9        # four different unit vectors (equal ones would give 1)
+    assert not torch.equal(z[0], z[1])  # layers differ (the bug: manual_seed(0) in every mixer gave z[0] == z[1])
+    # deterministic: the same (layer, head) gives the same z in another model, whatever the global RNG did
+    torch.manual_seed(123)
+    again = torch.stack([m.qed_z for _, m in common.qed_mixers(_model("rand", tokenizer, seed=77))])
+    assert torch.equal(z, again)
+
+
+def test_logit_positions_return_exactly_the_full_logits_at_those_positions(tokenizer):
+    model = _model("full", tokenizer, theta=[0.3, -0.4])
+    tokens = torch.randint(4, len(tokenizer), (3, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(tokens)
+        one = model(tokens, logit_positions=torch.tensor([19, 4, 0]))
+        two = model(tokens, logit_positions=torch.tensor([[18, 19], [3, 4], [0, 7]]))
+    torch.testing.assert_close(one, full[torch.arange(3), torch.tensor([19, 4, 0])], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(two, full[torch.arange(3)[:, None], torch.tensor([[18, 19], [3, 4], [0, 7]])],
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(common.last_logits(model, tokens, torch.tensor([19, 4, 0])), one)
+    with pytest.raises(ValueError, match="logit_positions must lie in"):
+        model(tokens, logit_positions=torch.tensor([20, 0, 0]))
+    with pytest.raises(ValueError, match="logit_positions must have shape"):
+        model(tokens, logit_positions=torch.tensor([1, 2]))
+
+
+def test_lambda_study_runs_start_at_their_lambda_0():
+    for run, (lm, l0) in common.LAMBDA_STUDY.items():
+        s = common.run_settings(run)
+        assert s["erase_arm"] == "full" and s["qed_lambda_max"] == lm
+        assert lm / (1 + math.exp(-s["qed_theta_init"])) == pytest.approx(l0, rel=1e-12)
+    full = common.run_settings("full")
+    assert full["qed_lambda_max"] * torch.sigmoid(torch.tensor(full["qed_theta_init"])) == pytest.approx(0.0298, abs=1e-4)
+    with pytest.raises(ValueError, match="run must be"):
+        common.run_settings("full-lm9")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Seed-level statistics (interp/stats.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("diffs", [[3.0, 1.5, 2.0, 0.5, 4.0], [1.0, -2.0, 0.0, 3.0, 5.0, -1.0], [-1.0, -2.0, -0.5],
+                                   [0.0, 0.0, 2.0]])
+def test_sign_test_matches_scipy_binomtest_and_the_closed_form(diffs):
+    r = sign_test(diffs)
+    d = np.asarray(diffs)
+    pos, neg = int((d > 0).sum()), int((d < 0).sum())
+    assert (r.n_positive, r.n_negative, r.n_zero) == (pos, neg, int((d == 0).sum()))
+    assert r.p_value == pytest.approx(sps.binomtest(pos, pos + neg, 0.5).pvalue, rel=1e-12)
+    m = pos + neg   # two-sided exact: 2 * P(X <= min(pos, neg)), capped at 1
+    assert r.p_value == pytest.approx(min(1.0, 2 * sum(math.comb(m, i) for i in range(min(pos, neg) + 1)) / 2 ** m))
+    assert sign_test([2.0] * 5).p_value == pytest.approx(2 / 32)   # 5 of 5 seeds agree: p = 0.0625, not < 0.05
+
+
+@pytest.mark.parametrize("values", [[1.0, 4.0, 2.0, 8.0, 3.0], [-3.0, 0.5, 2.0], [0.0, 0.0, 1.0, 10.0, 1.0, 2.0]])
+def test_seed_bootstrap_is_the_exact_bootstrap_distribution(values):
+    import itertools
+    x = np.asarray(values)
+    ci = seed_bootstrap_ci(x)
+    # brute force: all n^n ordered resamples, equally likely; numpy's inverted-cdf percentiles
+    means = np.array([x[list(idx)].mean() for idx in itertools.product(range(len(x)), repeat=len(x))])
+    assert ci.low == pytest.approx(np.quantile(means, 0.025, method="inverted_cdf"), abs=1e-12)
+    assert ci.high == pytest.approx(np.quantile(means, 0.975, method="inverted_cdf"), abs=1e-12)
+    assert ci.estimate == pytest.approx(x.mean()) and ci.method == "percentile (exact enumeration)"
+    # and scipy's Monte Carlo percentile bootstrap lands near it
+    mc = sps.bootstrap((x,), np.mean, n_resamples=20_000, method="percentile",
+                       random_state=np.random.default_rng(0)).confidence_interval
+    spread = x.max() - x.min()
+    assert abs(mc.low - ci.low) < 0.08 * spread and abs(mc.high - ci.high) < 0.08 * spread
+
+
+def test_seed_contrast_degenerate_cases_and_bad_input():
+    same = seed_contrast([2.0, 2.0, 2.0])
+    assert (same.low, same.high, same.mean, same.n_positive, same.sign_p) == (2.0, 2.0, 2.0, 3, 0.25)
+    assert same.method == "degenerate (zero variance)"
+    many = seed_bootstrap_ci(np.arange(12.0))      # above the enumeration limit: scipy, seeded
+    assert many.method == "percentile" and many.low < 5.5 < many.high
+    with pytest.raises(ValueError, match="one-dimensional"):
+        seed_contrast([[1.0, 2.0]])
+    with pytest.raises(ValueError, match="empty"):
+        sign_test([])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tasks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def suite_tok():
+    return train_arms.suite_tokenizer()
+
+
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_task_generator_is_deterministic_exact_and_states_its_answer(task, suite_tok):
+    a = tasks.build_task(suite_tok, task, 12, 512, split="eval", seed=3)
+    b = tasks.build_task(suite_tok, task, 12, 512, split="eval", seed=3)
+    c = tasks.build_task(suite_tok, task, 12, 512, split="eval", seed=4)
+    assert torch.equal(a.input_ids, b.input_ids) and a.items == b.items
+    assert not torch.equal(a.input_ids, c.input_ids)
+    assert a.input_ids.shape == (12, 512) and int(a.input_ids.min()) > 3   # no pad/unk/bos/eos
+    P = tasks.RETRIEVAL[task].value_tokens if task in tasks.RETRIEVAL else 1
+    assert a.positions.shape == (12, P) and (a.positions[:, -1] == 511).all()
+    for row, pos, ans, cand in zip(a.input_ids, a.positions, a.answer_ids, a.candidate_mask):
+        # teacher forcing: every answer token but the last is already in the input, right after its position
+        assert torch.equal(row[pos[1:]], ans[:-1])
+        # the answer is stated in the context (before the teacher-forced answer tokens)
+        text = row[: 512 - (P - 1)].tolist()
+        hits = sum(text[i:i + P] == ans.tolist() for i in range(len(text) - P + 1))
+        assert hits >= 1
+        assert bool(cand[ans].all()) and int(cand.sum()) >= 8
+    if task in tasks.RETRIEVAL:      # needles: the queried one plus its distractors
+        spec = tasks.RETRIEVAL[task]
+        magic = tasks._vocab(suite_tok).ids("magic")[0]
+        assert ((a.input_ids == magic).sum(-1) == spec.needles + 2).all()   # + the query's two mentions
+    # a perfect scorer is right everywhere, a wrong one nowhere
+    V = len(suite_tok)
+    logits = torch.zeros(12, P, V)
+    logits.scatter_(2, a.answer_ids[..., None], 1.0)
+    assert a.correct(logits).all()
+    assert not a.correct(-logits).any()
+
+
+def test_dev_and_eval_items_are_disjoint_and_follow_the_split_hash(suite_tok):
+    for task in ("mk4", "sniah3", "doc", "qa"):
+        dev = tasks.build_task(suite_tok, task, 150, 256, split="dev", seed=0)
+        ev = tasks.build_task(suite_tok, task, 150, 256, split="eval", seed=0)
+        assert not set(dev.items) & set(ev.items)
+        assert all(tasks.item_split(k, v) == "dev" for k, v in dev.items)
+        assert all(tasks.item_split(k, v) == "eval" for k, v in ev.items)
+        rows_dev = {tuple(r) for r in dev.input_ids.tolist()}
+        assert not rows_dev & {tuple(r) for r in ev.input_ids.tolist()}
+    shares = pd.Series([tasks.item_split(k, [v]) for k in tasks.KEY_NAMES for v in tasks.NUMBER_WORDS]).value_counts(
+        normalize=True)
+    assert shares["dev"] == pytest.approx(0.1, abs=0.02) and shares["eval"] == pytest.approx(0.2, abs=0.02)
+    with pytest.raises(ValueError, match="too short"):
+        tasks.build_task(suite_tok, "mk8", 2, 64)
+    with pytest.raises(ValueError, match="task must be one of"):
+        tasks.build_task(suite_tok, "niah9", 2, 256)
+
+
+def test_every_training_task_fits_from_its_minimum_length(suite_tok):
+    for task, L in train_arms.TRAIN_MIN_LENGTH.items():
+        tasks.build_task(suite_tok, task, 4, L, split="train", seed=1)
+    assert set(train_arms.TRAIN_MIX) == set(tasks.TASKS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training resumes; the seed study's choices
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_interrupted_training_resumes_to_the_same_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(train_arms, "RESUME_EVERY", 2)
+    straight = train_arms.train_one("full", 0, 5, tmp_path / "a", smoke=True, log_every=0, stage_lengths=(32, 256))
+    real, calls = train_arms.batch_losses, []
+
+    def dies_at_step_3(*a, **k):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt("killed")
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_arms, "batch_losses", dies_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        train_arms.train_one("full", 0, 5, tmp_path / "b", smoke=True, log_every=0, stage_lengths=(32, 256))
+    assert (tmp_path / "b" / "resume.pt").is_file()
+    monkeypatch.setattr(train_arms, "batch_losses", real)
+    resumed = train_arms.train_one("full", 0, 5, tmp_path / "b", smoke=True, log_every=0, stage_lengths=(32, 256))
+    assert not (tmp_path / "b" / "resume.pt").exists()
+    a, b = _load(tmp_path / "a").state_dict(), _load(tmp_path / "b").state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    assert resumed["final"] == straight["final"]
+    log = pd.read_csv(tmp_path / "b" / "train_log.csv")
+    assert list(log["step"]) == list(range(5))
+
+
+def test_step_budget_and_task_are_chosen_by_the_stated_rules():
+    log = pd.DataFrame({"task_acc": [0.1] * 100 + [0.5] * 100 + [0.8] * 100 + [0.81] * 100})
+    steps, curve = seeds.curve_steps(log, (100, 200, 300), 400)
+    assert steps == 300 and curve["task_acc_end"] == pytest.approx(0.81)
+    dev = pd.DataFrame({"task": ["sniah1"] * 3 + ["mk2"] * 3 + ["mk4"] * 3 + ["mk8"] * 3,
+                        "accuracy": [0.5, 0.5, 0.5, 0.95, 0.9, 0.7, 0.85, 0.6, 0.3, 0.4, 0.15, 0.1]})
+    assert seeds.choose_task(dev) == ("mk4", True)
+    assert seeds.choose_task(dev[dev["task"] != "mk4"]) == ("mk2", False)

@@ -1,0 +1,407 @@
+"""The seed-level QED study: a task chosen on a dev seed, then every arm and the lambda_max variants on 5 seeds.
+
+Phases (each resumable; results under results/qed-seeds/<profile>/):
+  dev     trains gdn2 on DEV_SEED (with snapshots), takes the step budget from its training curve (the first
+          snapshot whose task accuracy is within PLATEAU of the end of the run), scores every retrieval variant on
+          dev-split items at 2x, 4x and 8x the training length, and freezes the discriminating task (gdn2 between
+          20% and 90% at all three lengths) into experiments/qed/frozen_task.json.
+  main    one job per (run, seed) in JOB_ORDER: train (train_arms.train_one, resumable mid-run) then evaluate
+          (eval-split items; cached per model). Several workers may run at once: each claims a job with a lock file.
+  report  per-seed tables, McNemar per seed, seed-level contrasts (mean, exact seed-bootstrap interval, sign test),
+          the forest plot and the lambda_max study; rewrites the generated block of experiments/qed/README.md.
+
+Usage:  python experiments/qed/seeds.py dev
+        python experiments/qed/seeds.py main [--worker]      # start one or two of these in the background
+        python experiments/qed/seeds.py report
+        python experiments/qed/seeds.py all --profile smoke  # a pipeline check in about a minute
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+from experiments.qed import common, tasks, train_arms  # noqa: E402
+from recurscope.interp.loading import load_model  # noqa: E402
+from recurscope.interp.stats import binomial_ci, mcnemar_exact, seed_contrast  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+FROZEN = HERE / "frozen_task.json"
+DEV_SEED = 100
+DEV_RANGE = (0.2, 0.9)        # gdn2's accuracy band at 2x, 4x and 8x that makes a task discriminating
+PLATEAU = 0.03                # a snapshot is on the plateau when its task accuracy is within this of the run's end
+CURVE_WINDOW = 20
+BATCH_TOKENS = 16_384
+STRENGTHS = (0.0, 1.0, 2.0)
+
+PROFILES = {
+    # the study: 5 seeds x (6 arms + 5 lambda variants); steps come from the dev curve (frozen_task.json)
+    "full": dict(runs=common.RUNS, seeds=(0, 1, 2, 3, 4), dev_steps=400, snapshots=(200, 300), dev_n=100, n=200, extract_n=200,
+                 multipliers=(1, 2, 4, 8), strength_multiplier=4, strength_n=100, stage_lengths=None),
+    # a pipeline check (tests): tiny everything, its own frozen task file inside the results folder
+    "smoke": dict(runs=("gdn2", "full", "rand", "full-lm0.5-l0.2"), seeds=(0, 1), dev_steps=6, snapshots=(3,), dev_n=4, n=4, extract_n=4, multipliers=(1, 2),
+                  strength_multiplier=2, strength_n=4, stage_lengths=(32, 256)),
+}
+#: (arm_a, arm_b) contrasts: the paper's four, the two the noproj arm adds, and each lambda variant against gdn2
+CONTRASTS = common.CONTRASTS + tuple((r, "gdn2") for r in common.LAMBDA_STUDY)
+#: gdn2 and full first (the headline contrast), then the other arms, then the lambda_max study; seeds inside
+JOB_ORDER = (("gdn2", "full"), ("rand", "nogate", "noproj", "nogate_noproj"), tuple(common.LAMBDA_STUDY))
+
+
+def root_for(profile: str) -> Path:
+    return common.ROOT / "results" / ("qed-seeds" if profile == "full" else f"qed-seeds-{profile}")
+
+
+def frozen_path(profile: str) -> Path:
+    return FROZEN if profile == "full" else root_for(profile) / "frozen_task.json"
+
+
+def jobs(profile: str) -> list[tuple[str, int]]:
+    p = PROFILES[profile]
+    return [(run, seed) for group in JOB_ORDER for seed in p["seeds"] for run in group if run in p["runs"]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scoring
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def score(model, batch: tasks.TaskBatch, batch_tokens: int = BATCH_TOKENS) -> np.ndarray:
+    """Per-item correctness of `batch` (teacher-forced, logits at the batch's positions only)."""
+    model.eval()
+    step = max(1, batch_tokens // batch.input_ids.shape[1])
+    out = []
+    for lo in range(0, len(batch), step):
+        part = batch.select(lo, min(len(batch), lo + step))
+        out.append(part.correct(common.last_logits(model, part.input_ids, part.positions)).numpy())
+    return np.concatenate(out)
+
+
+def curve_steps(log: pd.DataFrame, snapshots: Sequence[int], final: int, window: int = CURVE_WINDOW,
+                plateau: float = PLATEAU) -> tuple[int, dict]:
+    """The step budget from a training curve: the first of `snapshots` (then `final`) whose mean task accuracy over
+    the `window` steps before it is within `plateau` of the mean over the last `window` steps of the run."""
+    acc = log["task_acc"].to_numpy(dtype=float)
+    end = float(np.nanmean(acc[-window:]))
+    at = {int(s): float(np.nanmean(acc[max(0, s - window):s])) for s in list(snapshots) + [final] if s <= len(acc)}
+    chosen = next(s for s in sorted(at) if at[s] >= end - plateau)
+    return chosen, {"task_acc_before_step": at, "task_acc_end": end, "window": window, "plateau": plateau}
+
+
+def choose_task(dev: pd.DataFrame, band: tuple[float, float] = DEV_RANGE) -> tuple[str, bool]:
+    """The retrieval variant (not sniah1) whose dev accuracies at every scored length lie in `band`, closest to the
+    band's middle (smallest largest distance); (name, True). If none lies in the band: the closest one, False."""
+    mid = sum(band) / 2
+    best, best_dist, best_in = None, float("inf"), False
+    for task, g in dev[dev["task"] != "sniah1"].groupby("task", sort=True):
+        acc = g["accuracy"].to_numpy()
+        inside = bool(((acc >= band[0]) & (acc <= band[1])).all())
+        dist = float(np.abs(acc - mid).max())
+        if (inside, -dist) > (best_in, -best_dist):
+            best, best_dist, best_in = task, dist, inside
+    return best, best_in
+
+
+def dev_phase(profile: str) -> dict:
+    p = PROFILES[profile]
+    root = root_for(profile) / "dev"
+    out = root / f"gdn2-s{DEV_SEED}"
+    steps = p["dev_steps"]
+    stage_lengths = p["stage_lengths"] or train_arms.STAGE_LENGTHS
+    if not (out / "summary.json").is_file():
+        train_arms.train_one("gdn2", DEV_SEED, steps, out, snapshots=p["snapshots"], stage_lengths=stage_lengths,
+                             smoke=profile == "smoke", command=f"python experiments/qed/seeds.py dev --profile {profile}")
+    log = pd.read_csv(out / "train_log.csv")
+    chosen_steps, curve = curve_steps(log, p["snapshots"], steps)
+    model = load_model(out if chosen_steps == steps else out / f"at-step-{chosen_steps}", backend="chunked")
+    rows = []
+    for task in tasks.RETRIEVAL:
+        for m in p["multipliers"][1:]:
+            L = common.TRAIN_LENGTH * m
+            correct = score(model, tasks.build_task(model.tokenizer, task, p["dev_n"], L, split="dev", seed=DEV_SEED))
+            ci = binomial_ci(int(correct.sum()), len(correct))
+            rows.append({"task": task, "length": L, "n": len(correct), "accuracy": ci.estimate, "ci_low": ci.low,
+                         "ci_high": ci.high})
+            print(f"[dev] {task} {L}: {ci.estimate:.3f}", flush=True)
+    dev = pd.DataFrame(rows)
+    dev.to_csv(root / "dev_accuracy.csv", index=False)
+    task, inside = choose_task(dev)
+    frozen = {"task": task, "in_band": inside, "band": list(DEV_RANGE), "steps": chosen_steps, "curve": curve,
+              "dev_seed": DEV_SEED, "dev_checkpoint_steps": chosen_steps, "stage_lengths": list(stage_lengths),
+              "dev_accuracy": rows, "frozen_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    frozen_path(profile).write_text(json.dumps(frozen, indent=2) + "\n")
+    return frozen
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Main runs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def read_frozen(profile: str) -> dict:
+    f = frozen_path(profile)
+    if not f.is_file():
+        raise FileNotFoundError(f"{f} does not exist: run `python experiments/qed/seeds.py dev --profile {profile}` "
+                                "first (it chooses and freezes the task and the step budget).")
+    return json.loads(f.read_text())
+
+
+def evaluate_one(model, run: str, seed: int, profile: str, task: str) -> dict:
+    """Item rows for the frozen task and S-NIAH-1 at every multiplier, doc and qa at the training length, and the
+    strength sweep (QED runs) on the frozen task at strength_multiplier x the training length."""
+    p = PROFILES[profile]
+    rows, strength = [], []
+    lengths = [common.TRAIN_LENGTH * m for m in p["multipliers"]]
+    plan = [(t, L, p["n"]) for t in dict.fromkeys([task, "sniah1"]) for L in lengths]
+    plan += [(t, common.TRAIN_LENGTH, p["extract_n"]) for t in tasks.EXTRACTION]
+    for t, L, n in plan:
+        correct = score(model, tasks.build_task(model.tokenizer, t, n, L, split="eval", seed=0))
+        rows += [{"run": run, "seed": seed, "task": t, "length": L, "item": i, "correct": bool(c)}
+                 for i, c in enumerate(correct)]
+    if run != "gdn2":
+        L = common.TRAIN_LENGTH * p["strength_multiplier"]
+        batch = tasks.build_task(model.tokenizer, task, p["strength_n"], L, split="eval", seed=1)
+        for s in STRENGTHS:
+            with model.qed_strength(s):
+                correct = score(model, batch)
+            strength += [{"run": run, "seed": seed, "task": task, "length": L, "strength": s, "item": i,
+                          "correct": bool(c)} for i, c in enumerate(correct)]
+    lam = common.qed_lambdas(model)
+    lambdas = [{"run": run, "seed": seed, "layer": layer, "head": h, "lambda": x}
+               for layer, v in lam.items() if v for h, x in enumerate(v)]
+    return {"items": rows, "strength": strength, "lambda": lambdas}
+
+
+def _claim(lock: Path) -> bool:
+    """Creates `lock` holding this pid; a lock whose process is gone is taken over."""
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            os.kill(int(lock.read_text().strip() or 0), 0)
+            return False
+        except (ProcessLookupError, ValueError):
+            lock.unlink(missing_ok=True)
+            return _claim(lock)
+        except PermissionError:
+            return False
+    with os.fdopen(fd, "w") as fh:
+        fh.write(str(os.getpid()))
+    return True
+
+
+def run_job(run: str, seed: int, profile: str, frozen: dict) -> Optional[Path]:
+    """Trains and evaluates one (run, seed) unless its result exists; returns the result file."""
+    p = PROFILES[profile]
+    root = root_for(profile)
+    result = root / "eval" / f"{run}-s{seed}.json"
+    if result.is_file():
+        return result
+    lock = root / "locks" / f"{run}-s{seed}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    if not _claim(lock):
+        return None
+    try:
+        out = root / "train" / f"{run}-s{seed}"
+        t0 = time.time()
+        if not (out / "summary.json").is_file():
+            train_arms.train_one(run, seed, frozen["steps"], out, stage_lengths=frozen["stage_lengths"],
+                                 smoke=profile == "smoke", command=f"python experiments/qed/seeds.py main --profile {profile}")
+        t1 = time.time()
+        model = load_model(out, backend="chunked")
+        res = evaluate_one(model, run, seed, profile, frozen["task"])
+        res["train_summary"] = json.loads((out / "summary.json").read_text())
+        res["eval_seconds"] = round(time.time() - t1, 1)
+        res["job_train_seconds"] = round(t1 - t0, 1)
+        result.parent.mkdir(parents=True, exist_ok=True)
+        tmp = result.with_suffix(".tmp")
+        tmp.write_text(json.dumps(res) + "\n")
+        tmp.replace(result)
+        print(f"[main] {run} s{seed} done: train {t1 - t0:.0f}s, eval {res['eval_seconds']:.0f}s", flush=True)
+        return result
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def main_phase(profile: str) -> list[Path]:
+    frozen = read_frozen(profile)
+    done = []
+    for run, seed in jobs(profile):
+        path = run_job(run, seed, profile, frozen)
+        if path is not None:
+            done.append(path)
+    return done
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_results(profile: str) -> dict[str, pd.DataFrame]:
+    """Every finished job's rows: items, strength, lambda, train (one row per model), timing."""
+    files = sorted((root_for(profile) / "eval").glob("*.json"))
+    out = {k: [] for k in ("items", "strength", "lambda", "train")}
+    for f in files:
+        r = json.loads(f.read_text())
+        out["items"] += r["items"]
+        out["strength"] += r["strength"]
+        out["lambda"] += r["lambda"]
+        s = r["train_summary"]
+        out["train"].append({"run": s["arm"], "seed": s["seed"], "steps": s["steps"],
+                             "length_reached": s["curriculum"]["length_reached"], "val_loss": s["val_loss"],
+                             "final_task_acc": s["final"].get("task_acc"), "final_niah_acc": s["final"]["niah_acc"],
+                             "train_seconds": s["train_seconds"], "eval_seconds": r["eval_seconds"]})
+    return {k: pd.DataFrame(v) for k, v in out.items()}
+
+
+def _order(frame: pd.DataFrame, col: str = "run") -> pd.DataFrame:
+    rank = {r: i for i, r in enumerate(common.RUNS)}
+    return frame.assign(_o=frame[col].map(rank)).sort_values(["_o"] + [c for c in ("seed", "task", "length")
+                                                                       if c in frame]).drop(columns="_o")
+
+
+def accuracy_table(items: pd.DataFrame) -> pd.DataFrame:
+    g = items.groupby(["run", "seed", "task", "length"])["correct"].agg(n="size", n_correct="sum").reset_index()
+    cis = [binomial_ci(int(k), int(m)) for k, m in zip(g["n_correct"], g["n"])]
+    g["accuracy"], g["ci_low"], g["ci_high"] = ([c.estimate for c in cis], [c.low for c in cis],
+                                                [c.high for c in cis])
+    return _order(g).reset_index(drop=True)
+
+
+def per_seed_contrasts(items: pd.DataFrame, contrasts=CONTRASTS) -> pd.DataFrame:
+    """Exact McNemar per (contrast, task, length, seed) on the same items (item noise within one pair of models)."""
+    key = items.set_index(["run", "seed", "task", "length", "item"])["correct"].sort_index()
+    have = set(zip(items["run"], items["seed"]))
+    rows = []
+    for a, b in contrasts:
+        for (task, L), _ in items.groupby(["task", "length"]):
+            for seed in sorted(set(items["seed"])):
+                if (a, seed) not in have or (b, seed) not in have:
+                    continue
+                ca, cb = key.loc[(a, seed, task, L)], key.loc[(b, seed, task, L)]
+                if not ca.index.equals(cb.index):
+                    raise ValueError(f"{a} and {b} (seed {seed}, {task} {L}) were scored on different items")
+                r = mcnemar_exact(ca.to_numpy(), cb.to_numpy())
+                rows.append({"contrast": f"{a} - {b}", "task": task, "length": L, "seed": seed, "n": r.n,
+                             "acc_a": r.accuracy_a, "acc_b": r.accuracy_b, "diff_pp": 100 * r.accuracy_difference,
+                             "a_only": r.b10, "b_only": r.b01, "mcnemar_p": r.p_value})
+    return pd.DataFrame(rows)
+
+
+def seed_level(per_seed: pd.DataFrame) -> pd.DataFrame:
+    """Per (contrast, task, length): mean difference over seeds (pp), exact seed-bootstrap 95% interval, sign test."""
+    rows = []
+    for (c, task, L), g in per_seed.groupby(["contrast", "task", "length"], sort=False):
+        sc = seed_contrast(g["diff_pp"].to_numpy())
+        rows.append({"contrast": c, "task": task, "length": L, "seeds": sc.n_seeds, "mean_pp": sc.mean,
+                     "ci_low": sc.low, "ci_high": sc.high, "positive": sc.n_positive, "negative": sc.n_negative,
+                     "ties": sc.n_zero, "sign_p": sc.sign_p, "per_seed_pp": " ".join(f"{x:+.1f}" for x in g["diff_pp"]),
+                     "interval": sc.method})
+    return pd.DataFrame(rows)
+
+
+def strength_table(strength: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy at each strength, paired (McNemar) against s = 1 on the same items, per (run, seed)."""
+    rows = []
+    for (run, seed), g in strength.groupby(["run", "seed"]):
+        ref = g[g["strength"] == 1.0].set_index("item")["correct"].sort_index()
+        for s, gs in g.groupby("strength"):
+            c = gs.set_index("item")["correct"].sort_index()
+            r = mcnemar_exact(c.to_numpy(), ref.to_numpy())
+            rows.append({"run": run, "seed": seed, "length": int(gs["length"].iloc[0]), "strength": s,
+                         "accuracy": r.accuracy_a, "diff_vs_s1_pp": 100 * r.accuracy_difference, "only_s": r.b10,
+                         "only_s1": r.b01, "mcnemar_p": r.p_value})
+    return _order(pd.DataFrame(rows)).reset_index(drop=True)
+
+
+def forest_plot(seed_table: pd.DataFrame, per_seed: pd.DataFrame, task: str, path: Path) -> Optional[Path]:
+    """One panel per length: each contrast's per-seed differences (dots) and the seed mean with its interval."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    st = seed_table[seed_table["task"] == task]
+    if st.empty:
+        return None
+    lengths = sorted(set(st["length"]))
+    names = list(dict.fromkeys(st["contrast"]))
+    fig, axes = plt.subplots(1, len(lengths), figsize=(3.2 * len(lengths), 0.45 * len(names) + 1.4), sharey=True,
+                             squeeze=False)
+    for ax, L in zip(axes[0], lengths):
+        for y, c in enumerate(names):
+            row = st[(st["contrast"] == c) & (st["length"] == L)]
+            pts = per_seed[(per_seed["contrast"] == c) & (per_seed["length"] == L) & (per_seed["task"] == task)]
+            ax.scatter(pts["diff_pp"], [y] * len(pts), s=10, color="0.6", zorder=2)
+            if len(row):
+                r = row.iloc[0]
+                ax.errorbar(r["mean_pp"], y, xerr=[[r["mean_pp"] - r["ci_low"]], [r["ci_high"] - r["mean_pp"]]],
+                            fmt="o", color="C0", capsize=3, zorder=3)
+        ax.axvline(0, color="k", lw=0.8)
+        ax.set_title(f"{task}, {L} tokens", fontsize=9)
+        ax.set_xlabel("a - b (pp)")
+    axes[0][0].set_yticks(range(len(names)))
+    axes[0][0].set_yticklabels(names, fontsize=8)
+    axes[0][0].invert_yaxis()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def report(profile: str) -> dict[str, pd.DataFrame]:
+    """Writes every table (csv + md) under <root>/report/ and the forest plot; returns the tables."""
+    root = root_for(profile)
+    res = load_results(profile)
+    out = root / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    tables = {"train": _order(res["train"]) if len(res["train"]) else res["train"]}
+    if len(res["items"]):
+        tables["accuracy"] = accuracy_table(res["items"])
+        tables["per_seed_contrasts"] = per_seed_contrasts(res["items"])
+        if len(tables["per_seed_contrasts"]):
+            tables["seed_contrasts"] = seed_level(tables["per_seed_contrasts"])
+    if len(res["strength"]):
+        tables["strength"] = strength_table(res["strength"])
+    if len(res["lambda"]):
+        tables["lambda"] = _order(res["lambda"]).reset_index(drop=True)
+    for name, frame in tables.items():
+        frame.to_csv(out / f"{name}.csv", index=False)
+        (out / f"{name}.md").write_text(common.markdown_table(frame))
+    if "seed_contrasts" in tables and frozen_path(profile).is_file():
+        forest_plot(tables["seed_contrasts"], tables["per_seed_contrasts"], read_frozen(profile)["task"],
+                    out / "forest.png")
+    return tables
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("phase", choices=("dev", "main", "report", "all"))
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="full")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.phase in ("dev", "all") and not (args.phase == "all" and frozen_path(args.profile).is_file()):
+        print(json.dumps(dev_phase(args.profile), indent=2))
+    if args.phase in ("main", "all"):
+        main_phase(args.profile)
+    if args.phase in ("report", "all"):
+        for name, frame in report(args.profile).items():
+            print(f"\n== {name} ==\n{frame.to_string(index=False)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
