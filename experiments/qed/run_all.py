@@ -119,9 +119,9 @@ def readme_tables(root: Path, profile: str) -> str:
                  "frac_MD_radius_lt_1_and_norm_gt_1", "max_sigma_MD_with_radius_lt_1"]
         out += ["### Eigenvalue and readout diagnostics (trained models, every token-head)", "",
                 "e_t = 1 - a_t^T k_t from the model's own erase vector (hook_erase, hook_k); max_abs_e_minus_gdn2 "
-                "compares it with the GDN-2 value 1 - sum b k^2 (b recomputed from hook_resid_pre with the block's "
-                "b_proj); max_k_norm_shortfall: max of 1 - ||k_t||^2 (the L2 norm's eps), which bounds a projected arm's "
-                "deviation by lam_max times it; min_strength_leaving_0_1: the smallest s at which some sample's e_t would leave (0, 1) "
+                "compares it with the GDN-2 value 1 - sum b k^2 (b from hook_erase_gate); max_k_norm_shortfall: "
+                "max of 1 - ||k_t||^2 (the L2 norm's eps), which bounds a projected arm's deviation by lam_max times "
+                "it; min_strength_leaving_0_1: the smallest s at which some sample's e_t would leave (0, 1) "
                 "(unprojected arms only).", "", common.markdown_table(d[[c for c in cols1 if c in d]]), "",
                 "rho_t = q_t^T k_t; ||Sbar_t^T d_t|| with Sbar_t = D_t S_{t-1} from captured states (hook_state) and "
                 "d_t = P_perp_k(b * q); lam_rho_sbar_d_mean = mean of lam |rho| ||Sbar^T d||, the one-step output "

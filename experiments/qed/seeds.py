@@ -49,7 +49,7 @@ PROFILES = {
     "full": dict(runs=common.RUNS, seeds=(0, 1, 2, 3, 4), dev_steps=400, snapshots=(200, 300), dev_n=100, n=200, extract_n=200,
                  multipliers=(1, 2, 4, 8), strength_multiplier=4, strength_n=100, stage_lengths=None),
     # a pipeline check (tests): tiny everything, its own frozen task file inside the results folder
-    "smoke": dict(runs=("gdn2", "full", "rand", "full-lm0.5-l0.2"), seeds=(0, 1), dev_steps=6, snapshots=(3,), dev_n=4, n=4, extract_n=4, multipliers=(1, 2),
+    "smoke": dict(runs=("gdn2", "full", "full-lm0.5-l0.2"), seeds=(0, 1), dev_steps=6, snapshots=(3,), dev_n=4, n=4, extract_n=4, multipliers=(1, 2),
                   strength_multiplier=2, strength_n=4, stage_lengths=(32, 256)),
 }
 #: (arm_a, arm_b) contrasts: the paper's four, the two the noproj arm adds, and each lambda variant against gdn2
@@ -58,8 +58,11 @@ CONTRASTS = common.CONTRASTS + tuple((r, "gdn2") for r in common.LAMBDA_STUDY)
 JOB_ORDER = (("gdn2", "full"), ("rand", "nogate", "noproj", "nogate_noproj"), tuple(common.LAMBDA_STUDY))
 
 
+RESULTS = common.ROOT / "results"   # tests point this at a temporary folder
+
+
 def root_for(profile: str) -> Path:
-    return common.ROOT / "results" / ("qed-seeds" if profile == "full" else f"qed-seeds-{profile}")
+    return RESULTS / ("qed-seeds" if profile == "full" else f"qed-seeds-{profile}")
 
 
 def frozen_path(profile: str) -> Path:
@@ -113,6 +116,28 @@ def choose_task(dev: pd.DataFrame, band: tuple[float, float] = DEV_RANGE) -> tup
     return best, best_in
 
 
+def dev_scores(profile: str, checkpoint: Path) -> pd.DataFrame:
+    """Every retrieval variant on dev-split items at 2x, 4x and 8x (the profile's multipliers after 1x); cached in
+    `checkpoint/dev_accuracy.csv`, so that snapshots can be scored while the dev run continues."""
+    cached = Path(checkpoint) / "dev_accuracy.csv"
+    if cached.is_file():
+        return pd.read_csv(cached)
+    p = PROFILES[profile]
+    model = load_model(checkpoint, backend="chunked")
+    rows = []
+    for task in tasks.RETRIEVAL:
+        for m in p["multipliers"][1:]:
+            L = common.TRAIN_LENGTH * m
+            correct = score(model, tasks.build_task(model.tokenizer, task, p["dev_n"], L, split="dev", seed=DEV_SEED))
+            ci = binomial_ci(int(correct.sum()), len(correct))
+            rows.append({"task": task, "length": L, "n": len(correct), "accuracy": ci.estimate, "ci_low": ci.low,
+                         "ci_high": ci.high})
+            print(f"[dev {Path(checkpoint).name}] {task} {L}: {ci.estimate:.3f}", flush=True)
+    frame = pd.DataFrame(rows)
+    frame.to_csv(cached, index=False)
+    return frame
+
+
 def dev_phase(profile: str) -> dict:
     p = PROFILES[profile]
     root = root_for(profile) / "dev"
@@ -124,22 +149,13 @@ def dev_phase(profile: str) -> dict:
                              smoke=profile == "smoke", command=f"python experiments/qed/seeds.py dev --profile {profile}")
     log = pd.read_csv(out / "train_log.csv")
     chosen_steps, curve = curve_steps(log, p["snapshots"], steps)
-    model = load_model(out if chosen_steps == steps else out / f"at-step-{chosen_steps}", backend="chunked")
-    rows = []
-    for task in tasks.RETRIEVAL:
-        for m in p["multipliers"][1:]:
-            L = common.TRAIN_LENGTH * m
-            correct = score(model, tasks.build_task(model.tokenizer, task, p["dev_n"], L, split="dev", seed=DEV_SEED))
-            ci = binomial_ci(int(correct.sum()), len(correct))
-            rows.append({"task": task, "length": L, "n": len(correct), "accuracy": ci.estimate, "ci_low": ci.low,
-                         "ci_high": ci.high})
-            print(f"[dev] {task} {L}: {ci.estimate:.3f}", flush=True)
-    dev = pd.DataFrame(rows)
+    dev = dev_scores(profile, out if chosen_steps == steps else out / f"at-step-{chosen_steps}")
     dev.to_csv(root / "dev_accuracy.csv", index=False)
     task, inside = choose_task(dev)
     frozen = {"task": task, "in_band": inside, "band": list(DEV_RANGE), "steps": chosen_steps, "curve": curve,
               "dev_seed": DEV_SEED, "dev_checkpoint_steps": chosen_steps, "stage_lengths": list(stage_lengths),
-              "dev_accuracy": rows, "frozen_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+              "dev_accuracy": dev.to_dict(orient="records"),
+              "frozen_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     frozen_path(profile).write_text(json.dumps(frozen, indent=2) + "\n")
     return frozen
 
@@ -386,6 +402,97 @@ def report(profile: str) -> dict[str, pd.DataFrame]:
     return tables
 
 
+README = HERE / "README.md"
+START, END = "<!-- seeds:start -->", "<!-- seeds:end -->"
+
+
+def _wide(acc: pd.DataFrame, task: str) -> pd.DataFrame:
+    a = acc[acc["task"] == task].copy()
+    a["cell"] = [f"{100 * x:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]" for x, lo, hi in
+                 zip(a["accuracy"], a["ci_low"], a["ci_high"])]
+    w = a.pivot(index=["run", "seed"], columns="length", values="cell").reset_index()
+    w.columns = [c if isinstance(c, str) else f"{c} tok" for c in w.columns]
+    return _order(w).reset_index(drop=True)
+
+
+def readme_block(profile: str, tables: dict[str, pd.DataFrame]) -> str:
+    """Markdown for the generated block: status, the frozen choice, per-seed and seed-level tables, lambda study."""
+    frozen = read_frozen(profile)
+    done = set(zip(tables["train"]["run"], tables["train"]["seed"])) if len(tables["train"]) else set()
+    todo = [f"{r}-s{s}" for r, s in jobs(profile) if (r, s) not in done]
+    out = [f"Written by `python experiments/qed/seeds.py report` from `{root_for(profile).relative_to(common.ROOT)}/`"
+           f" ({len(done)} of {len(jobs(profile))} jobs finished).", "",
+           "**Finished:** " + (", ".join(f"{r}-s{s}" for r, s in jobs(profile) if (r, s) in done) or "none") + ".",
+           "", "**Not finished:** " + (", ".join(todo) or "none") + ".", "",
+           "### The frozen choice (dev seed)", "",
+           f"Task `{frozen['task']}` ({'inside' if frozen['in_band'] else 'OUTSIDE'} the {frozen['band']} band), "
+           f"step budget {frozen['steps']} (training curve: mean task accuracy over the 20 steps before each snapshot "
+           f"{ {k: round(v, 3) for k, v in frozen['curve']['task_acc_before_step'].items()} }, end of run "
+           f"{frozen['curve']['task_acc_end']:.3f}; plateau = within {frozen['curve']['plateau']}). Frozen "
+           f"{frozen['frozen_at']}. gdn2 (dev seed {frozen['dev_seed']}) on dev-split items:", ""]
+    dev = pd.DataFrame(frozen["dev_accuracy"])
+    dev["cell"] = [f"{100 * x:.0f} [{100 * lo:.0f}, {100 * hi:.0f}]" for x, lo, hi in
+                   zip(dev["accuracy"], dev["ci_low"], dev["ci_high"])]
+    w = dev.pivot(index="task", columns="length", values="cell").reindex(list(tasks.RETRIEVAL)).reset_index()
+    w.columns = [c if isinstance(c, str) else f"{c} tok" for c in w.columns]
+    out += [common.markdown_table(w), ""]
+    if len(tables["train"]):
+        out += ["### Training", "", common.markdown_table(tables["train"]), ""]
+    if "accuracy" in tables:
+        acc = tables["accuracy"]
+        for task in dict.fromkeys([frozen["task"], "sniah1", "doc", "qa"]):
+            if task in set(acc["task"]):
+                out += [f"### Accuracy per seed: `{task}` (%, 95% Wilson interval, {int(acc[acc['task'] == task]['n'].iloc[0])} "
+                        "eval-split items per length)", "", common.markdown_table(_wide(acc, task)), ""]
+    if "seed_contrasts" in tables:
+        sc = tables["seed_contrasts"].copy()
+        sc["cell"] = [f"{m:+.1f} [{lo:+.1f}, {hi:+.1f}] ({p_}/{n_}, p={sp:.2g})" for m, lo, hi, p_, n_, sp in
+                      zip(sc["mean_pp"], sc["ci_low"], sc["ci_high"], sc["positive"], sc["negative"], sc["sign_p"])]
+        for task in dict.fromkeys([frozen["task"], "sniah1", "doc", "qa"]):
+            t = sc[sc["task"] == task]
+            if len(t):
+                w = t.pivot(index="contrast", columns="length", values="cell").reindex(
+                    list(dict.fromkeys(t["contrast"]))).reset_index()
+                w.insert(1, "seeds", t.groupby("contrast", sort=False)["seeds"].max().to_numpy())
+                w.columns = [c if isinstance(c, str) else f"{c} tok" for c in w.columns]
+                out += [f"### Contrasts over seeds: `{task}`", "",
+                        "Cell: mean over seeds of the per-seed accuracy difference a - b (pp) [exact seed-bootstrap "
+                        "95% interval] (seeds with a > b / seeds with a < b, exact sign-test p).", "",
+                        common.markdown_table(w), ""]
+        out += ["![forest plot](figures/forest_seeds.png)", ""]
+    if "per_seed_contrasts" in tables:
+        ps = tables["per_seed_contrasts"]
+        ps = ps[ps["task"] == frozen["task"]]
+        if len(ps):
+            out += [f"### Per-seed McNemar (item noise within one pair of models): `{frozen['task']}`", "",
+                    common.markdown_table(ps.drop(columns=["task"])), ""]
+    if "strength" in tables:
+        out += ["### Inference-time strength (every lambda_h times s) on the frozen task, paired with s = 1", "",
+                common.markdown_table(tables["strength"]), ""]
+    if "lambda" in tables:
+        lam = tables["lambda"]
+        g = lam.groupby("run", sort=False)["lambda"].agg(["count", "mean", "min", "max"]).reset_index()
+        g.insert(1, "lambda_0", [round(common.run_settings(r)["qed_lambda_max"] /
+                                       (1 + np.exp(-common.run_settings(r)["qed_theta_init"])), 4) for r in g["run"]])
+        g.insert(1, "lambda_max", [common.run_settings(r)["qed_lambda_max"] for r in g["run"]])
+        out += ["### Trained lambda per head (all layers, heads and finished seeds)", "", common.markdown_table(g),
+                "", "Per head:", "", common.markdown_table(lam), ""]
+    return "\n".join(out)
+
+
+def write_readme(profile: str, tables: dict[str, pd.DataFrame], readme: Path = README) -> None:
+    forest = root_for(profile) / "report" / "forest.png"
+    if forest.is_file() and forest.stat().st_size < 300_000:
+        (readme.parent / "figures").mkdir(exist_ok=True)
+        (readme.parent / "figures" / "forest_seeds.png").write_bytes(forest.read_bytes())
+    text = readme.read_text()
+    if START not in text or END not in text:
+        raise ValueError(f"{readme} has no seed-study block; add the lines {START} and {END} where the tables go")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(head + START + "\n" + readme_block(profile, tables) + "\n" + END + tail)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("phase", choices=("dev", "main", "report", "all"))
@@ -398,8 +505,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.phase in ("main", "all"):
         main_phase(args.profile)
     if args.phase in ("report", "all"):
-        for name, frame in report(args.profile).items():
+        tables = report(args.profile)
+        for name, frame in tables.items():
             print(f"\n== {name} ==\n{frame.to_string(index=False)}")
+        if args.profile == "full":
+            write_readme(args.profile, tables)
     return 0
 
 

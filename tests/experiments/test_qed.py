@@ -5,6 +5,7 @@ bootstrap against scipy and enumeration; the task generators (deterministic, dev
 training; the seed study's pipeline; and the 03_qed notebook executed end to end."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -274,20 +275,65 @@ def test_evaluation_resumes_from_saved_per_model_results(smoke, monkeypatch):
     assert sorted(calls) == [("full", 0), ("gdn2", 0)]
 
 
+@pytest.fixture(scope="module")
+def seed_study(tmp_path_factory):
+    """The seed study's smoke profile end to end (dev choice, 3 runs x 2 seeds, report) in a temporary folder."""
+    saved = seeds.RESULTS
+    seeds.RESULTS = tmp_path_factory.mktemp("qed-seeds")
+    try:
+        seeds.main(["all", "--profile", "smoke"])
+        yield seeds.root_for("smoke")
+    finally:
+        seeds.RESULTS = saved
+
+
 @pytest.mark.slow
-def test_notebook_executes(smoke):
+def test_seed_study_pipeline_freezes_the_task_and_reports_every_contrast_per_seed(seed_study, monkeypatch):
+    root = seed_study
+    frozen = json.loads((root / "frozen_task.json").read_text())
+    assert frozen["task"] in tasks.RETRIEVAL and frozen["task"] != "sniah1"
+    assert frozen["steps"] in (3, 6) and frozen["dev_seed"] == seeds.DEV_SEED
+    assert sorted(p.name for p in (root / "eval").glob("*.json")) == sorted(
+        f"{r}-s{s}.json" for r in ("gdn2", "full", "full-lm0.5-l0.2") for s in (0, 1))
+    sc = pd.read_csv(root / "report" / "seed_contrasts.csv")
+    for c in ("full - gdn2", "full-lm0.5-l0.2 - gdn2"):
+        rows = sc[sc["contrast"] == c]
+        assert set(rows["task"]) == {frozen["task"], "sniah1", "doc", "qa"} and (rows["seeds"] == 2).all()
+        assert ((rows["ci_low"] <= rows["mean_pp"]) & (rows["mean_pp"] <= rows["ci_high"])).all()
+    per_seed = pd.read_csv(root / "report" / "per_seed_contrasts.csv")
+    one = per_seed[(per_seed["contrast"] == "full - gdn2") & (per_seed["task"] == "doc")]
+    assert sorted(one["seed"]) == [0, 1]
+    row = sc[(sc["contrast"] == "full - gdn2") & (sc["task"] == "doc")].iloc[0]
+    assert row["mean_pp"] == pytest.approx(one["diff_pp"].mean())
+    lam = pd.read_csv(root / "report" / "lambda.csv")
+    assert set(lam["run"]) == {"full", "full-lm0.5-l0.2"} and len(lam) == 2 * 2 * 2 * 2
+    st = pd.read_csv(root / "report" / "strength.csv")
+    assert set(st["strength"]) == set(seeds.STRENGTHS) and "gdn2" not in set(st["run"])
+    assert (root / "report" / "forest.png").is_file()
+    # finished jobs are not trained or evaluated again
+    monkeypatch.setattr(train_arms, "train_one", lambda *a, **k: pytest.fail("retrained a finished job"))
+    monkeypatch.setattr(seeds, "evaluate_one", lambda *a, **k: pytest.fail("re-evaluated a finished job"))
+    monkeypatch.setattr(seeds, "RESULTS", root.parent)
+    seeds.main_phase("smoke")
+
+
+@pytest.mark.slow
+def test_notebook_executes(smoke, seed_study):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     root, _, _ = smoke
     nb = nbformat.read(ROOT / "notebooks" / "03_qed.ipynb", as_version=4)
     os.environ["QED_CHECKPOINT"] = str(root / "train" / "full-s0")
+    os.environ["QED_SEEDS_REPORT"] = str(seed_study / "report")
     try:
         nbclient.NotebookClient(nb, timeout=180, kernel_name="python3",
                                 resources={"metadata": {"path": str(ROOT)}}).execute()
     finally:
         os.environ.pop("QED_CHECKPOINT", None)
+        os.environ.pop("QED_SEEDS_REPORT", None)
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "lambda per head" in text and "strength" in text
+    assert "trained lambda per head" in text and "full-lm0.5-l0.2 - gdn2" in text   # the lambda_max comparison
 
 
 # ---------------------------------------------------------------------------------------------------------------
