@@ -461,11 +461,12 @@ def readme_block(profile: str, tables: dict[str, pd.DataFrame]) -> str:
                         common.markdown_table(w), ""]
         out += ["![forest plot](figures/forest_seeds.png)", ""]
     if "per_seed_contrasts" in tables:
-        ps = tables["per_seed_contrasts"]
-        ps = ps[ps["task"] == frozen["task"]]
-        if len(ps):
-            out += [f"### Per-seed McNemar (item noise within one pair of models): `{frozen['task']}`", "",
-                    common.markdown_table(ps.drop(columns=["task"])), ""]
+        for task in dict.fromkeys([frozen["task"], "doc", "qa"]):
+            ps = tables["per_seed_contrasts"]
+            ps = ps[ps["task"] == task]
+            if len(ps):
+                out += [f"### Per-seed exact McNemar (item noise within one pair of models): `{task}`", "",
+                        common.markdown_table(ps.drop(columns=["task"])), ""]
     if "strength" in tables:
         out += ["### Inference-time strength (every lambda_h times s) on the frozen task, paired with s = 1", "",
                 common.markdown_table(tables["strength"]), ""]
