@@ -95,4 +95,7 @@ def test_bundled_checkpoints_give_the_logits_recorded_before_the_specs(name):
     with torch.no_grad():
         logits = model(torch.tensor([ref["tokens"]]))[0]
     got = logits[ref["positions"], :64].double()
-    torch.testing.assert_close(got, torch.tensor(ref["logits"], dtype=torch.float64), rtol=0, atol=2e-6)
+    # Recorded with the chunked kernel as it was then; its later reorganisation (in-loop outputs, blocked inverse)
+    # changes float32 rounding by < 1e-6 relative, so the bound is relative as well as absolute. The kernel's own
+    # exactness is tested against the float64 step loop (tests/kernels/test_chunked.py).
+    torch.testing.assert_close(got, torch.tensor(ref["logits"], dtype=torch.float64), rtol=2e-6, atol=2e-6)
