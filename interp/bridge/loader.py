@@ -14,6 +14,18 @@ from recurscope.interp.loading import check_shards
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
+def _tokenizer(directory: Path, auto):
+    """The tokenizer class the directory's tokenizer_config.json names, if transformers has it; AutoTokenizer
+    otherwise. (AutoTokenizer prefers the model_type's own class, e.g. Qwen3_5Tokenizer, which would misread a
+    plain tokenizers-backend tokenizer.json saved beside a Qwen3.5 model.)"""
+    import transformers
+
+    cfg_file = directory / "tokenizer_config.json"
+    named = json.loads(cfg_file.read_text()).get("tokenizer_class") if cfg_file.is_file() else None
+    cls = getattr(transformers, named, None) if named else None
+    return (cls or auto).from_pretrained(str(directory))
+
+
 def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu", dtype: Optional[torch.dtype] = None,
                       backend: str = "auto") -> TransformersBridge:
     directory = Path(directory)
@@ -27,7 +39,7 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
     check_shards(directory)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    tokenizer = _tokenizer(directory, AutoTokenizer)
     hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or torch.float32)
     model = TransformersBridge(hf, family, tokenizer)
     model.to(device)
