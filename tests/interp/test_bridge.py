@@ -276,3 +276,14 @@ def test_recurscope_run_completes_on_a_tiny_qwen35(dense, tmp_path):
     assert main(args) == 0
     report = (out / "report.md").read_text()
     assert "Head selection" in report and "Confirmation on held-out sources" in report
+
+
+def test_recurscope_patch_runs_the_five_interventions_on_a_tiny_qwen35(dense, capsys):
+    from recurscope.interp.cli import main
+
+    args = ["patch", str(dense), "--layer", "1", "--head", "0", "--n-facts", "2", "--presentations", "2",
+            "--filler", "12"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for name in ("write_block", "donor_write", "state_swap", "output_patch", "output_restore"):
+        assert name in out
