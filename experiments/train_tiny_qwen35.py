@@ -46,7 +46,35 @@ def build_model(tokenizer):
 
     cfg = Qwen3_5TextConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **ARCHITECTURE)
-    return Qwen3_5ForCausalLM(cfg)
+    model = Qwen3_5ForCausalLM(cfg)
+    init_weights(model)
+    return model
+
+
+def init_weights(model, std: float = tt.INIT_STD) -> None:
+    """train_tiny's recipe on transformers' modules: GPT-style N(0, std) for every Linear and the embedding, the
+    residual writers (o_proj, out_proj, down_proj) shrunk by sqrt(2 * layers), and long-memory decays (A_log = 0,
+    dt spread over 1e-3 .. 4e-2, i.e. horizons of ~25 to ~1000 tokens) as train_tiny._long_memory_gates sets them.
+    transformers' own init (A_log ~ log U(0.01, 16)) forgets within a few tokens, and the first run with it stayed
+    at chance recall (25%) after 2249 steps."""
+    import math
+
+    n_layers = model.config.num_hidden_layers
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0.0, std)
+                if module.bias is not None:
+                    module.bias.zero_()
+                if name.endswith(("o_proj", "out_proj", "down_proj")):
+                    module.weight.div_(math.sqrt(2 * n_layers))
+            elif isinstance(module, torch.nn.Embedding):
+                module.weight.normal_(0.0, std)
+            if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
+                module.A_log.zero_()
+                n = module.dt_bias.numel()
+                dt = torch.logspace(math.log10(1e-3), math.log10(4e-2), n)
+                module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))   # inverse softplus
 
 
 class Logits(torch.nn.Module):
