@@ -211,15 +211,14 @@ class _Collector:
 
 def _run(model, tokens, hooks=(), cache: Optional[RecurrentCache] = None):
     """Runs tokens (optionally continuing `cache`) with temporary hooks; returns (logits, new cache)."""
-    with model.hooks(fwd_hooks=list(hooks)):
-        return model(tokens, cache=cache, use_cache=True)
+    return model.run_suffix(tokens, cache, hooks)   # the model protocol: native or transformers bridge alike
 
 
 def prefix_caches(model, pairs, rows: torch.Tensor, b: int, device) -> tuple[RecurrentCache, RecurrentCache]:
     """Recipient and donor caches after the prefix [0, b], from one batched forward."""
     rec = pairs.recipient_ids[rows, :b + 1]
     don = pairs.donor_ids[rows, :b + 1]
-    _, cache = model(torch.cat([rec, don]).to(device), use_cache=True)
+    cache = model.run_prefix(torch.cat([rec, don]).to(device))
     n = len(rows)
     return cache.select(torch.arange(n)), cache.select(torch.arange(n, 2 * n))
 

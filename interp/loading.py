@@ -39,12 +39,45 @@ def resolve_checkpoint(path_or_name: Union[str, os.PathLike]) -> Path:
     )
 
 
+def check_shards(directory: Path) -> None:
+    """A sharded checkpoint's index must name existing files, and each file must hold exactly the index's keys."""
+    index = directory / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    from safetensors import safe_open
+
+    weight_map = json.loads(index.read_text()).get("weight_map", {})
+    by_file: dict[str, set] = {}
+    for key, fname in weight_map.items():
+        by_file.setdefault(fname, set()).add(key)
+    problems = []
+    for fname, keys in sorted(by_file.items()):
+        path = directory / fname
+        if not path.is_file():
+            problems.append(f"{fname} is named by the index but missing")
+            continue
+        with safe_open(str(path), "pt") as fh:
+            held = set(fh.keys())
+        if held - keys:
+            problems.append(f"{fname} holds {len(held - keys)} weights the index puts elsewhere or omits "
+                            f"(e.g. {sorted(held - keys)[:3]})")
+        if keys - held:
+            problems.append(f"{fname} lacks {len(keys - held)} weights the index puts in it (e.g. {sorted(keys - held)[:3]})")
+    stray = sorted(p.name for p in directory.glob("*.safetensors") if p.name not in by_file)
+    if stray:
+        problems.append(f"files not in the index: {stray}")
+    if problems:
+        raise ValueError(f"the shards of {directory} do not match model.safetensors.index.json: " + "; ".join(problems)
+                         + ". Re-download or re-save the checkpoint; nothing was loaded.")
+
+
 def _read_state_dict(directory: Path) -> dict:
     files = sorted(directory.glob("*.safetensors"))
     if files:
         from safetensors.torch import load_file
 
         index = directory / "model.safetensors.index.json"
+        check_shards(directory)
         if index.is_file():
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
             files = [directory / n for n in names]
@@ -61,14 +94,40 @@ def _read_state_dict(directory: Path) -> dict:
     raise ValueError(f"{directory} has a config.json but no model.safetensors, sharded safetensors or pytorch_model.bin")
 
 
+def checkpoint_format(raw_config: dict) -> str:
+    """"fla" or "transformers", from config.json's model_type; anything else is refused by name."""
+    from recurscope.interp.bridge.families import bridge_family, supported_model_types
+    from recurscope.interp.models.families import FAMILIES
+
+    model_type = raw_config.get("model_type")
+    if model_type in FAMILIES:
+        return "fla"
+    if bridge_family(model_type) is not None:
+        return "transformers"
+    raise ValueError(
+        f"unknown model_type {model_type!r} in config.json (architectures {raw_config.get('architectures')}): "
+        f"recurscope loads fla's format ({', '.join(FAMILIES)}) and, through its transformers bridge, "
+        f"{', '.join(supported_model_types())}; this architecture is neither")
+
+
 def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu",
-               dtype: Optional[torch.dtype] = None, backend: str = "auto") -> RecurrentLM:
-    """Loads a local HF/fla checkpoint directory (or a bundled name) strictly: every mismatch is listed."""
+               dtype: Optional[torch.dtype] = None, backend: str = "auto"):
+    """Loads a local checkpoint directory (or a bundled name) strictly: every mismatch is listed.
+
+    fla's format gives a RecurrentLM; a transformers checkpoint of a family the bridge knows (Qwen3.5 dense, MoE or
+    multimodal) gives a TransformersBridge. Both implement the same model protocol (interp.models.protocol)."""
     directory = resolve_checkpoint(path_or_name)
     cfg_file = directory / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"{directory} has no config.json")
-    cfg = ModelConfig.from_dict(json.loads(cfg_file.read_text()))
+    raw_config = json.loads(cfg_file.read_text())
+    if checkpoint_format(raw_config) == "transformers":
+        from recurscope.interp.bridge import load_transformers
+
+        model = load_transformers(directory, raw_config, device=device, dtype=dtype, backend=backend)
+        model.name_or_path = str(path_or_name)
+        return model
+    cfg = ModelConfig.from_dict(raw_config)
     weights = cfg.family.weights
     with torch.device("meta"):
         probe = RecurrentLM(cfg)

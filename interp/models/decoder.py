@@ -13,6 +13,7 @@ from transformer_lens.hook_points import HookPoint
 from recurscope.interp.models.cache import RecurrentCache
 from recurscope.interp.models.config import ModelConfig
 from recurscope.interp.models.layers import GatedMLP, RMSNorm
+from recurscope.interp.models.protocol import ProtocolMethods
 from recurscope.interp.models.mixers import AttentionMixer, GatedDeltaNet2Mixer, RecurrentMixer
 
 
@@ -63,7 +64,7 @@ class Block(nn.Module):
         return resid, new_cache
 
 
-class RecurrentLM(HookedRootModule):
+class RecurrentLM(ProtocolMethods, HookedRootModule):
     """A hooked decoder for GLA, Gated DeltaNet, Gated DeltaNet-2/QED and their hybrids with attention.
 
     `model(tokens)` returns logits; `model(tokens, cache=c, use_cache=True)` returns (logits, RecurrentCache).

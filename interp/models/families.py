@@ -92,6 +92,7 @@ class FamilySpec:
     label: Optional[Callable] = None
     readout_norm: Optional[Callable] = None
     readout_gate: Optional[Callable] = None
+    mixer_module: str = "recurscope.interp.models.mixers"
 
     @property
     def format(self) -> str:
@@ -99,9 +100,9 @@ class FamilySpec:
 
     @property
     def mixer_class(self):
-        from recurscope.interp.models import mixers
+        import importlib
 
-        return getattr(mixers, self.mixer)
+        return getattr(importlib.import_module(self.mixer_module), self.mixer)
 
     def has_hook(self, point: str) -> bool:
         return point.rsplit(".", 1)[-1] not in self.absent_hooks

@@ -1,0 +1,212 @@
+"""How the bundled `tiny-qwen35` was made: a Qwen3.5-architecture hybrid in transformers' format (3 Gated DeltaNet
+layers, then 1 gated full-attention layer, Qwen3.5's 3:1 pattern with the attention last), trained on a CPU with
+the staged recall curriculum of experiments/train_tiny.py, then scored on held-out recall at K=4, F=512.
+
+The model is transformers' own `Qwen3_5ForCausalLM` on its PyTorch path (transformers would otherwise dispatch to
+fla's Triton kernels); the batches, losses, stage rule and evaluation are train_tiny's.
+
+Usage:  python experiments/train_tiny_qwen35.py --out runs/tiny-qwen35 [--max-minutes M] [--steps N] [--seed S]
+The run is resumable: it writes out/resume.pt every few minutes and continues from it when started again with
+the same --out (--max-minutes counts training time over all resumed runs).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_tiny as tt  # noqa: E402  (the curriculum, losses and evaluation)
+
+from recurscope.interp.bridge.torch_path import use_torch_path  # noqa: E402
+from recurscope.interp.data import build_word_tokenizer, save_word_tokenizer  # noqa: E402
+from recurscope.interp.loading import CHECKPOINT_DIR  # noqa: E402
+
+NAME = "tiny-qwen35"
+ARCHITECTURE = dict(hidden_size=128, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                    linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=64,
+                    linear_conv_kernel_dim=4, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                    intermediate_size=256, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.02,
+                    max_position_embeddings=4096)
+EARLY_TEMPLATES = ("belongs",)        # as tiny-gdn-hybrid: a value-before-key format from the start
+RESUME_EVERY_S = 300
+
+
+def build_model(tokenizer):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **ARCHITECTURE)
+    model = Qwen3_5ForCausalLM(cfg)
+    init_weights(model)
+    return model
+
+
+def init_weights(model, std: float = tt.INIT_STD) -> None:
+    """train_tiny's recipe on transformers' modules: GPT-style N(0, std) for every Linear and the embedding, the
+    residual writers (o_proj, out_proj, down_proj) shrunk by sqrt(2 * layers), and long-memory decays (A_log = 0,
+    dt spread over 1e-3 .. 4e-2, i.e. horizons of ~25 to ~1000 tokens) as train_tiny._long_memory_gates sets them.
+    transformers' own init (A_log ~ log U(0.01, 16)) forgets within a few tokens, and the first run with it stayed
+    at chance recall (25%) after 2249 steps."""
+    import math
+
+    n_layers = model.config.num_hidden_layers
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0.0, std)
+                if module.bias is not None:
+                    module.bias.zero_()
+                if name.endswith(("o_proj", "out_proj", "down_proj")):
+                    module.weight.div_(math.sqrt(2 * n_layers))
+            elif isinstance(module, torch.nn.Embedding):
+                module.weight.normal_(0.0, std)
+            if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
+                module.A_log.zero_()
+                n = module.dt_bias.numel()
+                dt = torch.logspace(math.log10(1e-3), math.log10(4e-2), n)
+                module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))   # inverse softplus
+
+
+class Logits(torch.nn.Module):
+    """tokens -> logits, the call train_tiny's losses and evaluation make."""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, tokens):
+        return self.hf(input_ids=tokens, use_cache=False).logits
+
+
+def train(out: Path, steps: int = 100_000, seed: int = 0, max_minutes: Optional[float] = None,
+          threads: int = 1, command: str = "") -> dict:
+    torch.set_num_threads(threads)
+    use_torch_path()
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_word_tokenizer()
+    torch.manual_seed(seed)
+    hf = build_model(tokenizer)
+    model = Logits(hf)
+    optimizer = torch.optim.AdamW(tt.param_groups(model, tt.STAGED_LR), lr=tt.STAGED_LR, betas=(0.9, 0.95), eps=1e-8)
+    stages = tt.staged_curriculum(EARLY_TEMPLATES)
+    data_rng = random.Random(f"train-tiny/{NAME}/{seed}")
+    step, stage_index, stage_accs, advances, elapsed, history = 0, 0, [], [], 0.0, []
+    resume = out / "resume.pt"
+    if resume.is_file():
+        saved = torch.load(resume, weights_only=False)
+        hf.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        step, stage_index, stage_accs, advances = saved["step"], saved["stage"], saved["stage_accs"], saved["advances"]
+        elapsed, history = saved["elapsed"], saved["history"]
+        data_rng.setstate(saved["data_rng"])
+        torch.set_rng_state(saved["torch_rng"])
+        print(f"resumed at step {step}, stage {stage_index}, {elapsed:.0f} s trained", flush=True)
+
+    def save_resume():
+        tmp = out / "resume.pt.tmp"
+        torch.save({"model": hf.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "stage": stage_index,
+                    "stage_accs": stage_accs, "advances": advances, "elapsed": elapsed, "history": history,
+                    "data_rng": data_rng.getstate(), "torch_rng": torch.get_rng_state()}, tmp)
+        tmp.replace(resume)
+
+    log_path = out / "train_log.csv"
+    columns = ["step", "loss", "lm_loss", "recall_loss", "recall_acc", "filler_len", "gap", "seq_len", "template",
+               "lr", "seconds", "stage"]
+    with open(log_path, "w", newline="") as fh:   # rewritten from the resumed history, so it never duplicates rows
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(history)
+        fh.flush()
+        model.train()
+        stopped, start, last_save = "steps", time.time() - elapsed, time.time()
+        while step < steps:
+            elapsed = time.time() - start
+            if max_minutes is not None and elapsed >= 60.0 * max_minutes:
+                stopped = "max_minutes"
+                break
+            lr = tt.staged_learning_rate(step, tt.STAGED_LR)
+            for group in optimizer.param_groups:
+                group["lr"] = lr * group["lr_scale"]
+            if stage_index + 1 < len(stages) and tt.should_advance_every_template(stage_accs):
+                stage_index, stage_accs = stage_index + 1, []
+                advances.append({"step": step, "stage": stage_index, "name": stages[stage_index]["name"],
+                                 "seconds": round(elapsed, 1)})
+                print(f"step {step}: stage {stage_index} {stages[stage_index]['name']}", flush=True)
+            batch = tt.make_stage_batch(tokenizer, data_rng, step, stages[stage_index], n_recall=tt.STAGED_RECALL_ROWS,
+                                        seed=seed)
+            losses = tt.batch_losses(model, batch, recall_weight=tt.STAGED_RECALL_WEIGHT)
+            if not torch.isfinite(losses["loss"]):
+                raise FloatingPointError(f"non-finite loss at step {step}; lower the learning rate")
+            optimizer.zero_grad(set_to_none=True)
+            losses["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tt.GRAD_CLIP)
+            optimizer.step()
+            row = {"step": step, **{k: round(float(v.detach()), 5) for k, v in losses.items()},
+                   "filler_len": batch["filler_tokens"], "gap": batch["gap"], "seq_len": int(batch["tokens"].shape[1]),
+                   "template": batch["template"], "lr": f"{lr:.3e}", "seconds": round(time.time() - start, 2),
+                   "stage": stage_index}
+            stage_accs.append((row["template"], row["recall_acc"]))
+            writer.writerow(row)
+            fh.flush()
+            history.append(row)
+            step += 1
+            if time.time() - last_save >= RESUME_EVERY_S:
+                elapsed = time.time() - start
+                save_resume()
+                last_save = time.time()
+        elapsed = time.time() - start
+        save_resume()
+    model.eval()
+    t1 = time.time()
+    ev = tt.evaluate(model, tokenizer, progress=False)
+    tail = history[-20:]
+    final = {k: round(float(np.mean([r[k] for r in tail])), 4) for k in ("loss", "lm_loss", "recall_loss", "recall_acc")}
+    summary = {"model": NAME, "command": command, "seed": seed, "steps": step, "max_steps": steps,
+               "max_minutes": max_minutes, "stopped_by": stopped, "threads": threads, "smoke": False,
+               "train_seconds": round(elapsed, 1), "eval_seconds": round(time.time() - t1, 1),
+               "parameters": sum(p.numel() for p in hf.parameters()), "final_losses": final, "eval": ev,
+               "curriculum": {"kind": "staged", "stage_reached": stage_index,
+                              "stage_reached_name": stages[stage_index]["name"], "advances": advances,
+                              "stages": [{k: (v if v is not tt.ALL else "all") for k, v in st.items()} for st in stages],
+                              "early_templates": list(EARLY_TEMPLATES)},
+               "architecture": ARCHITECTURE}
+    final_dir = out / "model"
+    hf.save_pretrained(final_dir)
+    save_word_tokenizer(tokenizer, final_dir)
+    (final_dir / "eval_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (final_dir / "eval_summary.md").write_text(tt._summary_markdown(NAME, summary, log_path))
+    shutil.copy(log_path, final_dir / "train_log.csv")
+    return summary
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("runs") / NAME)
+    p.add_argument("--steps", type=int, default=100_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-minutes", type=float, default=None)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--bundle", action="store_true", help=f"copy out/model to {CHECKPOINT_DIR / NAME} when done")
+    args = p.parse_args(argv)
+    summary = train(args.out, args.steps, args.seed, args.max_minutes, args.threads,
+                    command="python experiments/train_tiny_qwen35.py " + " ".join(argv or sys.argv[1:]))
+    o = summary["eval"]["overall"]
+    print(f"{NAME}: clean recall {100 * o['accuracy']:.1f}% [{100 * o['ci_low']:.1f}, {100 * o['ci_high']:.1f}] "
+          f"on {o['n_sources']} held-out sources after {summary['steps']} steps", flush=True)
+    if args.bundle:
+        shutil.copytree(args.out / "model", CHECKPOINT_DIR / NAME, dirs_exist_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

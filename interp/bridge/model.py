@@ -1,0 +1,258 @@
+"""TransformersBridge: a transformers linear-attention hybrid with recurscope's hook names, cache and model protocol.
+
+transformers' modules do the work (embeddings, norms, attention, MLP/MoE, rotary tables, masks, the cache object);
+the bridge swaps in
+- each decoder layer's glue (`BridgeBlock`), which adds the residual hooks and keeps the layer's own submodules;
+- each linear-attention module (`bridge.mixers`), whose recurrence is `kernels.recurrence` through the hook points;
+- the attention function (`attn_implementation="recurscope"`), eager softmax attention with hook points.
+Hook names are recurscope's (`blocks.{l}.mixer.hook_state`, ...), whatever transformers calls the module.
+
+The cache crosses the protocol as a `RecurrentCache` (states (B, H, K, V), conv tails as transformers keeps them,
+K/V as (B, T, Hkv, D)), so that interventions edit it exactly as they edit a native model's; each call copies it
+into a fresh transformers `DynamicCache` and reads the updated one back.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+from transformer_lens import HookedRootModule
+from transformer_lens.hook_points import HookPoint
+
+from recurscope.interp.bridge.families import BridgeFamily
+from recurscope.interp.bridge.mixers import add_attention_hooks
+from recurscope.interp.models.cache import LayerCache, RecurrentCache
+from recurscope.interp.models.protocol import ProtocolMethods
+
+
+@dataclass
+class BridgeConfig:
+    """The few facts about a bridged model that the protocol users read (as from a native ModelConfig)."""
+    model_type: str
+    vocab_size: int
+    num_hidden_layers: int
+    hf_config: object
+    family_spec: object
+
+    @property
+    def state_heads(self) -> int:
+        return self.family_spec.state_heads(self.hf_config)
+
+    def state_shape(self) -> tuple[int, int]:
+        return self.family_spec.state_shape(self.hf_config)
+
+    @property
+    def family(self):
+        return self.family_spec
+
+
+class BridgeBlock(nn.Module):
+    """A pre-norm decoder layer of transformers (Qwen3.5 layout) with recurscope's residual hooks; it holds the
+    transformers layer's own submodules under their own names."""
+
+    def __init__(self, hf_layer: nn.Module, mixer_attr: str, recurrent: bool):
+        super().__init__()
+        for name, child in hf_layer.named_children():
+            setattr(self, name, child)
+        self.mixer_attr, self.is_recurrent = mixer_attr, recurrent
+        self.hook_resid_pre = HookPoint()
+        self.hook_mixer_out = HookPoint()
+        self.hook_resid_mid = HookPoint()
+        self.hook_mlp_out = HookPoint()
+        self.hook_resid_post = HookPoint()
+
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self.mixer_attr)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, cache=None,
+                **kwargs):
+        kwargs.pop("use_cache", None)
+        resid = self.hook_resid_pre(hidden_states)
+        h = self.input_layernorm(resid)
+        if self.is_recurrent:
+            mixed = self.mixer(h, cache=cache, attention_mask=attention_mask)
+        else:
+            mixed, _ = self.mixer(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
+                                  cache=cache, position_embeddings=position_embeddings)
+        resid = self.hook_resid_mid(resid + self.hook_mixer_out(mixed))
+        mlp = self.mlp(self.post_attention_layernorm(resid))
+        if isinstance(mlp, tuple):   # MoE blocks may also return router logits
+            mlp = mlp[0]
+        return self.hook_resid_post(resid + self.hook_mlp_out(mlp))
+
+
+_HOOK_PATH = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:(\w+)\.)?(hook_\w+)$")
+
+
+class TransformersBridge(ProtocolMethods, HookedRootModule):
+    """A transformers causal LM (`hf`) with recurscope's hooks; implements the model protocol (interp.models.protocol).
+
+    `model(tokens)` returns logits; `model(tokens, cache=c, use_cache=True)` returns (logits, RecurrentCache);
+    `state_positions` asks every linear-attention layer for S_t at those positions (`blocks.{l}.mixer.hook_state`).
+    """
+
+    def __init__(self, hf: nn.Module, family: BridgeFamily, tokenizer=None):
+        super().__init__()
+        from recurscope.interp.bridge.mixers import register_attention
+
+        register_attention()
+        text = hf.model.language_model if hasattr(hf.model, "language_model") else hf.model
+        text_cfg = text.config
+        text_cfg._attn_implementation = "recurscope"
+        self.bridge_family = family
+        self.text_layer_types = list(text_cfg.layer_types)
+        mixer_cls = family.spec.mixer_class
+        blocks = []
+        for i, layer in enumerate(text.layers):
+            recurrent = self.text_layer_types[i] == "linear_attention"
+            if recurrent:
+                setattr(layer, family.linear_attr, mixer_cls(getattr(layer, family.linear_attr)))
+            else:
+                add_attention_hooks(getattr(layer, family.attention_attr))
+            block = BridgeBlock(layer, family.linear_attr if recurrent else family.attention_attr, recurrent)
+            text.layers[i] = block
+            blocks.append(block)
+        self.hf = hf
+        self.text_model = [text]      # a plain list: not a second registration of the same modules
+        self.blocks_list = blocks
+        self.hook_embed = HookPoint()
+        text.embed_tokens.register_forward_hook(lambda module, args, out: self.hook_embed(out))
+        self.cfg = BridgeConfig(family.spec.name, int(text_cfg.vocab_size), int(text_cfg.num_hidden_layers),
+                                text_cfg, family.spec)
+        self.tokenizer = tokenizer
+        self.name_or_path: Optional[str] = None
+        self.checkpoint_dir = None
+        self.setup()
+
+    def setup(self):
+        """TransformerLens's setup, then the hook points renamed to recurscope's names (blocks.{l}.mixer.hook_x)."""
+        super().setup()
+        renamed = {}
+        for path, hp in self.hook_dict.items():
+            m = _HOOK_PATH.search(path)
+            if path == "hook_embed":
+                name = path
+            elif m is None:
+                raise RuntimeError(f"bridge: hook point {path} has no recurscope name")
+            else:
+                layer, inner, point = m.groups()
+                name = f"blocks.{layer}.{point}" if inner is None else f"blocks.{layer}.mixer.{point}"
+            hp.name = name
+            renamed[name] = hp
+            self.mod_dict[name] = hp
+        self.hook_dict = renamed
+
+    # ---- facts ------------------------------------------------------------------------------------------------
+    @property
+    def family(self):
+        return self.bridge_family.spec
+
+    @property
+    def blocks(self):
+        return self.blocks_list
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        return [i for i, b in enumerate(self.blocks_list) if b.is_recurrent]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, b in enumerate(self.blocks_list) if not b.is_recurrent]
+
+    @property
+    def n_state_heads(self) -> int:
+        return self.cfg.state_heads
+
+    def check_head(self, layer: int, head: int) -> None:
+        L = self.cfg.num_hidden_layers
+        if not 0 <= layer < L:
+            raise ValueError(f"layer {layer} is out of range: this model has layers 0..{L - 1}")
+        if not self.blocks_list[layer].is_recurrent:
+            raise ValueError(f"layer {layer} is a full-attention layer; recurrent layers are {self.recurrent_layers}")
+        if not 0 <= head < self.n_state_heads:
+            raise ValueError(f"head {head} is out of range: layer {layer} has heads 0..{self.n_state_heads - 1}")
+
+    def set_backend(self, backend: str) -> None:
+        from recurscope import kernels
+
+        if backend not in kernels.BACKENDS:
+            raise ValueError(f"backend must be one of {kernels.BACKENDS}, got {backend!r}")
+        for b in self.blocks_list:
+            if b.is_recurrent:
+                b.mixer.backend = backend
+
+    # ---- the cache: RecurrentCache <-> transformers' DynamicCache ----------------------------------------------
+    def _to_hf_cache(self, cache: Optional[RecurrentCache]):
+        from transformers import DynamicCache
+
+        hf_cache = DynamicCache(config=self.cfg.hf_config)
+        if cache is None:
+            return hf_cache
+        if len(cache.layers) != len(self.blocks_list):
+            raise ValueError(f"the cache has {len(cache.layers)} layers but the model has {len(self.blocks_list)}")
+        for i, lc in enumerate(cache.layers):
+            layer = hf_cache.layers[i]
+            if lc.kind == "recurrent":
+                for key, conv in lc.conv.items():
+                    idx = int(key)
+                    layer.conv_states[idx] = conv.clone()   # transformers updates its cache in place
+                    layer.conv_kernel_size[idx] = conv.shape[-1]
+                    layer.is_conv_states_initialized[idx] = True
+                    layer.has_previous_state[idx] = True
+                if lc.state is not None:
+                    layer.recurrent_states[0] = lc.state.clone()
+                    layer.is_recurrent_states_initialized[0] = True
+                    layer.has_previous_state[0] = True
+                layer.device, layer.dtype = lc.state.device, lc.state.dtype
+            elif lc.keys is not None:
+                layer.update(lc.keys.transpose(1, 2).contiguous(), lc.values.transpose(1, 2).contiguous())
+        return hf_cache
+
+    def _from_hf_cache(self, hf_cache, seen: int) -> RecurrentCache:
+        layers = []
+        for i, block in enumerate(self.blocks_list):
+            layer = hf_cache.layers[i]
+            if block.is_recurrent:
+                conv = {str(k): v for k, v in layer.conv_states.items() if v is not None}
+                layers.append(LayerCache("recurrent", state=layer.recurrent_states[0], conv=conv))
+            else:
+                layers.append(LayerCache("attention", keys=layer.keys.transpose(1, 2), values=layer.values.transpose(1, 2)))
+        return RecurrentCache(layers, seen)
+
+    # ---- forward --------------------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, cache: Optional[RecurrentCache] = None, use_cache: bool = False,
+                state_positions: Optional[Sequence[int]] = None):
+        if tokens.dim() == 1:
+            tokens = tokens[None]
+        if tokens.dtype not in (torch.long, torch.int32, torch.int64):
+            raise ValueError(f"tokens must be an integer tensor of shape (B, T), got dtype {tokens.dtype}")
+        vocab = self.cfg.vocab_size
+        if int(tokens.max()) >= vocab or int(tokens.min()) < 0:
+            raise ValueError(f"token ids must lie in [0, {vocab - 1}]; got ids in [{int(tokens.min())}, "
+                             f"{int(tokens.max())}] (wrong tokenizer for this model?)")
+        offset = 0 if cache is None else cache.seen_tokens
+        B, T = tokens.shape
+        hf_cache = self._to_hf_cache(cache) if (cache is not None or use_cache) else None
+        positions = torch.arange(offset, offset + T, device=tokens.device)[None].expand(B, T)
+        mixers = [b.mixer for b in self.blocks_list if b.is_recurrent]
+        for m in mixers:
+            m.state_positions = state_positions
+        try:
+            out = self.text_model[0](input_ids=tokens, position_ids=positions, cache=hf_cache,
+                                     use_cache=hf_cache is not None)
+        finally:
+            for m in mixers:
+                m.state_positions = None
+        logits = self.hf.lm_head(out.last_hidden_state)
+        if use_cache:
+            return logits, self._from_hf_cache(hf_cache, offset + T)
+        return logits
+
+    def run_with_cache(self, *args, state_positions: Optional[Sequence[int]] = None, **kwargs):
+        if state_positions is not None:
+            kwargs["state_positions"] = state_positions
+        return super().run_with_cache(*args, **kwargs)

@@ -1,0 +1,65 @@
+"""transformers' own PyTorch path for the linear-attention families.
+
+transformers dispatches `torch_chunk_gated_delta_rule`, `causal_conv1d_fn`, ... to fla's (Triton) or the
+causal-conv1d package's kernels whenever those import. Parity tests compare against transformers' torch functions,
+and a CPU needs them anyway; `torch_reference_path()` swaps the dispatching wrappers back to the functions they wrap.
+"""
+from __future__ import annotations
+
+import importlib
+from contextlib import contextmanager
+
+#: modeling modules of the families the bridge knows, and the kernel functions each dispatches.
+DISPATCHED = {
+    "transformers.models.qwen3_5.modeling_qwen3_5": ("causal_conv1d_update", "causal_conv1d_fn",
+                                                      "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe": ("causal_conv1d_update", "causal_conv1d_fn",
+                                                              "torch_chunk_gated_delta_rule",
+                                                              "torch_recurrent_gated_delta_rule"),
+    "transformers.models.qwen3_next.modeling_qwen3_next": ("causal_conv1d_update", "causal_conv1d_fn",
+                                                            "torch_chunk_gated_delta_rule",
+                                                            "torch_recurrent_gated_delta_rule"),
+    "transformers.models.olmo_hybrid.modeling_olmo_hybrid": ("causal_conv1d_update", "causal_conv1d_fn",
+                                                              "torch_chunk_gated_delta_rule",
+                                                              "torch_recurrent_gated_delta_rule"),
+    "transformers.models.kimi_linear.modeling_kimi_linear": ("causal_conv1d_update", "causal_conv1d_fn",
+                                                              "recurrent_kimi_delta_attention",
+                                                              "chunk_kimi_delta_attention"),
+}
+
+
+def _torch_functions(module):
+    out = {}
+    for name in DISPATCHED[module.__name__]:
+        fn = getattr(module, name, None)
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is not None:
+            out[name] = (fn, inner)
+    return out
+
+
+def use_torch_path(module_names=None) -> dict:
+    """Permanently points the named modeling modules (default: all known) at transformers' torch functions;
+    returns {(module, name): dispatching function} so that `restore` can undo it."""
+    saved = {}
+    for module_name in module_names or DISPATCHED:
+        module = importlib.import_module(module_name)
+        for name, (wrapper, inner) in _torch_functions(module).items():
+            saved[(module, name)] = wrapper
+            setattr(module, name, inner)
+    return saved
+
+
+def restore(saved: dict) -> None:
+    for (module, name), fn in saved.items():
+        setattr(module, name, fn)
+
+
+@contextmanager
+def torch_reference_path(module_names=None):
+    """Within the block, transformers' linear-attention families run their own PyTorch functions."""
+    saved = use_torch_path(module_names)
+    try:
+        yield
+    finally:
+        restore(saved)

@@ -1,0 +1,47 @@
+"""The model protocol that interventions, scans and confirmations use, so that they never ask which model they hold.
+
+Both the native `RecurrentLM` (fla format) and the `TransformersBridge` (transformers format) implement it:
+- `run_prefix(tokens)` -> a `RecurrentCache` after the tokens;
+- the cache's per-layer / per-head edits (`RecurrentCache.swap_from`, `set_head_state`, `select`, `cat`: states,
+  conv tails and attention K/V);
+- `run_suffix(tokens, cache, hooks)` -> (logits, the cache after them), from an edited cache, with hooks;
+- `heads()`, the (layer, head) inventory of recurrent heads, and `check_head`;
+- `tokenizer`; plus `cfg.vocab_size`, `cfg.state_shape()`, `n_state_heads`, `recurrent_layers`, `attention_layers`,
+  `family` (its FamilySpec) and TransformerLens's `hooks()` / `hook_dict` with recurscope's hook names.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from recurscope.interp.models.cache import RecurrentCache
+
+
+@runtime_checkable
+class RecurrentModel(Protocol):
+    tokenizer: object
+    cfg: object
+
+    def run_prefix(self, tokens: torch.Tensor, state_positions: Optional[Sequence[int]] = None) -> RecurrentCache: ...
+
+    def run_suffix(self, tokens: torch.Tensor, cache: RecurrentCache, hooks=()) -> tuple: ...
+
+    def heads(self) -> list[tuple[int, int]]: ...
+
+    def check_head(self, layer: int, head: int) -> None: ...
+
+
+class ProtocolMethods:
+    """The protocol's runs in terms of `forward(tokens, cache=, use_cache=, state_positions=)` and `hooks()`."""
+
+    def run_prefix(self, tokens: torch.Tensor, state_positions: Optional[Sequence[int]] = None) -> RecurrentCache:
+        _, cache = self(tokens, use_cache=True, state_positions=state_positions)
+        return cache
+
+    def run_suffix(self, tokens: torch.Tensor, cache: Optional[RecurrentCache], hooks=()):
+        with self.hooks(fwd_hooks=list(hooks)):
+            return self(tokens, cache=cache, use_cache=True)
+
+    def heads(self) -> list[tuple[int, int]]:
+        return [(layer, head) for layer in self.recurrent_layers for head in range(self.n_state_heads)]

@@ -1,0 +1,291 @@
+"""The transformers bridge on tiny random checkpoints built from transformers' own config classes and saved with
+save_pretrained: parity with transformers' torch path, stepping, state patches against a hand edit of transformers'
+cache, write patches that keep the erase, the interventions, bad input and the CLI's main job."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from recurscope import kernels
+from recurscope.hooks.patches import ReadoutReplace, StateReplace, WriteReplace, WriteScale, run_with_patches
+from recurscope.interp.bridge import TransformersBridge
+from recurscope.interp.bridge.torch_path import torch_reference_path
+from recurscope.interp.data import build_word_tokenizer, save_word_tokenizer
+from recurscope.interp.loading import load_model
+
+LAYOUTS = ("qwen3_5_dense", "qwen3_5_moe", "qwen3_5_multimodal")
+GDN = dict(linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16,
+           linear_conv_kernel_dim=4)
+TEXT = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+            layer_types=["linear_attention"] * 3 + ["full_attention"], initializer_range=0.05, **GDN)
+
+
+def _build(layout: str, vocab: int):
+    import transformers as tf
+
+    if layout == "qwen3_5_dense":
+        return tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(vocab_size=vocab, intermediate_size=64, **TEXT)), \
+            tf.Qwen3_5ForCausalLM
+    if layout == "qwen3_5_moe":
+        cfg = tf.Qwen3_5MoeTextConfig(vocab_size=vocab, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                      shared_expert_intermediate_size=24, **TEXT)
+        return tf.Qwen3_5MoeForCausalLM(cfg), tf.Qwen3_5MoeForCausalLM
+    if layout == "qwen3_5_multimodal":   # the text model sits under model.language_model.*, beside a vision tower
+        cfg = tf.Qwen3_5Config(text_config=dict(vocab_size=vocab, intermediate_size=64, **TEXT),
+                               vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32,
+                                                  out_hidden_size=32))
+        return tf.Qwen3_5ForConditionalGeneration(cfg), tf.Qwen3_5ForConditionalGeneration
+    raise KeyError(layout)
+
+
+def _randomise(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():   # visible norms, decays and gates, so that every path matters in the comparisons
+        for name, p in model.named_parameters():
+            if "norm" in name or "dt_bias" in name:
+                p.copy_(p + 0.3 * torch.randn(p.shape, generator=g))
+            elif "A_log" in name:   # slow forgetting, as in trained models, so that erase and state patches persist
+                p.copy_(torch.empty(p.shape).uniform_(0.01, 0.1, generator=g).log())
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def checkpoint(request, tmp_path_factory):
+    tok = build_word_tokenizer()
+    torch.manual_seed(0)
+    hf, cls = _build(request.param, len(tok))
+    _randomise(hf, 0)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    save_word_tokenizer(tok, path)
+    return request.param, path, cls
+
+
+def _reference(path, cls):
+    return cls.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def _tokens(vocab, B=2, T=19, seed=1):
+    return torch.randint(4, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_loads_as_a_bridge_with_the_project_hooks(checkpoint):
+    layout, path, _ = checkpoint
+    model = load_model(path)
+    assert isinstance(model, TransformersBridge) and model.tokenizer is not None
+    assert model.recurrent_layers == [0, 1, 2] and model.attention_layers == [3] and model.n_state_heads == 2
+    for point in ("hook_write_key", "hook_write_value", "hook_write_scale", "hook_erase", "hook_decay", "hook_state",
+                  "hook_head_out", "hook_q", "hook_k", "hook_v", "hook_z"):
+        assert f"blocks.0.mixer.{point}" in model.hook_dict
+    for point in ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_head_out"):
+        assert f"blocks.3.mixer.{point}" in model.hook_dict
+    for point in ("hook_resid_pre", "hook_mixer_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post"):
+        assert f"blocks.2.{point}" in model.hook_dict
+    assert "hook_embed" in model.hook_dict
+    assert model.heads() == [(l, h) for l in range(3) for h in range(2)]
+
+
+def test_parity_with_transformers_torch_path_hooks_idle(checkpoint):
+    layout, path, cls = checkpoint
+    model, ref = load_model(path), _reference(path, cls)
+    tokens = _tokens(model.cfg.vocab_size)
+    seen = set()
+
+    def idle(t, hook):
+        seen.add(hook.name)
+        return t
+
+    with torch.no_grad(), torch_reference_path():
+        expected = ref(input_ids=tokens).logits
+        with model.hooks(fwd_hooks=[(lambda name: True, idle)]):
+            got = model(tokens)
+    assert len(seen) >= 40   # every hook point fired (hook_state fires only when positions are asked for)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_stepping_equals_the_full_run(checkpoint):
+    _, path, _ = checkpoint
+    model = load_model(path)
+    tokens = _tokens(model.cfg.vocab_size)
+    with torch.no_grad():
+        full = model(tokens)
+        cache = model.run_prefix(tokens[:, :7])
+        mid, cache = model.run_suffix(tokens[:, 7:15], cache)
+        last, _ = model.run_suffix(tokens[:, 15:], cache)
+    torch.testing.assert_close(torch.cat([mid, last], 1), full[:, 7:], rtol=0, atol=1e-5)
+
+
+def test_state_patch_equals_a_hand_edit_of_the_transformers_cache(checkpoint):
+    """StateReplace at position p, with that layer's readout at p itself kept as it was (the state patch also
+    changes o_p, which a cache edit after step p cannot) == transformers' own run of [0, p], its cache's recurrent
+    state edited by hand, then transformers' own run of the suffix. The plain patch changes every position >= p."""
+    from transformers import DynamicCache
+
+    _, path, cls = checkpoint
+    model, ref = load_model(path), _reference(path, cls)
+    tokens = _tokens(model.cfg.vocab_size, seed=3)
+    layer, head, p = 1, 1, 8
+    K, V = model.cfg.state_shape()
+    new_state = torch.randn(2, K, V, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out_name = f"blocks.{layer}.mixer.hook_head_out"
+        clean, clean_cache = model.run_with_cache(tokens, names_filter=out_name)
+        state = StateReplace(layer, head, position=p, state=new_state)
+        keep_readout = ReadoutReplace(layer, head, [p], value=clean_cache[out_name])
+        patched = run_with_patches(model, tokens, [state])
+        as_cache_edit = run_with_patches(model, tokens, [state, keep_readout])
+        with torch_reference_path():
+            text_cfg = ref.config.get_text_config(decoder=True)
+            cache = DynamicCache(config=text_cfg)
+            ref(input_ids=tokens[:, :p + 1], cache=cache, use_cache=True)
+            cache.layers[layer].recurrent_states[0][:, head] = new_state
+            suffix = ref(input_ids=tokens[:, p + 1:], cache=cache, use_cache=True).logits
+    torch.testing.assert_close(as_cache_edit[:, p + 1:], suffix, rtol=0, atol=1e-5)
+    torch.testing.assert_close(patched[:, :p], clean[:, :p], rtol=0, atol=0)
+    change = (patched - clean).abs().amax(-1)                # (B, T)
+    assert bool((change[:, p:] > 1e-4).all()), change
+
+
+def _layer_inputs(model, tokens, layer):
+    names = [f"blocks.{layer}.mixer.{p}" for p in ("hook_q", "hook_k", "hook_write_value", "hook_decay",
+                                                   "hook_erase", "hook_write_key", "hook_head_out")]
+    _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+    return [cache[n] for n in names]
+
+
+def test_write_patches_keep_the_erase(checkpoint):
+    """write_block (WriteScale 0) and donor_write (WriteReplace) at layer l: layer l's readout equals the kernel
+    with the write changed and the erase a_t still acting, and differs from the kernel with the erase removed."""
+    _, path, _ = checkpoint
+    model = load_model(path, dtype=torch.float64)   # float64 throughout, so that the comparison is sharp
+    model.hf.set_experts_implementation("eager")    # MoE layers: grouped_mm has no float64
+    tokens, donor = _tokens(model.cfg.vocab_size, seed=7), _tokens(model.cfg.vocab_size, seed=8)
+    layer, head, positions = 0, 1, [10, 11, 12]
+    K, _ = model.cfg.state_shape()
+    with torch.no_grad():
+        q, k, x, g, a, _, _ = _layer_inputs(model, tokens, layer)
+        _, _, dx, _, _, du, _ = _layer_inputs(model, donor, layer)
+        mask = torch.zeros(q.shape[:3], dtype=torch.bool)
+        mask[:, positions, head] = True
+        scale = K ** -0.5
+        # write_block
+        with model.hooks(fwd_hooks=WriteScale(layer, head, positions, 0.0).fwd_hooks()):
+            _, got = model.run_with_cache(tokens, names_filter=f"blocks.{layer}.mixer.hook_head_out")
+        o = got[f"blocks.{layer}.mixer.hook_head_out"]
+        ws = (~mask).double()
+        keep = kernels.recurrence(q, k, x, g, a, scale=scale, write_scale=ws, backend="reference").o
+        no_erase = kernels.recurrence(q, k, x, g, torch.where(mask[..., None], 0.0, a), scale=scale, write_scale=ws,
+                                      backend="reference").o
+        torch.testing.assert_close(o, keep, rtol=0, atol=1e-12)
+        assert float((o - no_erase).abs().max()) > 1e-4 * float(o.abs().max())   # the erase mattered here
+        # donor_write
+        patch = WriteReplace(layer, head, positions, key=du, value=dx)
+        with model.hooks(fwd_hooks=patch.fwd_hooks()):
+            _, got = model.run_with_cache(tokens, names_filter=f"blocks.{layer}.mixer.hook_head_out")
+        o = got[f"blocks.{layer}.mixer.hook_head_out"]
+        m = mask[..., None]
+        extra = (torch.where(m, du, 0.0), torch.where(m, dx, 0.0))
+        keep = kernels.recurrence(q, k, x, g, a, scale=scale, write_scale=ws, extra_write=extra,
+                                  backend="reference").o
+        torch.testing.assert_close(o, keep, rtol=0, atol=1e-12)
+
+
+def test_interventions_run_through_the_protocol(checkpoint):
+    """state_swap on the bridge == transformers' own prefix runs, the chosen head's state swapped by hand in
+    transformers' cache, and transformers' own suffix run."""
+    from transformers import DynamicCache
+
+    from recurscope.interp.data import build_pairs
+    from recurscope.interp.interventions import state_swap, write_block
+
+    _, path, cls = checkpoint
+    model, ref = load_model(path), _reference(path, cls)
+    pairs = build_pairs(model.tokenizer, split="dev", n_sources=2, n_facts=2, presentations=2, filler_tokens=8)
+    heads = [(2, 0)]
+    result = state_swap(model, pairs, heads)
+    assert torch.isfinite(result.logits).all() and torch.isfinite(write_block(model, pairs, heads).logits).all()
+    text_cfg = ref.config.get_text_config(decoder=True)
+    with torch.no_grad(), torch_reference_path():
+        for i in range(len(pairs)):
+            b = int(pairs.query_start[i]) - 1
+            caches = []
+            for ids in (pairs.recipient_ids[i:i + 1], pairs.donor_ids[i:i + 1]):
+                c = DynamicCache(config=text_cfg)
+                ref(input_ids=ids[:, :b + 1], cache=c, use_cache=True)
+                caches.append(c)
+            rec, don = caches
+            rec.layers[2].recurrent_states[0][:, 0] = don.layers[2].recurrent_states[0][:, 0]
+            logits = ref(input_ids=pairs.recipient_ids[i:i + 1, b + 1:], cache=rec, use_cache=True).logits
+            at = logits[0, int(pairs.query_pos[i]) - b - 1]
+            expect = at[pairs.candidate_ids[i]]
+            torch.testing.assert_close(result.logits[i], expect, rtol=0, atol=1e-4)
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    tok = build_word_tokenizer()
+    torch.manual_seed(0)
+    hf, _ = _build("qwen3_5_dense", len(tok))
+    path = tmp_path_factory.mktemp("dense")
+    hf.save_pretrained(path)
+    save_word_tokenizer(tok, path)
+    return path
+
+
+def test_refuses_an_unsupported_architecture(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"unknown model_type 'llama' in config.json \(architectures "
+                                         r"\['LlamaForCausalLM'\]\)"):
+        load_model(tmp_path)
+
+
+def test_refuses_a_checkpoint_without_tokenizer(dense, tmp_path):
+    for f in ("config.json", "model.safetensors"):
+        (tmp_path / f).write_bytes((dense / f).read_bytes())
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        load_model(tmp_path)
+
+
+def test_refuses_shards_that_do_not_match_the_index(dense, tmp_path):
+    for f in dense.iterdir():
+        if f.name != "model.safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    sd = load_file(str(dense / "model.safetensors"))
+    names = sorted(sd)
+    half = len(names) // 2
+    save_file({k: sd[k] for k in names[:half]}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({k: sd[k] for k in names[half:]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    wrong = {k: ("model-00002-of-00002.safetensors" if i < 2 else
+                 "model-00001-of-00002.safetensors" if i < half else "model-00002-of-00002.safetensors")
+             for i, k in enumerate(names)}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wrong}))
+    with pytest.raises(ValueError, match="do not match model.safetensors.index.json"):
+        load_model(tmp_path)
+
+
+@pytest.mark.xfail(strict=True, reason="interp/scan.py (perf's rewrite) runs native internals (model.embed, block "
+                   "signatures) layer by layer instead of the model protocol; passed before that merge")
+def test_recurscope_run_completes_on_a_tiny_qwen35(dense, tmp_path):
+    from recurscope.interp.cli import main
+
+    out = tmp_path / "study"
+    args = ["run", str(dense), "--n-dev", "2", "--n-heldout", "3", "--out", str(out), "--n-facts", "2",
+            "--presentations", "2", "--filler", "12", "--batch-size", "8"]
+    assert main(args) == 0
+    report = (out / "report.md").read_text()
+    assert "Head selection" in report and "Confirmation on held-out sources" in report
+
+
+def test_recurscope_patch_runs_the_five_interventions_on_a_tiny_qwen35(dense, capsys):
+    from recurscope.interp.cli import main
+
+    args = ["patch", str(dense), "--layer", "1", "--head", "0", "--n-facts", "2", "--presentations", "2",
+            "--filler", "12"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for name in ("write_block", "donor_write", "state_swap", "output_patch", "output_restore"):
+        assert name in out
