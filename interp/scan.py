@@ -29,6 +29,7 @@ import torch
 
 from recurscope.interp import stats
 from recurscope.interp.interventions import candidate_logits, check_pairs, model_device, normalise_heads
+from recurscope.interp.models import RecurrentLM
 from recurscope.interp.models.cache import LayerCache, RecurrentCache
 
 __all__ = ["ScanResult", "SCAN_KEY", "all_heads", "run_scan", "summarise_scan", "naive_head_shifts"]
@@ -135,6 +136,24 @@ def _patched_suffix(model, cache: RecurrentCache, clean_inputs: list, n: int, ex
     return resid, order
 
 
+def _protocol_margins(model, cache: RecurrentCache, n: int, suffix, qp, cand, d, r, e=None, layer=None, head=None):
+    """Margins through the model protocol alone (run_suffix from an edited cache), for models whose blocks the
+    growing batch cannot drive (the transformers bridge): recipients' cache rows `e` (all when None) with the
+    donor's state put into (layer[k], head[k]) of row k. The native path equals this to float rounding."""
+    e = torch.arange(n) if e is None else e
+    rows = cache.select(e)
+    if layer is not None:
+        donors = cache.select(n + e)
+        for k in range(len(e)):
+            l, h = int(layer[k]), int(head[k])
+            state = rows.head_state(l, h).clone()
+            state[k] = donors.head_state(l, h)[k]
+            rows.set_head_state(l, h, state)
+    logits = model.run_suffix(suffix[e.to(suffix.device)], rows)[0]
+    z = logits[torch.arange(len(e), device=logits.device), qp[e].to(logits.device)]
+    return _margins(candidate_logits(z, cand[e]), d[e], r[e])
+
+
 def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optional[Sequence] = None,
              prefix_batch: int = 4, progress: Optional[Callable[[int, int], None]] = None) -> ScanResult:
     """Scan every recurrent head (or `heads`) over the target rows of `pairs` (dev sources).
@@ -158,6 +177,8 @@ def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optiona
     n_done = sum(1 for i in rows.tolist() for l, h in head_list
                  if (int(pairs.source_id[i]), int(pairs.group[i]), l, h) in done)
     heads_t = torch.tensor(head_list, dtype=torch.long)
+    # The growing batch drives RecurrentLM's blocks directly; any other protocol model takes the protocol path.
+    native = isinstance(model, RecurrentLM)
 
     boundary = (pairs.query_start - 1).cpu()
     with torch.no_grad():
@@ -170,22 +191,31 @@ def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optiona
                         if (int(pairs.source_id[i]), int(pairs.group[i]), l, h) not in done]
                 if not todo:
                     continue
-                cache = _prefix_cache(model, pairs, ex, b, device)
                 suffix = pairs.recipient_ids[ex, b + 1:].to(device)
                 qp = pairs.query_pos[ex] - (b + 1)
                 cand = pairs.candidate_ids[ex]
                 d, r = pairs.donor_answer_index[ex], pairs.recipient_answer_index[ex]
-                clean_inputs, clean_out = _clean_suffix(model, cache, suffix)
-                clean = _margins(_query_logits(model, clean_out, qp, cand), d, r)
+                if native:
+                    cache = _prefix_cache(model, pairs, ex, b, device)
+                    clean_inputs, clean_out = _clean_suffix(model, cache, suffix)
+                    clean = _margins(_query_logits(model, clean_out, qp, cand), d, r)
+                else:
+                    cache = model.run_prefix(torch.cat([pairs.recipient_ids[ex, :b + 1],
+                                                        pairs.donor_ids[ex, :b + 1]]).to(device))
+                    clean = _protocol_margins(model, cache, len(ex), suffix, qp, cand, d, r)
                 todo_t = torch.tensor(todo, dtype=torch.long)
                 for c in range(0, len(todo_t), batch_size):
                     chunk = todo_t[c:c + batch_size]
                     e, j = chunk[:, 0], chunk[:, 1]
-                    resid, order = _patched_suffix(model, cache, clean_inputs, len(ex), e, heads_t[j, 0],
-                                                   heads_t[j, 1])
-                    e, j = e[order], j[order]
-                    layer, head = heads_t[j, 0], heads_t[j, 1]
-                    margin = _margins(_query_logits(model, resid, qp[e], cand[e]), d[e], r[e])
+                    if native:
+                        resid, order = _patched_suffix(model, cache, clean_inputs, len(ex), e, heads_t[j, 0],
+                                                       heads_t[j, 1])
+                        e, j = e[order], j[order]
+                        layer, head = heads_t[j, 0], heads_t[j, 1]
+                        margin = _margins(_query_logits(model, resid, qp[e], cand[e]), d[e], r[e])
+                    else:
+                        layer, head = heads_t[j, 0], heads_t[j, 1]
+                        margin = _protocol_margins(model, cache, len(ex), suffix, qp, cand, d, r, e, layer, head)
                     new_rows = []
                     for k in range(len(e)):
                         i = int(ex[e[k]])

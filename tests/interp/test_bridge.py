@@ -267,8 +267,6 @@ def test_refuses_shards_that_do_not_match_the_index(dense, tmp_path):
         load_model(tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason="interp/scan.py (perf's rewrite) runs native internals (model.embed, block "
-                   "signatures) layer by layer instead of the model protocol; passed before that merge")
 def test_recurscope_run_completes_on_a_tiny_qwen35(dense, tmp_path):
     from recurscope.interp.cli import main
 
