@@ -57,8 +57,8 @@ def _load(args):
 
     model = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
     if model.tokenizer is None:
-        raise SystemExit(f"error: {args.model} has no tokenizer in its directory; recall pairs need one "
-                         "(save the model's tokenizer.json beside config.json)")
+        raise UsageError(f"{args.model} has no tokenizer in its directory; recall pairs need one: save the model's "
+                         "tokenizer.json beside config.json")
     return model
 
 
@@ -83,9 +83,9 @@ def _pairs(model, args):
 
 def _check_filler(pairs, args, tokenizer):
     """Refuses --corpus filler that is mostly the tokenizer's unknown token (unless --allow-unk) and says the rate."""
-    rate = pairs.report.get("filler_unknown_rate", 0.0)
     if not args.corpus:
         return
+    rate = pairs.report.get("filler_unknown_rate", 0.0)
     unk = getattr(tokenizer, "unk_token", None) or "the unknown token"
     line = (f"--corpus {args.corpus}: {rate:.1%} of the filler tokens ({pairs.report.get('filler_unknown_tokens')}/"
             f"{pairs.report.get('filler_tokens')}) are {unk}")

@@ -49,7 +49,7 @@ def _corrupt(src: Path, dst: Path, how: str) -> Path:
     return dst
 
 
-SMALL1 = [*SMALL, "--pairs-per-source", "1", "--n-sources", "2"]
+SMALL1 = [*SMALL, "--n-sources", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +81,10 @@ def cases(base):
         "out under a file": ["scan", bad["truncated"], "--out", a_file / "sub", *small],
         "out under /proc": ["scan", bad["truncated"], "--out", "/proc/recurscope-test/out", *small],
         "device cuda": ["scan", bad["truncated"], "--device", "cuda", "--out", root / "out_cuda", *small],
-        "batch size -4": ["scan", ckpt, "--out", root / "out_batch", *small[:-6], "--batch-size", "-4"],
-        "top-k 0": ["confirm", ckpt, "--from-scan", root / "no_scan", "--top-k", "0", "--out", root / "out_topk",
+        "batch size -4": ["scan", ckpt, "--out", root / "out_batch", *SMALL[:-2], "--n-sources", "2",
+                          "--batch-size", "-4"],
+        # before the fix this wrote a manifest with heads [] and then failed, blocking the corrected rerun
+        "top-k 0": ["confirm", ckpt, "--from-scan", root / "scan", "--top-k", "0", "--out", root / "out_topk",
                     *small],
         "run --sources": ["run", ckpt, "--sources", "heldout", "--n-dev", "2", "--n-heldout", "2", "--out",
                           root / "out_run", *small[:-2]],
