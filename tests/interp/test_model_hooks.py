@@ -278,6 +278,7 @@ def test_patch_forms_are_checked():
     with pytest.raises(ValueError, match=r"mask has shape \(2, 5, 2\)"):
         run_with_patches(model, _tokens(model), [WriteScale(0, mask=torch.ones(2, 5, 2, dtype=torch.bool))])
 
+
 def _patch_with_heads(kind, heads, model):
     """A patch of `kind` on layer 0 with `heads`; tensors sized for the model's real head count."""
     from recurscope.hooks import ReadoutReplace
