@@ -15,8 +15,9 @@ import pytest
 
 from recurscope.interp import cli
 from recurscope.interp.data import FillerSource
-from tests.cli.test_cli import SMALL, _checkpoint
+from tests.cli.test_cli import SMALL
 
+pytestmark = pytest.mark.slow  # the real command in subprocesses, and CLI runs
 ROOT = Path(__file__).resolve().parents[2]
 ENGLISH = ("The committee met on Tuesday to discuss the proposed budget for the coming fiscal year, and several "
            "members raised concerns about the rising cost of maintaining the bridges along the northern highway. ")
@@ -53,10 +54,10 @@ SMALL1 = [*SMALL, "--n-sources", "2"]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
+def base(tmp_path_factory, tiny_checkpoint):
     """A tiny checkpoint and a finished scan of it (in-process)."""
     root = tmp_path_factory.mktemp("errors")
-    ckpt = _checkpoint(root / "ckpt")
+    ckpt = tiny_checkpoint(root / "ckpt")
     assert cli.main(["scan", str(ckpt), "--out", str(root / "scan"), *SMALL1]) == 0
     return root, ckpt
 

@@ -56,6 +56,7 @@ def test_state_swap_with_donor_equal_recipient_changes_nothing(word_tok, pairs, 
     assert (r2.logits - r2.clean).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 def test_state_swap_identity_is_exact_without_simd_elementwise_kernels():
     # the explanation of ATOL above, checked: with ATen's scalar kernels the self-swap is bit-exact on a GDN model
     import os
