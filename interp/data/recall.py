@@ -610,12 +610,12 @@ def build_pairs(tokenizer, sources: Sequence[Source] | None = None, *, split: st
 
 
 def filler_unknown_rate(batch: PairBatch, tokenizer) -> dict:
-    """How much of the filler (the recipient's tokens before the query, outside padding and fact spans) is the
+    """How much of the filler (the recipient's tokens before the query, outside the fact spans) is the
     tokenizer's unknown token. Corpus text outside a word-level vocabulary becomes [UNK] and stops reading as text,
     so a high rate means the filler is not what the command line says it is."""
     ids = batch.recipient_ids
     pos = torch.arange(ids.shape[1])
-    filler = batch.attention_mask.bool() & (pos[None, :] < batch.query_start[:, None])
+    filler = pos[None, :] < batch.query_start[:, None]   # rows are unpadded: all tokens before the query
     spans = batch.fact_spans.reshape(len(batch), -1, 2)
     in_fact = ((pos[None, None, :] >= spans[..., :1]) & (pos[None, None, :] < spans[..., 1:])).any(dim=1)
     filler &= ~in_fact
