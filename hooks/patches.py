@@ -12,6 +12,7 @@ Where a patch acts is given in one of two forms, and both become one boolean mas
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
@@ -190,12 +191,30 @@ class ReadoutReplace:
         return [(hook_name("hook_head_out", self.layer), hook)]
 
 
+def check_patch_heads(model, patch) -> None:
+    """Raises a ValueError naming the problem and the fix unless every head of `patch` is a recurrent head of
+    `model` in the patch's layer (model.check_head on each, as interventions.normalise_heads does). A patch given
+    as a mask (heads=None) is left to the mask's own shape check."""
+    if getattr(patch, "heads", None) is None:
+        return
+    name = type(patch).__name__
+    try:
+        heads = [operator.index(h) for h in ([patch.heads] if not hasattr(patch.heads, "__iter__") else patch.heads)]
+    except TypeError:
+        raise ValueError(f"{name}.heads must be a head index or a list of them, got {patch.heads!r}; "
+                         "e.g. heads=[0, 2]") from None
+    if not heads:
+        raise ValueError(f"{name}.heads is empty; name at least one head, e.g. heads=[0]")
+    for h in heads:
+        model.check_head(operator.index(patch.layer), h)
+
+
 def patch_hooks(model, patches: Sequence) -> list[tuple[str, Callable]]:
-    """The forward hooks of every patch, each checked to name a hook point of `model`."""
+    """The forward hooks of every patch, each checked to name a hook point of `model` and every head checked
+    (check_patch_heads)."""
     hooks: list[tuple[str, Callable]] = []
     for p in patches:
-        if isinstance(p, StateReplace) and p.heads is not None:
-            model.check_head(p.layer, _heads(p.heads)[0])
+        check_patch_heads(model, p)
         hooks.extend(p.fwd_hooks())
     for name, _ in hooks:
         if name not in model.hook_dict:

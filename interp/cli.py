@@ -3,7 +3,9 @@ pair, or run the whole study (scan, confirmation, report) in one go."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -11,20 +13,37 @@ import torch
 from tqdm.auto import tqdm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+# Share of --corpus filler tokens that may be the tokenizer's unknown token before a run is refused (fixed before
+# any run, not tuned on results): above it the filler is mostly [UNK], not the corpus' text. --allow-unk overrides.
+MAX_FILLER_UNKNOWN_RATE = 0.05
+# Pairs per source: 4 narrows the state-swap interval on tiny-gla's 32 held-out sources from 3.04 logits (1 pair)
+# to 1.15 (measured; README), so source means carry several pairs and the source bootstrap is a cluster bootstrap.
+DEFAULT_PAIRS_PER_SOURCE = 4
+
+
+class UsageError(ValueError):
+    """Bad command-line input: the message is one line naming the problem and the fix."""
 
 
 # ---- shared options ------------------------------------------------------------------------------------------
 def _model_args(p):
     p.add_argument("model", nargs="?", default="tiny-gla", help="a bundled name (see `recurscope models`) or a local checkpoint directory")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (checked before the model loads)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--batch-size", type=int, default=16)
 
 
-def _pair_args(p, split):
-    p.add_argument("--sources", default=split, choices=["dev", "heldout"], help="which split of sources (never overlap)")
-    p.add_argument("--n-sources", type=int, default=16)
+def _pair_args(p, split, choose_sources=True):
+    if choose_sources:  # `run` picks its own splits (--n-dev, --n-heldout)
+        p.add_argument("--sources", default=split, choices=["dev", "heldout"], help="which split of sources (never overlap)")
+        p.add_argument("--n-sources", type=int, default=16)
+    p.add_argument("--pairs-per-source", type=int, default=DEFAULT_PAIRS_PER_SOURCE,
+                   help="donor/recipient pairs built on each source's filler; intervals resample sources, so more "
+                        f"pairs per source give tighter source means (default {DEFAULT_PAIRS_PER_SOURCE}, see README)")
     p.add_argument("--corpus", default=None, help="take filler from a local corpus (a WikiText .raw file, a PG19 or .txt folder)")
+    p.add_argument("--allow-unk", action="store_true",
+                   help=f"run even if more than {MAX_FILLER_UNKNOWN_RATE:.0%}% of the --corpus filler tokens are "
+                        "the tokenizer's unknown token")
     p.add_argument("--n-facts", type=int, default=4)
     p.add_argument("--presentations", type=int, default=3)
     p.add_argument("--filler", type=int, default=512, help="filler tokens between the last presentation and the query")
@@ -38,8 +57,8 @@ def _load(args):
 
     model = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
     if model.tokenizer is None:
-        raise SystemExit(f"error: {args.model} has no tokenizer in its directory; recall pairs need one "
-                         "(save the model's tokenizer.json beside config.json)")
+        raise UsageError(f"{args.model} has no tokenizer in its directory; recall pairs need one: save the model's "
+                         "tokenizer.json beside config.json")
     return model
 
 
@@ -47,7 +66,7 @@ def _pairs(model, args):
     from recurscope.interp.data import build_pairs
 
     kwargs = dict(n_facts=args.n_facts, presentations=args.presentations, filler_tokens=args.filler,
-                  template=args.template, vocab=args.vocab, seed=args.seed,
+                  template=args.template, vocab=args.vocab, seed=args.seed, pairs_per_source=args.pairs_per_source,
                   max_length=getattr(model.cfg, "max_position_embeddings", None) if model.attention_layers else None)
     if args.corpus:
         from recurscope.interp.data import corpus_sources, read_text_folder, read_wikitext
@@ -55,8 +74,38 @@ def _pairs(model, args):
         path = Path(args.corpus)
         docs = read_wikitext(path) if path.is_file() else read_text_folder(path)
         srcs = corpus_sources(docs, split=args.sources, n=args.n_sources)
-        return build_pairs(model.tokenizer, srcs, **kwargs)
-    return build_pairs(model.tokenizer, split=args.sources, n_sources=args.n_sources, **kwargs)
+        pairs = build_pairs(model.tokenizer, srcs, **kwargs)
+    else:
+        pairs = build_pairs(model.tokenizer, split=args.sources, n_sources=args.n_sources, **kwargs)
+    _check_filler(pairs, args, model.tokenizer)
+    return pairs
+
+
+def _check_filler(pairs, args, tokenizer):
+    """Refuses --corpus filler that is mostly the tokenizer's unknown token (unless --allow-unk) and says the rate."""
+    if not args.corpus:
+        return
+    rate = pairs.report.get("filler_unknown_rate", 0.0)
+    unk = getattr(tokenizer, "unk_token", None) or "the unknown token"
+    line = (f"--corpus {args.corpus}: {rate:.1%} of the filler tokens ({pairs.report.get('filler_unknown_tokens')}/"
+            f"{pairs.report.get('filler_tokens')}) are {unk}")
+    if rate > MAX_FILLER_UNKNOWN_RATE and not args.allow_unk:
+        raise UsageError(f"{line}, above the {MAX_FILLER_UNKNOWN_RATE:.0%} limit: the tokenizer does not cover this "
+                         "text; use a corpus in the tokenizer's vocabulary or a model with a subword tokenizer, or "
+                         "pass --allow-unk to run on it anyway")
+    warn = rate > MAX_FILLER_UNKNOWN_RATE
+    print(("WARNING: " if warn else "") + line + (" (--allow-unk given)" if warn else ""), file=sys.stderr)
+
+
+def _filler_record(pairs, args) -> dict:
+    """What the filler was, for the manifest's `extra` and the report."""
+    origin = (f"local corpus {args.corpus}" if args.corpus else
+              f"generated filler (recurscope's grammar, seed {args.seed})")
+    return {"filler_source": origin, "filler_unknown_rate": pairs.report.get("filler_unknown_rate", 0.0),
+            "filler_unknown_tokens": pairs.report.get("filler_unknown_tokens", 0),
+            "filler_tokens": pairs.report.get("filler_tokens", 0), "allow_unk": bool(args.allow_unk),
+            "filler_unknown_limit": MAX_FILLER_UNKNOWN_RATE,
+            "pairs_per_source": args.pairs_per_source, "device": args.device, "batch_size": args.batch_size}
 
 
 def _ray_args(p, scan=True):
@@ -93,7 +142,87 @@ def _work_args(args, keys):
     return {k: getattr(args, k) for k in keys}
 
 
-PAIR_KEYS = ("sources", "n_sources", "corpus", "n_facts", "presentations", "filler", "template", "vocab", "seed")
+PAIR_KEYS = ("sources", "n_sources", "pairs_per_source", "corpus", "n_facts", "presentations", "filler", "template",
+             "vocab", "seed")
+
+
+@contextlib.contextmanager
+def _progress_bar(**kwargs):
+    """A tqdm bar that is closed (its line ended) however the block exits, so an error starts on its own line."""
+    bar = tqdm(**kwargs)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+# ---- argument validation: once, for every command, before any model loads or any file is written ------------
+_AT_LEAST_ONE = ("batch_size", "n_sources", "pairs_per_source", "n_facts", "presentations", "top_k", "n_dev",
+                 "n_heldout")
+_AT_LEAST_ZERO = ("filler", "seed", "source", "layer")
+
+
+def validate_args(args) -> None:
+    """Raises UsageError (one line: the problem and the fix) for any option no command can run with."""
+    for name in _AT_LEAST_ONE + _AT_LEAST_ZERO:
+        value = getattr(args, name, None)
+        low = 1 if name in _AT_LEAST_ONE else 0
+        if value is not None and value < low:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least {low}, got {value}; e.g. "
+                             f"--{name.replace('_', '-')} {max(low, 1) if name != 'seed' else 0}")
+    for h in getattr(args, "head", None) or []:
+        if h < 0:
+            raise UsageError(f"--head must be at least 0, got {h}; heads are numbered from 0")
+    if getattr(args, "device", None) is not None:
+        _check_device(args.device)
+    if getattr(args, "corpus", None) and not Path(args.corpus).exists():
+        raise UsageError(f"--corpus {args.corpus}: no such file or folder; pass a WikiText .raw file or a folder "
+                         "of .txt files")
+    if getattr(args, "from_scan", None) is not None:
+        scan = Path(args.from_scan)
+        if not (scan / "manifest.json").is_file() or not (scan / "scan_heads.csv").is_file():
+            raise UsageError(f"--from-scan {scan} is not a finished scan directory (it needs manifest.json and "
+                             "scan_heads.csv); run `recurscope scan` first and pass its --out directory")
+    if getattr(args, "out", None) is not None:
+        _check_out(args.out)
+
+
+def _check_device(spec: str) -> None:
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {spec!r} is not a device name; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise UsageError(f"--device {spec}: {why} (torch.cuda.is_available() is False); use --device cpu, or "
+                             "run on a machine with a GPU and a CUDA build of torch")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) are visible; use "
+                             f"--device cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {spec}: MPS is not available on this machine; use --device cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"--device {spec}: recurscope runs on cpu, cuda or mps; use one of those")
+
+
+def _check_out(out) -> None:
+    """--out must be a directory we can create and write in; checked (and created) before any work."""
+    path = Path(out).expanduser()
+    parent = path
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if parent.exists() and not parent.is_dir():
+        raise UsageError(f"--out {out}: {parent} is a file, not a directory; choose an --out path that is not "
+                         "inside a file")
+    probe = path / f".recurscope-write-check-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise UsageError(f"--out {out}: cannot write there ({err.strerror or err}); choose a directory you can "
+                         "write to, e.g. --out results/run") from None
 
 
 # ---- commands --------------------------------------------------------------------------------------------------
@@ -131,24 +260,26 @@ def cmd_scan(args):
     pairs = _pairs(model, args)
     run = RunDir.create_or_open(args.out, kind="scan", model_name=args.model, checkpoint_path=model.checkpoint_dir,
                                 args=_work_args(args, PAIR_KEYS), seeds=[args.seed],
-                                sources=sorted(set(pairs.source_id.tolist())), split=args.sources)
+                                sources=sorted(set(pairs.source_id.tolist())), split=args.sources,
+                                extra=_filler_record(pairs, args))
     if spec is not None:
         from recurscope.interp.distributed import run_scan_ray
         from recurscope.interp.scan import all_heads
 
         bar, progress = _unit_bar("scan: (source, head block) units")
-        result, _ = run_scan_ray(spec, pairs, all_heads(model), run_dir=run, batch_size=max(args.batch_size, 1),
-                                 head_block=args.head_block, workers=args.workers, address=args.ray,
-                                 progress=progress)
+        try:
+            result, _ = run_scan_ray(spec, pairs, all_heads(model), run_dir=run, batch_size=args.batch_size,
+                                     head_block=args.head_block, workers=args.workers, address=args.ray,
+                                     progress=progress)
+        finally:
+            bar.close()
     else:
-        bar = tqdm(desc="scan: (pair, head) rows", unit="row")
-
-        def progress(done, total):
-            bar.total = total
-            bar.n = done
-            bar.refresh()
-        result = run_scan(model, pairs, run_dir=run, batch_size=max(args.batch_size, 1), progress=progress)
-    bar.close()
+        with _progress_bar(desc="scan: (pair, head) rows", unit="row") as bar:
+            def progress(done, total):
+                bar.total = total
+                bar.n = done
+                bar.refresh()
+            result = run_scan(model, pairs, run_dir=run, batch_size=args.batch_size, progress=progress)
     from recurscope.interp.plots import plot_head_scan
 
     plot_head_scan(result.scores, run.figure_path("scan_heatmap"), selected=result.winner,
@@ -169,33 +300,49 @@ def cmd_confirm(args):
     from recurscope.interp.results import RunDir
 
     spec = _ray_spec(args) if getattr(args, "ray", None) else None
+    on_selection = args.sources == "dev"
+    if on_selection:
+        print(SELECTION_WARNING, file=sys.stderr)
     model = _load(args)
     heads = heads_from_scan(args.from_scan, model, top_k=args.top_k)
     scan_heads = pd.read_csv(Path(args.from_scan) / "scan_heads.csv")
     pairs = _pairs(model, args)
+    extra = {**_filler_record(pairs, args), "confirmation_on_selection_sources": on_selection}
     run = RunDir.create_or_open(args.out, kind="confirm", model_name=args.model, checkpoint_path=model.checkpoint_dir,
                                 args={**_work_args(args, PAIR_KEYS), "heads": heads, "from_scan": str(args.from_scan)},
-                                seeds=[args.seed], sources=sorted(set(pairs.source_id.tolist())), split=args.sources)
+                                seeds=[args.seed], sources=sorted(set(pairs.source_id.tolist())), split=args.sources,
+                                extra=extra)
     if spec is not None:
         from recurscope.interp.distributed import run_confirm_ray
         from recurscope.interp.interventions import choose_control_heads, normalise_heads
 
         heads = normalise_heads(model, heads)
         bar, progress = _unit_bar("confirm: (source, arm) units")
-        result, _ = run_confirm_ray(spec, pairs, heads, choose_control_heads(model, heads, scan=scan_heads),
-                                    run_dir=run, scan_heads=scan_heads, seed=args.seed, batch_size=args.batch_size,
-                                    workers=args.workers, address=args.ray, progress=progress)
+        try:
+            result, _ = run_confirm_ray(spec, pairs, heads, choose_control_heads(model, heads, scan=scan_heads),
+                                        run_dir=run, scan_heads=scan_heads, seed=args.seed,
+                                        batch_size=args.batch_size, workers=args.workers, address=args.ray,
+                                        progress=progress)
+        finally:
+            bar.close()
     else:
-        bar = tqdm(total=len(ARMS), desc="confirm: interventions", unit="arm")
-        result = run_confirm(model, pairs, heads, run_dir=run, scan_heads=scan_heads, seed=args.seed,
-                             batch_size=args.batch_size, progress=lambda arm: (bar.set_postfix_str(arm), bar.update(1)))
-    bar.close()
+        with _progress_bar(total=len(ARMS), desc="confirm: interventions", unit="arm") as bar:
+            result = run_confirm(model, pairs, heads, run_dir=run, scan_heads=scan_heads, seed=args.seed,
+                                 batch_size=args.batch_size,
+                                 progress=lambda arm: (bar.set_postfix_str(arm), bar.update(1)))
     summary = result.summary.assign(model=args.model)
     plot_intervention_effects(summary, run.figure_path("effects"),
                               title=f"{args.model}: {', '.join(f'L{l}H{h}' for l, h in heads)} on held-out sources")
     _print_summary(result.summary)
     print(f"results in {run.path}")
+    if on_selection:
+        print(SELECTION_WARNING, file=sys.stderr)  # again, below the table, where it is read
     return result
+
+
+SELECTION_WARNING = ("WARNING: confirm --sources dev runs on the dev sources the scan chose its heads on: this is "
+                     "NOT a confirmation (selection and test on the same data); use --sources heldout (the default). "
+                     "The manifest records it (extra.confirmation_on_selection_sources).")
 
 
 def _print_summary(summary):
@@ -278,16 +425,21 @@ def cmd_run(args):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="recurscope", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    # --debug is accepted after the command too; SUPPRESS keeps the subparser from overwriting the top-level value
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("models", help="list the bundled checkpoints")
+    p = sub.add_parser("models", parents=[common], help="list the bundled checkpoints")
     p.set_defaults(fn=cmd_models)
-    p = sub.add_parser("scan", help="head-selection scan (state swap per head) on dev sources")
+    p = sub.add_parser("scan", parents=[common], help="head-selection scan (state swap per head) on dev sources")
     _model_args(p)
     _pair_args(p, "dev")
     _ray_args(p, scan=True)
     p.add_argument("--out", required=True)
     p.set_defaults(fn=cmd_scan)
-    p = sub.add_parser("confirm", help="confirmatory patching of the scan's head on held-out sources")
+    p = sub.add_parser("confirm", parents=[common], help="confirmatory patching of the scan's head on held-out sources")
     _model_args(p)
     _pair_args(p, "heldout")
     p.add_argument("--from-scan", required=True, help="a scan result directory")
@@ -295,18 +447,18 @@ def main(argv=None) -> int:
     _ray_args(p, scan=False)
     p.add_argument("--out", required=True)
     p.set_defaults(fn=cmd_confirm)
-    p = sub.add_parser("patch", help="run the five interventions on one pair and print the table")
+    p = sub.add_parser("patch", parents=[common], help="run the five interventions on one pair and print the table")
     _model_args(p)
     _pair_args(p, "heldout")
     p.add_argument("--layer", type=int, required=True)
     p.add_argument("--head", type=int, nargs="+", required=True)
     p.add_argument("--source", type=int, default=0)
     p.set_defaults(fn=cmd_patch)
-    p = sub.add_parser("run", help="the main job: scan on dev, confirm on held-out, write a report")
+    p = sub.add_parser("run", parents=[common], help="the main job: scan on dev, confirm on held-out, write a report")
     _model_args(p)
-    _pair_args(p, "dev")
-    p.add_argument("--n-dev", type=int, default=16)
-    p.add_argument("--n-heldout", type=int, default=32)
+    _pair_args(p, "dev", choose_sources=False)
+    p.add_argument("--n-dev", type=int, default=16, help="dev sources for the scan")
+    p.add_argument("--n-heldout", type=int, default=32, help="held-out sources for the confirmation")
     _ray_args(p, scan=True)
     p.add_argument("--out", default="results/tiny-gla")
     p.set_defaults(fn=cmd_run)
@@ -314,10 +466,25 @@ def main(argv=None) -> int:
 
     register_verbs(sub, _model_args, _load)
     args = parser.parse_args(argv)
+    return _run_command(args)
+
+
+# Errors that are the user's input or environment (bad option, file, checkpoint, directory): one line, no traceback.
+# Anything else is a bug in recurscope and keeps its traceback.
+USER_ERRORS = (ValueError, OSError)
+
+
+def _run_command(args) -> int:
     try:
+        validate_args(args)
         result = args.fn(args)
-    except ValueError as err:  # bad input: say what is wrong and how to fix it, without a traceback
-        print(f"error: {err}", file=sys.stderr)
+    except USER_ERRORS as err:
+        if args.debug:
+            raise
+        lines = (str(err) or type(err).__name__).splitlines()
+        print(f"error: {lines[0]}", file=sys.stderr)
+        for line in lines[1:]:  # details after the summary line (e.g. every mismatched weight)
+            print(line, file=sys.stderr)
         return 2
     return 0 if not isinstance(result, int) else result
 

@@ -19,6 +19,10 @@ from recurscope.interp.models.families import fla_to_ours, ours_to_fla  # noqa: 
 CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: the message names the file, what is wrong with it and the fix."""
+
+
 def bundled_names() -> list[str]:
     if not CHECKPOINT_DIR.is_dir():
         return []
@@ -67,31 +71,86 @@ def check_shards(directory: Path) -> None:
     if stray:
         problems.append(f"files not in the index: {stray}")
     if problems:
-        raise ValueError(f"the shards of {directory} do not match model.safetensors.index.json: " + "; ".join(problems)
+        raise CheckpointError(f"the shards of {directory} do not match model.safetensors.index.json: " + "; ".join(problems)
                          + ". Re-download or re-save the checkpoint; nothing was loaded.")
+
+
+def _read_weight_file(path: Path) -> dict:
+    """One weight file's tensors; a truncated, empty or garbled file raises CheckpointError naming it."""
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path} is empty (0 bytes); the download or save was interrupted: download or save "
+                              "the checkpoint again")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # safetensors and torch raise their own types for a damaged file
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise CheckpointError(f"{path} cannot be read as weights ({type(err).__name__}: {reason}); the file is "
+                              "truncated or corrupt: download or save the checkpoint again") from err
+
+
+def _read_json(path: Path, what: str):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{path} is not valid JSON ({err}); it should be the checkpoint's {what}: restore it "
+                              "from the original checkpoint") from None
 
 
 def _read_state_dict(directory: Path) -> dict:
     files = sorted(directory.glob("*.safetensors"))
     if files:
-        from safetensors.torch import load_file
-
         index = directory / "model.safetensors.index.json"
         check_shards(directory)
         if index.is_file():
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            weight_map = _read_json(index, "shard index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no 'weight_map' object; restore it from the original checkpoint")
+            names = sorted(set(weight_map.values()))
             files = [directory / n for n in names]
+            absent = [str(f) for f in files if not f.is_file()]
+            if absent:
+                raise CheckpointError(f"{index} lists shards that are not there: {absent}; download the missing "
+                                      "shards")
         sd = {}
         for f in files:
-            sd.update(load_file(str(f)))
+            sd.update(_read_weight_file(f))
         return sd
     bins = sorted(directory.glob("pytorch_model*.bin"))
     if bins:
         sd = {}
         for f in bins:
-            sd.update(torch.load(f, map_location="cpu", weights_only=True))
+            sd.update(_read_weight_file(f))
         return sd
-    raise ValueError(f"{directory} has a config.json but no model.safetensors, sharded safetensors or pytorch_model.bin")
+    raise CheckpointError(f"{directory} has a config.json but no model.safetensors, sharded safetensors or "
+                          "pytorch_model.bin; copy the weights beside config.json")
+
+
+def _read_config(cfg_file: Path) -> ModelConfig:
+    raw = _read_json(cfg_file, "model configuration")
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_file} holds a JSON {type(raw).__name__}, not an object of model options; "
+                              "restore it from the original checkpoint")
+    try:
+        return ModelConfig.from_dict(raw)
+    except (ValueError, TypeError) as err:
+        raise CheckpointError(f"{cfg_file}: {err}") from None
+
+
+def _mismatch_error(directory: Path, model_type: str, missing, unexpected, wrong) -> CheckpointError:
+    """One summary line (counts and the fix), then every mismatch on its own line."""
+    counts = [f"{len(v)} {k}" for k, v in (("missing", missing), ("unexpected", unexpected),
+                                              ("with the wrong shape", wrong)) if v]
+    lines = [f"checkpoint {directory} does not match its config.json ({model_type}): {', '.join(counts)} weights; "
+             "check that config.json belongs to these weights (nothing was loaded)"]
+    for title, names in (("missing weights", missing), ("unexpected weights", unexpected), ("shape mismatches", wrong)):
+        if names:
+            lines.append(f"  {title} ({len(names)}):")
+            lines += [f"    {n}" for n in names]
+    return CheckpointError("\n".join(lines))
 
 
 def checkpoint_format(raw_config: dict) -> str:
@@ -119,15 +178,15 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     directory = resolve_checkpoint(path_or_name)
     cfg_file = directory / "config.json"
     if not cfg_file.is_file():
-        raise ValueError(f"{directory} has no config.json")
-    raw_config = json.loads(cfg_file.read_text())
-    if checkpoint_format(raw_config) == "transformers":
+        raise CheckpointError(f"{directory} has no config.json; copy the checkpoint's config.json beside its weights")
+    raw_config = _read_json(cfg_file, "model configuration")
+    if isinstance(raw_config, dict) and checkpoint_format(raw_config) == "transformers":
         from recurscope.interp.bridge import load_transformers
 
         model = load_transformers(directory, raw_config, device=device, dtype=dtype, backend=backend)
         model.name_or_path = str(path_or_name)
         return model
-    cfg = ModelConfig.from_dict(raw_config)
+    cfg = _read_config(cfg_file)
     weights = cfg.family.weights
     with torch.device("meta"):
         probe = RecurrentLM(cfg)
@@ -140,15 +199,7 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     wrong = sorted(f"{k}: checkpoint {tuple(raw[k].shape)} vs config {tuple(expected[k])}"
                    for k in set(raw) & set(expected) if tuple(raw[k].shape) != tuple(expected[k]))
     if missing or unexpected or wrong:
-        lines = [f"checkpoint {directory} does not match its config.json ({cfg.model_type}):"]
-        if missing:
-            lines.append(f"  missing weights ({len(missing)}): {missing[:20]}{' ...' if len(missing) > 20 else ''}")
-        if unexpected:
-            lines.append(f"  unexpected weights ({len(unexpected)}): {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}")
-        if wrong:
-            lines.append(f"  shape mismatches ({len(wrong)}): {wrong[:20]}")
-        lines.append("  Check that config.json belongs to these weights; nothing was loaded.")
-        raise ValueError("\n".join(lines))
+        raise _mismatch_error(directory, cfg.model_type, missing, unexpected, wrong)
     model = RecurrentLM(cfg)
     ours = {weights.to_ours(k): v for k, v in raw.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     result = model.load_state_dict(ours, strict=not cfg.tie_word_embeddings)
@@ -158,7 +209,8 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
             raise ValueError(f"internal weight mapping error: missing {leftover}, unexpected {result.unexpected_keys}")
     for name, t in ours.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"weight {weights.to_checkpoint(name)} in {directory} holds NaN or inf values; the checkpoint is corrupt")
+            raise CheckpointError(f"weight {weights.to_checkpoint(name)} in {directory} holds NaN or inf values; the checkpoint "
+                                  "is corrupt: download or save it again")
     model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     model.set_backend(backend)
     model.name_or_path = str(path_or_name)

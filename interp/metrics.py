@@ -26,10 +26,14 @@ import torch
 
 from recurscope.interp import stats
 
-__all__ = ["METRICS", "example_metrics", "summarise_metrics", "source_means"]
+__all__ = ["METRICS", "BINARY_METRICS", "example_metrics", "summarise_metrics", "source_means"]
 
 METRICS = ("clean_correct", "correct", "donor_margin_shift", "donor_specific_shift", "distractor_shift",
            "donor_answer", "target_margin_change", "nontarget_break", "nontarget_margin_change")
+# 0/1 outcomes: summarised as proportions (stats.proportion_ci: a binomial interval when each source gives one
+# example, a source-cluster bootstrap when sources give several). confirm adds the two accuracy columns.
+BINARY_METRICS = ("clean_correct", "correct", "donor_answer", "nontarget_break", "clean_accuracy",
+                  "intervened_accuracy")
 
 
 def _as_array(name: str, t, n: int, C: int) -> np.ndarray:
@@ -132,7 +136,9 @@ def source_means(frame: pd.DataFrame, metrics: Sequence[str] = METRICS, by: Sequ
 
 def summarise_metrics(frame: pd.DataFrame, metrics: Sequence[str] = METRICS, by: Sequence[str] = ("intervention",),
                       **kwargs) -> pd.DataFrame:
-    """Source-bootstrap estimate and interval of each metric (interp.stats.summarise; sources are the unit).
-    kwargs go to stats.summarise (n_resamples, confidence, seed, method)."""
+    """Estimate and 95% interval of each metric (interp.stats.summarise; sources are the unit): a source bootstrap
+    for margins, stats.proportion_ci for the 0/1 metrics in BINARY_METRICS. kwargs go to stats.summarise
+    (n_resamples, confidence, seed, method)."""
     by = [c for c in by if c in frame.columns]
-    return stats.summarise(frame, list(metrics), by=by, source_col="source", **kwargs)
+    return stats.summarise(frame, list(metrics), by=by, source_col="source",
+                           proportions=[m for m in metrics if m in BINARY_METRICS], **kwargs)

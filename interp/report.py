@@ -32,11 +32,20 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
                  loso=None, summary: pd.DataFrame, figures: dict) -> Path:
     out_dir = Path(out_dir)
     manifest = json.loads((Path(confirm_dir) / "manifest.json").read_text())
+    scan_manifest_path = Path(scan_dir) / "manifest.json"
+    scan_manifest = json.loads(scan_manifest_path.read_text()) if scan_manifest_path.is_file() else {}
+    extra, args = manifest.get("extra", {}), manifest.get("args", {})
     lines = [f"# recurscope report: {model_name}", ""]
+    if manifest.get("split") == "dev" or extra.get("confirmation_on_selection_sources"):
+        lines += ["> **WARNING: this \"confirmation\" ran on the dev sources, where the scan selected its heads. "
+                  "Selection and test on the same sources is not a confirmation; rerun `recurscope confirm` with "
+                  "`--sources heldout`.**", ""]
     lines += [f"- checkpoint: `{manifest.get('checkpoint_path')}` ({manifest.get('checkpoint_hash', '')[:19]}...)",
-              f"- scan: `{scan_dir}` on {manifest.get('args', {}).get('scan_sources', 'dev')} sources; "
+              f"- scan: `{scan_dir}` on {scan_manifest.get('split', 'dev')} sources; "
               f"confirmation: `{confirm_dir}` on {manifest.get('split')} sources "
-              f"(n = {summary['n_sources'].max() if len(summary) else 0})",
+              f"(n = {summary['n_sources'].max() if len(summary) else 0}, "
+              f"{args.get('pairs_per_source', 1)} pair(s) per source)",
+              f"- filler: {_filler_line(extra)}",
               f"- seeds: {manifest.get('seeds')}; command: `{' '.join(manifest.get('argv', []))}`", ""]
     lines += ["## Head selection (dev sources)", "",
               "J(l, h) is the mean over sources of the donor-margin shift from a state swap of that single head at "
@@ -51,7 +60,7 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
         lines += ["", f"![head scan]({Path(figures['scan_heatmap']).name})"]
     lines += ["", f"## Confirmation on held-out sources: {', '.join(f'L{l}H{h}' for l, h in heads)}", "",
               f"Control head(s): {', '.join(f'L{l}H{h}' for l, h in control_heads)} (the median-|J| head of the same "
-              "layer). Estimates are means over sources with 95% source-bootstrap intervals.", "",
+              "layer). Estimates are means over sources. " + _intervals_line(summary), "",
               "| intervention | donor-margin shift | donor-specific shift | distractor shift | donor-answer rate | "
               "recall after | clean recall |",
               "|---|---|---|---|---|---|---|"]
@@ -74,6 +83,30 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
     return path
 
 
+def _filler_line(extra: dict) -> str:
+    if "filler_source" not in extra:
+        return "not recorded (a run from before recurscope recorded it)"
+    rate = extra.get("filler_unknown_rate", 0.0)
+    limit = extra.get("filler_unknown_limit")
+    over = limit is not None and rate > limit
+    return (f"{extra['filler_source']}; {100 * rate:.1f}% of its {extra.get('filler_tokens')} tokens are the "
+            f"tokenizer's unknown token" + (f" — **above the {100 * limit:.0f}% limit (run with --allow-unk): the "
+                                            "filler is largely not the corpus' text**" if over else ""))
+
+
+def _intervals_line(summary: pd.DataFrame) -> str:
+    """Which 95% interval each kind of metric got, from the summary's method column."""
+    if "method" not in summary.columns or summary.empty:
+        return "Intervals are 95%."
+    binary = summary["metric"].isin(["donor_answer", "clean_accuracy", "intervened_accuracy"])
+
+    def kinds(rows):
+        return ", ".join(sorted(set(rows["method"].astype(str))))
+    return (f"95% intervals: margins by source bootstrap ({kinds(summary[~binary])}); rates by "
+            f"{kinds(summary[binary])}. With one pair per source a rate gets a binomial interval (a bootstrap "
+            "would collapse to zero width at 0% and 100%); with several, a source-cluster bootstrap.")
+
+
 def _reading(summary: pd.DataFrame) -> list[str]:
     out = []
     clean = _est(summary, "state_swap", "clean_accuracy")
@@ -82,20 +115,27 @@ def _reading(summary: pd.DataFrame) -> list[str]:
                    + (" — below the paper's 93-97%, so effects are measured on a weaker memory." if clean[0] < 0.9 else "."))
     swap = _est(summary, "state_swap", named_intervention("state_swap").metric)
     restore = _est(summary, "output_restore", named_intervention("output_restore").metric)
-    if swap and restore:
+    if swap:
         if swap[1] > 0:
-            verdict = ("collapses it to within its interval of zero, as in the paper" if restore[1] <= 0 <= restore[2]
-                       else f"leaves {restore[0]:+.2f} of it (the paper: near zero)")
-            out.append(f"- The state swap moves the margin by {swap[0]:+.2f} logits [{swap[1]:+.2f}, {swap[2]:+.2f}]; "
-                       f"restoring the recipient's query-time output {verdict}.")
+            out.append(f"- The state swap moves the margin by {swap[0]:+.2f} logits [{swap[1]:+.2f}, {swap[2]:+.2f}].")
         else:
             out.append(f"- The state swap's donor-margin shift ({swap[0]:+.2f} [{swap[1]:+.2f}, {swap[2]:+.2f}]) is not "
                        "reliably positive here: this head does not carry the fact on these sources (unlike the paper).")
+    if restore:
+        out.append(f"- Restoring every readout of the swapped head(s) after the boundary ({restore[0]:+.2f}) gives the "
+                   "clean margin on every row by construction: a head's state reaches the rest of the network only "
+                   "through its readouts. It checks the patching; it is not evidence for the paper's claim.")
     last = _est(summary, "output_restore_last", named_intervention("output_restore_last").metric)
     if swap and last and swap[0] > 0:
-        out.append(f"- Restoring only the answer position's readout leaves {last[0]:+.2f} [{last[1]:+.2f}, {last[2]:+.2f}] "
-                   f"({100 * last[0] / swap[0]:.0f}% of the swap's shift): what reaches the answer through the head's "
-                   "readouts at earlier query tokens.")
+        if last[1] <= 0 <= last[2] or abs(last[0]) < 0.01 * swap[0]:
+            verdict = (f"collapses the swap's shift to {last[0]:+.2f} [{last[1]:+.2f}, {last[2]:+.2f}], within its "
+                       "interval or 1% of zero, as in the paper")
+        else:
+            verdict = (f"leaves {last[0]:+.2f} [{last[1]:+.2f}, {last[2]:+.2f}] ({100 * last[0] / swap[0]:.0f}% of the "
+                       "swap's shift; the paper: near zero): what reaches the answer through the head's readouts at "
+                       "earlier query tokens")
+        out.append(f"- The informative arm is the restore at the answer position only: restoring the recipient's "
+                   f"query-time readout there {verdict}.")
     for main in INTERVENTIONS:
         ref = _est(summary, main, named_intervention(main).metric)
         for control in controls_of(main):

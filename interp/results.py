@@ -308,6 +308,14 @@ def _hashable(value):
 # --------------------------------------------------------------------------------------------------------------
 
 
+class WorkDiffers(ValueError):
+    """RunDir.open refused a resume because the requested work differs from the manifest's (see ``diffs``)."""
+
+    def __init__(self, message: str, diffs: Sequence[str] = ()):
+        super().__init__(message)
+        self.diffs = list(diffs)
+
+
 class RunDir:
     """One run's output directory. Create it with ``RunDir.create``, reopen it for a resume with ``RunDir.open``
     (which refuses if the work would differ), or use ``RunDir.create_or_open`` from a CLI."""
@@ -348,6 +356,12 @@ class RunDir:
         if (path / MANIFEST_NAME).exists():
             raise FileExistsError(f"{path} already holds a run ({MANIFEST_NAME} exists); resume it with RunDir.open "
                                   f"or choose a new --out directory")
+        return cls._write_new(path, kind=kind, model_name=model_name, checkpoint_path=checkpoint_path, args=args,
+                              seeds=seeds, sources=sources, split=split, extra=extra)
+
+    @classmethod
+    def _write_new(cls, path: Path, *, kind, model_name, checkpoint_path, args, seeds, sources, split, extra,
+                   replaced: Optional[list] = None) -> "RunDir":
         manifest = {"manifest_version": MANIFEST_VERSION,
                     **cls._work(kind, model_name, checkpoint_path, args, seeds, sources, split),
                     "extra": _normalise("extra", dict(extra or {})),
@@ -355,6 +369,8 @@ class RunDir:
                     "platform": _platform_info(),
                     "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                     "resumed": []}
+        if replaced:
+            manifest["replaced"] = replaced
         path.mkdir(parents=True, exist_ok=True)
         _atomic_write_text(path / MANIFEST_NAME, json.dumps(manifest, indent=2, default=_to_jsonable) + "\n")
         return cls(path, manifest)
@@ -373,7 +389,8 @@ class RunDir:
         try:
             manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:
-            raise ValueError(f"{manifest_path} is not valid JSON ({err}); use a new --out directory") from None
+            raise WorkDiffers(f"{manifest_path} is not valid JSON ({err}); use a new --out directory",
+                              ["manifest: not valid JSON"]) from None
         given = {"kind": kind, "model_name": model_name, "args": args, "seeds": seeds, "sources": sources,
                  "split": split}
         now: dict[str, Any] = {}
@@ -386,9 +403,9 @@ class RunDir:
         diffs = [f"{name}: run has {manifest.get(name)!r}, now {value!r}" for name, value in now.items()
                  if manifest.get(name) != value]
         if diffs:
-            raise ValueError(f"cannot resume {path}: the work differs from the recorded run in "
+            raise WorkDiffers(f"cannot resume {path}: the work differs from the recorded run in "
                              f"{', '.join(d.split(':')[0] for d in diffs)} ({'; '.join(diffs)}). Use a new --out "
-                             f"directory for different work")
+                             f"directory for different work", diffs)
         manifest.setdefault("resumed", []).append(
             {"time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "argv": list(sys.argv),
              "packages": package_versions()})
@@ -399,12 +416,31 @@ class RunDir:
     def create_or_open(cls, out_dir, *, kind: str, model_name: str, checkpoint_path=None,
                        args: Optional[Mapping] = None, seeds=None, sources: Optional[Sequence] = None,
                        split: Optional[str] = None, extra: Optional[Mapping] = None) -> "RunDir":
-        """Resume ``out_dir`` if it holds a run (with every check of ``open``), otherwise create it."""
-        if (Path(out_dir) / MANIFEST_NAME).exists():
-            return cls.open(out_dir, kind=kind, model_name=model_name, checkpoint_path=checkpoint_path, args=args,
-                            seeds=seeds, sources=sources, split=split)
+        """Resume ``out_dir`` if it holds a run (with every check of ``open``), otherwise create it.
+
+        A run directory that holds no committed rows (a run that failed before doing any work) does not block a
+        corrected rerun: its differing manifest is replaced, and the new manifest's ``replaced`` list records what
+        differed. With rows, different work is refused as in ``open``."""
+        path = Path(out_dir)
+        if (path / MANIFEST_NAME).exists():
+            try:
+                return cls.open(out_dir, kind=kind, model_name=model_name, checkpoint_path=checkpoint_path,
+                                args=args, seeds=seeds, sources=sources, split=split)
+            except WorkDiffers as err:
+                if cls.holds_rows(path):
+                    raise
+                replaced = [{"time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                             "differed": err.diffs}]
+                return cls._write_new(path, kind=kind, model_name=model_name, checkpoint_path=checkpoint_path,
+                                      args=args, seeds=seeds, sources=sources, split=split, extra=extra,
+                                      replaced=replaced)
         return cls.create(out_dir, kind=kind, model_name=model_name, checkpoint_path=checkpoint_path, args=args,
                           seeds=seeds, sources=sources, split=split, extra=extra)
+
+    @staticmethod
+    def holds_rows(path) -> bool:
+        """Whether any row log (``*.jsonl``) in ``path`` holds a committed row, i.e. some work was done."""
+        return any(len(RowLog(f)) > 0 for f in Path(path).glob("*.jsonl"))
 
     # -- outputs ------------------------------------------------------------------------------------------------
 

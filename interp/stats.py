@@ -11,6 +11,17 @@ is scipy's default. When BCa cannot be computed (scipy returns NaN, e.g. for a s
 values) we rerun with the same seed as a percentile interval and record ``method="percentile (BCa undefined)"``.
 Rank intervals are always percentile intervals, because ranks are discrete and the BCa jackknife is not meaningful
 for them.
+
+Proportions (0/1 outcomes: recall, donor-answer rate, break rate) use ``proportion_ci``:
+- every source contributes one example: the examples are independent, and the interval is a binomial one (Wilson
+  score by default, Clopper-Pearson with ``binomial_method="exact"``) from scipy.stats.binomtest. A bootstrap there
+  would be an example bootstrap, whose interval collapses to zero width at 0% and 100% (e.g. 32/32 gives
+  [100%, 100%] where the exact interval is [89.1%, 100%]);
+- sources contribute several examples: a source-cluster bootstrap (BCa, else percentile) of the source means,
+  because examples of one source are not independent. When every source has the same mean (e.g. all at 100%) the
+  bootstrap has nothing to resample, and the Wilson interval with the number of sources as n is used instead
+  (``method`` says so): a source is at least one independent observation.
+Continuous metrics (margin shifts) always use the source bootstrap.
 """
 from __future__ import annotations
 
@@ -172,6 +183,43 @@ def source_bootstrap_ci(values, sources, statistic: Callable = np.mean, n_resamp
     return BootstrapCI(estimate, low, high, len(per_source), n_examples, used, seed, confidence, n_resamples)
 
 
+def _check_binary(name: str, values) -> np.ndarray:
+    arr = _as_1d(name, values)
+    if not np.all(np.isin(arr, (0.0, 1.0))):
+        raise ValueError(f"{name} must hold 0/1 outcomes for a proportion interval, got values such as "
+                         f"{np.unique(arr)[:5].tolist()}; use source_bootstrap_ci for a continuous metric")
+    return arr
+
+
+def proportion_ci(values, sources, confidence: float = 0.95, seed: int = 0, n_resamples: int = DEFAULT_RESAMPLES,
+                  method: str = "BCa", binomial_method: str = "wilson") -> BootstrapCI:
+    """Interval for the proportion of 1s in 0/1 ``values`` (one per example) labelled by ``sources``.
+
+    One example per source: binomial interval (``binomial_ci``, Wilson by default) over the examples. Several
+    examples per source: source-cluster bootstrap of the source means (``source_bootstrap_ci``); if that is
+    degenerate (all source means equal), the binomial interval with the sources as n. ``method`` names the one used.
+    The estimate is the mean over sources (with one example per source, the plain proportion k/n)."""
+    vals = _check_binary("values", values)
+    means = per_source_means(vals, sources)
+    per_source_n = pd.Series(vals).groupby(pd.Series(_as_1d("sources", sources, numeric=False))).size()
+    confidence = _check_confidence(confidence)
+    if int(per_source_n.max()) == 1:
+        ci = binomial_ci(int(vals.sum()), len(vals), confidence=confidence, method=binomial_method)
+        return BootstrapCI(ci.estimate, ci.low, ci.high, len(means), len(vals),
+                           f"{_BINOMIAL_NAMES[binomial_method]} (one example per source)", _check_seed(seed),
+                           confidence, 0)
+    boot = source_bootstrap_ci(vals, sources, n_resamples=n_resamples, confidence=confidence, seed=seed,
+                               method=method)
+    if not boot.degenerate:
+        return BootstrapCI(boot.estimate, boot.low, boot.high, boot.n_sources, boot.n_examples,
+                           f"source-cluster bootstrap, {boot.method}", boot.seed, confidence, boot.n_resamples)
+    n = len(means)
+    ci = binomial_ci(int(round(boot.estimate * n)), n, confidence=confidence, method=binomial_method)
+    return BootstrapCI(boot.estimate, ci.low, ci.high, n, len(vals),
+                       f"{_BINOMIAL_NAMES[binomial_method]} over sources (bootstrap degenerate: every source has the "
+                       f"same mean)", boot.seed, confidence, 0)
+
+
 def paired_source_bootstrap_ci(a, b, sources, statistic: Callable = np.mean, n_resamples: int = DEFAULT_RESAMPLES,
                                confidence: float = 0.95, seed: int = 0, method: str = "BCa",
                                sources_b=None) -> BootstrapCI:
@@ -243,8 +291,10 @@ def source_ratio_ci(a, b, sources, n_resamples: int = DEFAULT_RESAMPLES, confide
 
 def summarise(frame: pd.DataFrame, value_cols, by: Sequence[str] = (), source_col: str = "source",
               statistic: Callable = np.mean, n_resamples: int = DEFAULT_RESAMPLES, confidence: float = 0.95,
-              seed: int = 0, method: str = "BCa") -> pd.DataFrame:
+              seed: int = 0, method: str = "BCa", proportions: Sequence[str] = ()) -> pd.DataFrame:
     """Tidy table of source-bootstrap estimates: one row per group of ``by`` and per metric in ``value_cols``.
+    Metrics named in ``proportions`` (0/1 outcomes) get ``proportion_ci`` instead (binomial interval with one
+    example per source, source-cluster bootstrap with several; see the module docstring).
 
     Columns: *by, metric, estimate, low, high, n_sources, n_examples, method, seed, confidence. NaN values of a
     metric are dropped for that metric only (an experiment point that was not evaluated is not a zero).
@@ -259,6 +309,7 @@ def summarise(frame: pd.DataFrame, value_cols, by: Sequence[str] = (), source_co
                          f"value_cols/by/source_col")
     if not value_cols:
         raise ValueError("value_cols must name at least one metric column")
+    proportions = set([proportions] if isinstance(proportions, str) else proportions)
     records = []
     groups = frame.groupby(by, sort=True, dropna=False) if by else [((), frame)]
     for key, group in groups:
@@ -270,11 +321,16 @@ def summarise(frame: pd.DataFrame, value_cols, by: Sequence[str] = (), source_co
             if len(sub) == 0:
                 row.update(estimate=np.nan, low=np.nan, high=np.nan, n_sources=0, n_examples=0,
                            method="no data", seed=seed, confidence=confidence)
+                records.append(row)
+                continue
+            if col in proportions:
+                ci = proportion_ci(sub[col].to_numpy(), sub[source_col].to_numpy(), n_resamples=n_resamples,
+                                   confidence=confidence, seed=seed, method=method)
             else:
                 ci = source_bootstrap_ci(sub[col].to_numpy(), sub[source_col].to_numpy(), statistic=statistic,
                                          n_resamples=n_resamples, confidence=confidence, seed=seed, method=method)
-                row.update(estimate=ci.estimate, low=ci.low, high=ci.high, n_sources=ci.n_sources,
-                           n_examples=ci.n_examples, method=ci.method, seed=ci.seed, confidence=ci.confidence)
+            row.update(estimate=ci.estimate, low=ci.low, high=ci.high, n_sources=ci.n_sources,
+                       n_examples=ci.n_examples, method=ci.method, seed=ci.seed, confidence=ci.confidence)
             records.append(row)
     return pd.DataFrame.from_records(records, columns=[*by, "metric", "estimate", "low", "high", "n_sources",
                                                        "n_examples", "method", "seed", "confidence"])
@@ -387,6 +443,9 @@ class BinomialCI:
     n: int
     method: str
     confidence: float
+
+
+_BINOMIAL_NAMES = {"wilson": "Wilson", "wilsoncc": "Wilson (continuity-corrected)", "exact": "Clopper-Pearson"}
 
 
 def binomial_ci(k: int, n: int, confidence: float = 0.95, method: str = "wilson") -> BinomialCI:

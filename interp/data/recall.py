@@ -599,11 +599,34 @@ def build_pairs(tokenizer, sources: Sequence[Source] | None = None, *, split: st
                 **kwargs) -> PairBatch:
     """All pairs of `iter_pairs` collated into a PairBatch (same arguments; see iter_pairs).
 
-    report (on the batch): dropped keys/values with their tokenisations and the count filtered.
+    report (on the batch): dropped keys/values with their tokenisations, the count filtered, and the filler's
+    unknown-token count and rate (filler_unknown_rate).
     """
     report: dict = {}
     pairs = list(iter_pairs(tokenizer, split, n_sources, sources=sources, report=report, **kwargs))
-    return PairBatch.collate(pairs, _pad_id(tokenizer), report=report)
+    batch = PairBatch.collate(pairs, _pad_id(tokenizer), report=report)
+    batch.report.update(filler_unknown_rate(batch, tokenizer))
+    return batch
+
+
+def filler_unknown_rate(batch: PairBatch, tokenizer) -> dict:
+    """How much of the filler (the recipient's tokens before the query, outside the fact spans) is the
+    tokenizer's unknown token. Corpus text outside a word-level vocabulary becomes [UNK] and stops reading as text,
+    so a high rate means the filler is not what the command line says it is."""
+    ids = batch.recipient_ids
+    pos = torch.arange(ids.shape[1])
+    filler = pos[None, :] < batch.query_start[:, None]   # rows are unpadded: all tokens before the query
+    spans = batch.fact_spans.reshape(len(batch), -1, 2)
+    in_fact = ((pos[None, None, :] >= spans[..., :1]) & (pos[None, None, :] < spans[..., 1:])).any(dim=1)
+    filler &= ~in_fact
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None:
+        filler &= ids != bos
+    unk = getattr(tokenizer, "unk_token_id", None)
+    n = int(filler.sum())
+    k = 0 if unk is None else int((filler & (ids == unk)).sum())
+    return {"filler_tokens": n, "filler_unknown_tokens": k, "filler_unknown_rate": k / n if n else 0.0,
+            "filler_origins": sorted(set(batch.origins))}
 
 
 def build_multifact_pairs(tokenizer, sources: Sequence[Source] | None = None, **kwargs) -> PairBatch:

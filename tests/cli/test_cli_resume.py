@@ -44,7 +44,8 @@ def _rows(out):
 def test_scan_survives_sigkill_and_resumes(tmp_path, tiny_checkpoint):
     ckpt = tiny_checkpoint(tmp_path / "ckpt", family="gated_deltanet")
     out = tmp_path / "scan"
-    args = ["scan", str(ckpt), "--n-sources", "6", "--out", str(out), *SMALL[:-2], "--batch-size", "1"]
+    args = ["scan", str(ckpt), "--n-sources", "6", "--out", str(out), *SMALL[:-2], "--batch-size", "1",
+            "--pairs-per-source", "1"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     total = 6 * 2 * 2  # 6 pairs x 2 layers x 2 heads; --batch-size 1 commits one row per append
     on_disk = 0

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from recurscope.interp.loading import fla_to_ours, load_model, ours_to_fla, save_model
+from recurscope.interp.loading import CheckpointError, fla_to_ours, load_model, ours_to_fla, save_model
 from tests.interp.helpers_models import FAMILIES, tiny_model
 
 
@@ -42,10 +42,53 @@ def test_missing_unexpected_and_misshapen_weights_are_all_listed(tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError) as err:
         load_model(tmp_path)
+    lines = str(err.value).splitlines()
+    # one summary line with the counts and the fix, then every mismatch on a line of its own
+    assert "does not match its config.json" in lines[0] and "1 missing, 1 unexpected, 1 with the wrong shape" in lines[0]
+    assert "check that config.json belongs to these weights" in lines[0]
+    assert lines[1:-1] == ["  missing weights (1):", "    model.layers.0.attn.q_proj.weight",
+                           "  unexpected weights (1):", "    model.layers.0.attn.surprise", "  shape mismatches (1):"]
+    assert lines[-1].startswith("    model.layers.1.attn.k_proj.weight: checkpoint (5, 5) vs config (")
+
+
+def test_every_mismatch_is_listed_not_the_first_twenty(tmp_path):
+    sd = _saved(tmp_path)
+    for i in range(30):
+        sd[f"model.extra_{i:02d}"] = torch.zeros(1)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError) as err:
+        load_model(tmp_path)
+    assert "30 unexpected" in str(err.value).splitlines()[0]
+    assert all(f"    model.extra_{i:02d}" in str(err.value).splitlines() for i in range(30))
+
+
+def _corrupt(tmp_path, how):
+    _saved(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({"truncated": data[:len(data) // 2], "garbage header": b"\xff" * 8 + b"not a header" + data[20:],
+                         "empty": b""}[how])
+    return weights
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage header", "empty"])
+def test_corrupt_weights_raise_a_recurscope_error_naming_the_file(tmp_path, how):
+    weights = _corrupt(tmp_path, how)
+    with pytest.raises(CheckpointError) as err:
+        load_model(tmp_path)
     msg = str(err.value)
-    assert "missing weights (1): ['model.layers.0.attn.q_proj.weight']" in msg
-    assert "unexpected weights (1): ['model.layers.0.attn.surprise']" in msg
-    assert "model.layers.1.attn.k_proj.weight: checkpoint (5, 5)" in msg
+    assert str(weights) in msg and "\n" not in msg
+    assert ("download or save the checkpoint again" in msg)
+
+
+@pytest.mark.parametrize("text, pattern", [("{not json", "is not valid JSON"), ("[1, 2]", "holds a JSON list"),
+                                           ('{"model_type": "mamba"}', "unknown model_type 'mamba'")])
+def test_invalid_config_json_names_the_file(tmp_path, text, pattern):
+    _saved(tmp_path)
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=pattern) as err:
+        load_model(tmp_path)
+    assert str(tmp_path / "config.json") in str(err.value)
 
 
 def test_config_that_does_not_match_the_weights(tmp_path):

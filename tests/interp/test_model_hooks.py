@@ -277,3 +277,27 @@ def test_patch_forms_are_checked():
         WriteScale(0, mask=torch.ones(2, T, 2))
     with pytest.raises(ValueError, match=r"mask has shape \(2, 5, 2\)"):
         run_with_patches(model, _tokens(model), [WriteScale(0, mask=torch.ones(2, 5, 2, dtype=torch.bool))])
+
+
+def _patch_with_heads(kind, heads, model):
+    """A patch of `kind` on layer 0 with `heads`; tensors sized for the model's real head count."""
+    from recurscope.hooks import ReadoutReplace
+
+    B, H = 2, model.n_state_heads
+    K, V = model.cfg.state_shape()
+    return {"WriteScale": lambda: WriteScale(0, heads, 4),
+            "ReadoutReplace": lambda: ReadoutReplace(0, heads, 4, torch.zeros(B, T, H, V)),
+            "StateReplace": lambda: StateReplace(0, heads, 4, torch.zeros(B, H, K, V)),
+            "WriteReplace": lambda: WriteReplace(0, heads, 4, torch.zeros(B, T, H, K), torch.zeros(B, T, H, V))}[kind]()
+
+
+@pytest.mark.parametrize("kind", ["WriteScale", "ReadoutReplace", "StateReplace", "WriteReplace"])
+@pytest.mark.parametrize("heads, pattern", [([0, 5], "head 5 is out of range"), (-1, "head -1 is out of range"),
+                                            ([1, 0, 2], "head 2 is out of range"), ([], "heads is empty"),
+                                            (["a"], "must be a head index")])
+def test_patch_objects_validate_every_head(kind, heads, pattern):
+    # every head is checked, not only the first (StateReplace used to check heads[0]; the others gave IndexError)
+    model = tiny_model("gla")
+    with pytest.raises(ValueError, match=pattern):
+        run_with_patches(model, _tokens(model), [_patch_with_heads(kind, heads, model)])
+    run_with_patches(model, _tokens(model), [_patch_with_heads(kind, [1, 0], model)])  # valid heads still run

@@ -101,6 +101,23 @@ def test_resume_accepts_same_work_and_names_differences(checkpoint, tmp_path):
     assert reopened.manifest["model_name"] == "gla-tiny"
 
 
+def test_a_run_without_rows_does_not_block_its_corrected_rerun(checkpoint, tmp_path):
+    # e.g. `confirm --top-k 0` failed after writing a manifest with heads []: the corrected command must run
+    out = tmp_path / "run"
+    _make_run(out, checkpoint, args={"heads": []})
+    fixed = dict(kind="scan", model_name="gla-tiny", checkpoint_path=checkpoint, args={"heads": [[0, 1]]},
+                 seeds=[0, 1], sources=["wt103:0", "wt103:1"], split="dev")
+    run = RunDir.create_or_open(out, **fixed)
+    assert run.manifest["args"] == {"heads": [[0, 1]]}
+    assert json.loads((out / "manifest.json").read_text())["args"] == {"heads": [[0, 1]]}
+    assert "args" in run.manifest["replaced"][0]["differed"][0]
+    # once the run holds a committed row, different work is refused again (resume protects the rows)
+    run.table("rows", key=["row"]).append([{"row": 0}])
+    with pytest.raises(ValueError, match="the work differs"):
+        RunDir.create_or_open(out, **{**fixed, "args": {"heads": [[1, 1]]}})
+    assert RunDir.create_or_open(out, **fixed).manifest["args"] == {"heads": [[0, 1]]}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Row log
 # ---------------------------------------------------------------------------------------------------------------

@@ -344,3 +344,51 @@ def test_spearman_pooled_rows_and_perfect_monotone():
     noisy = S.spearman_with_ci(x, y, np.arange(20) % 5, n_resamples=500, seed=0)
     assert noisy.rho == pytest.approx(pd.Series(x).corr(pd.Series(y), method="spearman"))
     assert noisy.n == 20 and noisy.low < noisy.high
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Proportions: binomial with one example per source, source-cluster bootstrap with several
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _wilson(k, n, z=sps.norm.ppf(0.975)):
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return centre - half, centre + half
+
+
+@pytest.mark.parametrize("k", [0, 5, 32])
+def test_proportion_with_one_example_per_source_is_binomial_and_never_zero_width(k):
+    values = np.r_[np.ones(k), np.zeros(32 - k)]
+    ci = S.proportion_ci(values, np.arange(32))
+    low, high = _wilson(k, 32)
+    assert ci.estimate == k / 32 and ci.low == pytest.approx(max(low, 0), abs=1e-12)
+    assert ci.high == pytest.approx(min(high, 1), abs=1e-12) and ci.method.startswith("Wilson")
+    assert ci.high - ci.low > 0.1                        # 32/32 used to read [100%, 100%]
+    exact = S.proportion_ci(values, np.arange(32), binomial_method="exact")
+    assert exact.low == pytest.approx(sps.beta.ppf(0.025, k, 32 - k + 1) if k else 0.0, abs=1e-9)
+    if k == 32:
+        assert exact.low == pytest.approx(0.891, abs=5e-4) and exact.method.startswith("Clopper-Pearson")
+
+
+def test_proportion_with_several_examples_per_source_is_a_source_cluster_bootstrap():
+    rng = np.random.default_rng(3)
+    sources = np.repeat(np.arange(20), 4)
+    values = (rng.random(80) < np.repeat(rng.uniform(0.3, 0.9, 20), 4)).astype(float)
+    ci = S.proportion_ci(values, sources, n_resamples=999, seed=1)
+    boot = S.source_bootstrap_ci(values, sources, n_resamples=999, seed=1)
+    assert (ci.estimate, ci.low, ci.high) == (boot.estimate, boot.low, boot.high)
+    assert ci.method == "source-cluster bootstrap, BCa" and ci.n_sources == 20 and ci.n_examples == 80
+    # every source at 100%: the bootstrap is degenerate, so the sources count as the binomial n
+    full = S.proportion_ci(np.ones(80), sources)
+    assert (full.low, full.high) == pytest.approx(_wilson(20, 20)) and "over sources" in full.method
+    with pytest.raises(ValueError, match="0/1 outcomes"):
+        S.proportion_ci(np.array([0.5, 1.0]), [0, 1])
+
+
+def test_summarise_uses_proportion_intervals_for_named_metrics():
+    frame = pd.DataFrame({"source": np.arange(12), "acc": np.ones(12), "shift": np.linspace(0, 1, 12)})
+    table = S.summarise(frame, ["acc", "shift"], proportions=["acc"], n_resamples=500).set_index("metric")
+    assert table.loc["acc", "low"] == pytest.approx(_wilson(12, 12)[0]) and table.loc["acc", "high"] == 1.0
+    assert table.loc["shift", "method"] == "BCa"
