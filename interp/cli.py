@@ -183,6 +183,10 @@ def validate_args(args) -> None:
         if not (scan / "manifest.json").is_file() or not (scan / "scan_heads.csv").is_file():
             raise UsageError(f"--from-scan {scan} is not a finished scan directory (it needs manifest.json and "
                              "scan_heads.csv); run `recurscope scan` first and pass its --out directory")
+    if getattr(args, "ray", None):
+        from recurscope.interp.distributed import require_ray
+
+        require_ray()   # before --out is created: say how to install Ray at once
     if getattr(args, "out", None) is not None:
         _check_out(args.out)
 

@@ -180,7 +180,11 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     if not cfg_file.is_file():
         raise CheckpointError(f"{directory} has no config.json; copy the checkpoint's config.json beside its weights")
     raw_config = _read_json(cfg_file, "model configuration")
-    if isinstance(raw_config, dict) and checkpoint_format(raw_config) == "transformers":
+    try:
+        fmt = checkpoint_format(raw_config) if isinstance(raw_config, dict) else "fla"
+    except ValueError as err:
+        raise CheckpointError(f"{cfg_file}: {err}") from None
+    if fmt == "transformers":
         from recurscope.interp.bridge import load_transformers
 
         model = load_transformers(directory, raw_config, device=device, dtype=dtype, backend=backend)
