@@ -166,7 +166,12 @@ def capacity_section(result: ProtocolResult, model_name: str) -> str:
     g1 = estimate(s, {"series": "gap", "x": max(info["gaps"])}, "clean_correct") if info["gaps"] else None
     if r1 and r16:
         reading.append(f"Here recall goes from {100 * r1[0]:.1f}% at K = 1 to {100 * r16[0]:.1f}% at K = 16 "
-                       f"({100 * (r1[0] - r16[0]):+.1f} pp lost).")
+                       f"({100 * (r1[0] - r16[0]):+.1f} pp lost"
+                       + ("; far less than the paper's 30-40 pp)." if r1[0] - r16[0] < 0.2 else ")."))
+    s1 = estimate(s, {"series": "load", "x": 1}, "donor_margin_shift")
+    s16 = estimate(s, {"series": "load", "x": 16}, "donor_margin_shift")
+    if s1 and s16:
+        reading.append(f"The state-swap shift goes from {s1[0]:+.2f} to {s16[0]:+.2f} logits over the same range.")
     if g0 and g1:
         reading.append(f"From gap {min(info['gaps'])} to {max(info['gaps'])} it goes from {100 * g0[0]:.1f}% to "
                        f"{100 * g1[0]:.1f}% ({100 * (g0[0] - g1[0]):+.1f} pp lost).")

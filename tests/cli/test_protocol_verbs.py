@@ -12,7 +12,7 @@ TINY = ["--n-sources", "2", "--filler", "16", "--presentations", "2", "--gap", "
         "--batch-size", "8"]
 FIGURES = {"selectivity": ["selectivity"], "coupling": ["coupling"], "neutral": ["neutral"],
            "heads": ["recovery", "nonadditivity"], "headscan": ["headscan"], "lens": ["lens"], "gate": ["gate"],
-           "capacity": ["load", "gap"]}
+           "capacity": ["load", "gap"], "overlap": ["overlap"]}
 #: Verbs with their own layout options instead of the shared --filler/--presentations/--gap.
 OWN_ARGS = {"gate": ["--n-sources", "2", "--fillers", "8", "16", "--resamples", "100", "--batch-size", "8"],
             "capacity": ["--n-sources", "2", "--loads", "1", "2", "--gaps", "8", "16", "--total-length", "120",

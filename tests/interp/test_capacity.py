@@ -85,3 +85,63 @@ def test_load_curve_keeps_total_length_and_leaves_unevaluable_points_nan(word_to
 
 def test_high_load_layout_presents_each_fact_once():
     assert capacity.load_layout(32)["presentations"] == 1 and capacity.load_layout(16)["presentations"] == 3
+
+
+# ---- write-key overlap (Fig. 7c) ------------------------------------------------------------------------------
+
+def test_aligned_and_orthogonal_keys_keep_the_norm():
+    from recurscope.interp.protocols import overlap
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 5, 3, 4, generator=gen)
+    d = torch.nn.functional.normalize(torch.randn(2, 3, 4, generator=gen), dim=-1)
+    for mode in ("aligned", "orthogonal"):
+        new = overlap.replace_keys(keys, d, mode)
+        torch.testing.assert_close(new.norm(dim=-1), keys.norm(dim=-1))
+    cos = torch.nn.functional.cosine_similarity(overlap.replace_keys(keys, d, "aligned"), d[:, None], dim=-1)
+    torch.testing.assert_close(cos, torch.ones_like(cos))
+    dot = (overlap.replace_keys(keys, d, "orthogonal") * d[:, None]).sum(-1)
+    torch.testing.assert_close(dot, torch.zeros_like(dot), atol=1e-5, rtol=0)
+
+
+def test_interfering_spans_are_other_facts_after_the_target(word_tok):
+    from recurscope.interp.protocols import overlap
+
+    p = build_pairs(word_tok, split="heldout", n_sources=3, **SMALL)
+    spans = overlap.interfering_spans(p)
+    for i in range(len(p)):
+        t = int(p.target_fact[i])
+        first_end = int(p.fact_spans[i, t, :, 1].min())
+        mine = {tuple(s) for s in p.fact_spans[i, t].tolist()}
+        got = [tuple(s) for s in spans[i].tolist() if s[0] >= 0]
+        assert got and all(s[0] >= first_end and s not in mine for s in got)
+        expect = [tuple(s) for f in range(4) if f != t for s in p.fact_spans[i, f].tolist() if s[0] >= first_end]
+        assert sorted(got) == sorted(expect)
+
+
+def test_aligned_write_keeps_the_original_key_in_the_erase(word_tok):
+    """On a GDN head the patched run's write key has the clean key's norm and the target direction on the interfering
+    positions, while the erase vector of that layer (built from the original key) is unchanged everywhere."""
+    from recurscope.hooks.patches import patch_hooks
+    from recurscope.hooks.points import hook_name
+    from recurscope.interp import interventions as iv
+    from recurscope.interp.protocols import overlap
+
+    m = tiny_model("gdn", layers=2, vocab_size=len(word_tok))
+    p = build_pairs(word_tok, split="heldout", n_sources=2, **SMALL)
+    rows = torch.arange(len(p))
+    T = p.recipient_ids.shape[1]
+    pos_mask = iv._span_mask(overlap.interfering_spans(p), T)
+    patches = overlap.overlap_patches(m, p, rows, (1, 0), "aligned", pos_mask, torch.device("cpu"))
+    names = [hook_name("hook_write_key", 1), hook_name("hook_erase", 1)]
+    clean, patched = iv._Collector(names), iv._Collector(names)
+    with torch.no_grad():
+        with m.hooks(fwd_hooks=clean.hooks()):
+            m(p.recipient_ids)
+        with m.hooks(fwd_hooks=patch_hooks(m, patches) + patched.hooks()):
+            m(p.recipient_ids)
+    k0, k1 = clean.values[names[0]][..., 0, :], patched.values[names[0]][..., 0, :]
+    torch.testing.assert_close(k1.norm(dim=-1), k0.norm(dim=-1))
+    assert not torch.allclose(k1[pos_mask], k0[pos_mask])
+    torch.testing.assert_close(k1[~pos_mask], k0[~pos_mask])
+    torch.testing.assert_close(patched.values[names[1]], clean.values[names[1]])
