@@ -62,9 +62,12 @@ def run_capacity(model, head: Optional[Sequence[int]] = None, *, from_scan=None,
                  gaps: Sequence[int] = GAPS, total_length: Optional[int] = None, n_sources: int = 32,
                  n_dev: int = 16, template: str = "is_in", vocab: str = "cities", seed: int = 0,
                  batch_size: int = 16, n_resamples: int = 9999, run_dir=None, model_name: str = "model",
-                 progress=None) -> ProtocolResult:
+                 gate_threshold: Optional[float] = None, progress=None) -> ProtocolResult:
     """Load curve at `total_length` tokens (default: the K = 16 layout with 128 filler tokens) and gap curve at K = 4.
-    The head is `head`, else the top of `from_scan`, else the winner of a scan on `n_dev` dev sources."""
+    The head is `head`, else the top of `from_scan`, else the winner of a scan on `n_dev` dev sources.
+    gate_threshold: when set, every condition passes the capability gate (protocols.gate) first; where it refuses,
+    the state-swap shift is NaN with the gate's reason and only the clean recall is reported."""
+    from recurscope.interp.protocols.gate import capability_gate
     from recurscope.interp.data import build_pairs
 
     base = pair_kwargs(template=template, vocab=vocab, seed=seed)
@@ -89,16 +92,27 @@ def run_capacity(model, head: Optional[Sequence[int]] = None, *, from_scan=None,
             return _nan_rows(arm, str(err).split(";")[0])
         frame = example_metrics(pairs, iv.state_swap(model, pairs, [chosen], batch_size=batch_size),
                                 intervention="state_swap")
+        reason = ""
+        if gate_threshold is not None:
+            g = capability_gate(model, pairs, threshold=gate_threshold, condition=f"{series} {x}",
+                                batch_size=batch_size, n_resamples=min(n_resamples, 2000), seed=seed)
+            reason = "" if g.passed else g.describe()
         return pd.DataFrame({"arm": arm, "row": frame["row"], "source": frame["source"],
                              "clean_correct": frame["clean_correct"], "donor_margin_shift": frame["donor_margin_shift"],
-                             "reason": "", "length": int(pairs.recipient_ids.shape[1])})
+                             "reason": reason, "length": int(pairs.recipient_ids.shape[1])})
     rows = logged_arms(run_dir, "capacity_rows", ("arm", "row"), list(conditions), compute, progress)
     rows["reason"] = rows["reason"].fillna("")
     records, source_frames = [], []
     for arm, (series, x, _, _) in conditions.items():
         sel = rows[rows["arm"] == arm]
         ok = sel[sel["source"].notna()]
+        refused = ok["reason"].iloc[0] if len(ok) and ok["reason"].iloc[0] else ""
         for metric in METRICS:
+            if refused and metric == "donor_margin_shift":
+                records.append({"series": series, "x": x, "metric": metric, "estimate": np.nan, "low": np.nan,
+                                "high": np.nan, "n_sources": 0, "method": "refused by the capability gate",
+                                "reason": refused})
+                continue
             if ok.empty:
                 records.append({"series": series, "x": x, "metric": metric, "estimate": np.nan, "low": np.nan,
                                 "high": np.nan, "n_sources": 0, "method": "not evaluated",
@@ -152,7 +166,7 @@ def capacity_section(result: ProtocolResult, model_name: str) -> str:
     for series, xs in (("load", info["loads"]), ("gap", info["gaps"])):
         for x in xs:
             row = s[(s["series"] == series) & (s["x"] == x)]
-            reason = row["reason"].iloc[0] if len(row) else ""
+            reason = "; ".join(r for r in row["reason"] if r) if len(row) else ""
             lines.append(f"| {series} | {x} | {ci_text(s, {'series': series, 'x': x}, 'clean_correct', pct=True)} | "
                          f"{ci_text(s, {'series': series, 'x': x}, 'donor_margin_shift')} | {reason} |")
     for name in ("load", "gap"):
@@ -200,6 +214,8 @@ def add_verb(sub, model_args, load) -> None:
     p.add_argument("--vocab", default="cities")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resamples", type=int, default=9999)
+    p.add_argument("--gate", type=float, default=None, metavar="THRESHOLD",
+                   help="refuse the state-swap shift of any condition under this clean recall (capability gate)")
     p.add_argument("--out", required=True)
     p.set_defaults(fn=lambda args: _cli(args, load))
 
@@ -207,13 +223,13 @@ def add_verb(sub, model_args, load) -> None:
 def _cli(args, load) -> int:
     model = load(args)
     keys = ("model", "head", "from_scan", "n_dev", "n_sources", "loads", "gaps", "total_length", "template", "vocab",
-            "seed")
+            "seed", "gate")
     run = open_run(args.out, kind="capacity", model=model, model_name=args.model,
                    args={k: getattr(args, k) for k in keys}, seeds=[args.seed], split="heldout")
     result = run_capacity(model, args.head, from_scan=args.from_scan, loads=args.loads, gaps=args.gaps,
                           total_length=args.total_length, n_sources=args.n_sources, n_dev=args.n_dev,
                           template=args.template, vocab=args.vocab, seed=args.seed, batch_size=args.batch_size,
-                          n_resamples=args.resamples, run_dir=run, model_name=args.model,
+                          n_resamples=args.resamples, run_dir=run, model_name=args.model, gate_threshold=args.gate,
                           progress=lambda arm: print(f"capacity: {arm}", flush=True))
     print(result.section)
     print(f"results in {run.path}")

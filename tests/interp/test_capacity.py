@@ -145,3 +145,15 @@ def test_aligned_write_keeps_the_original_key_in_the_erase(word_tok):
     assert not torch.allclose(k1[pos_mask], k0[pos_mask])
     torch.testing.assert_close(k1[~pos_mask], k0[~pos_mask])
     torch.testing.assert_close(patched.values[names[1]], clean.values[names[1]])
+
+
+def test_capacity_refuses_the_shift_of_a_condition_the_gate_refuses(word_tok, model):
+    """An untrained model is near chance, so a 0.99 gate refuses every condition: recall is still reported, the
+    state-swap shift is NaN with the gate's reason."""
+    total = capacity._bare_length(word_tok, capacity.load_layout(1)) + 8
+    r = capacity.run_capacity(model, (0, 0), loads=(1,), gaps=(), total_length=total, n_sources=3, batch_size=8,
+                              n_resamples=100, gate_threshold=0.99)
+    s = r.summary
+    assert s[s["metric"] == "clean_correct"]["estimate"].notna().all()
+    shift = s[s["metric"] == "donor_margin_shift"]
+    assert shift["estimate"].isna().all() and "refused" in shift["reason"].iloc[0]
