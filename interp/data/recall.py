@@ -15,7 +15,7 @@ import torch
 
 from .filler import SPLITS, FillerSource, Source
 from .tokenizer import encode_continuation, single_token_ids, token_strings
-from .words import KEY_NAMES, TEMPLATES, VALUE_VOCABS, Template, recall_words
+from .words import KEY_NAMES, NATURAL_TEMPLATES, TEMPLATES, VALUE_VOCABS, Template, recall_words
 
 __all__ = [
     "Template",
@@ -252,9 +252,10 @@ class PairBatch:
 def _resolve_template(template: str | Template) -> Template:
     if isinstance(template, Template):
         return template
-    if template not in TEMPLATES:
-        raise ValueError(f"template must be a Template or one of {sorted(TEMPLATES)}; received {template!r}.")
-    return TEMPLATES[template]
+    known = {**TEMPLATES, **NATURAL_TEMPLATES}
+    if template not in known:
+        raise ValueError(f"template must be a Template or one of {sorted(known)}; received {template!r}.")
+    return known[template]
 
 
 def _resolve_vocab(vocab: str | Sequence[str]) -> tuple[str, list[str]]:

@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["KEY_NAMES", "VALUE_VOCABS", "NUMBER_WORDS", "RESERVED_WORDS", "Template", "TEMPLATES", "recall_words",
+__all__ = ["KEY_NAMES", "VALUE_VOCABS", "NUMBER_WORDS", "RESERVED_WORDS", "Template", "TEMPLATES",
+           "NATURAL_TEMPLATES", "recall_words",
            "NOISE_SENTENCES", "NEEDLE", "NIAH_QUERY", "niah_words", "FillerLexicon", "FILLER_WORDS",
            "filler_vocabulary", "default_word_list"]
 
@@ -98,6 +99,17 @@ TEMPLATES: dict[str, Template] = {
         Template("belongs", "the {value} belongs to {key}.", "what belongs to {key}? the"),
         Template("likes", "{key} likes the {value}.", "what does {key} like? {key} likes the"),
         Template("value_of", "the value of {key} is {value}.", "so the value of {key} is"),
+    )
+}
+
+
+#: Natural-sentence fact presentation for the capability gate (App. F.2). Kept out of TEMPLATES so that the default
+#: template set, recall_words() and every existing golden digest stay as they were; build_pairs resolves these names
+#: too. Every word is in the bundled tokenizers' filler lexicon.
+NATURAL_TEMPLATES: dict[str, Template] = {
+    t.name: t for t in (
+        Template("natural_lives", "{key} moved to the town of {value} and now lives there.",
+                 "where does {key} live now? {key} lives in"),
     )
 }
 

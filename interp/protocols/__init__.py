@@ -10,6 +10,9 @@ a source-bootstrap summary, a figure and a markdown report section with a "Readi
 | heads | heads.py | Fig. 3c, App. E.2: non-additivity of write blocks, joint top-k recovery |
 | headscan | headscan.py | App. C, Fig. 10: held-out all-head write and read scans |
 | lens | lens.py | App. C, Fig. 11: logit lens per layer for retention and update |
+| gate | gate.py | App. F.2, Table 3: natural-sentence capability gate (reusable: capability_gate, require_capability) |
+| capacity | capacity.py | §4.2, Fig. 7a-b: clean recall and state-swap shift against load K and gap |
+| overlap | overlap.py | §4.2, Fig. 7c: interfering write keys aligned with the target's write direction |
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from recurscope.interp.protocols._common import ProtocolResult
 
 __all__ = ["ProtocolResult", "VERBS", "register_verbs"]
 
-VERBS = ("selectivity", "coupling", "neutral", "heads", "headscan", "lens")
+VERBS = ("selectivity", "coupling", "neutral", "heads", "headscan", "lens", "gate", "capacity", "overlap")
 
 
 def register_verbs(subparsers, model_args, load) -> None:

@@ -11,16 +11,21 @@ from recurscope.interp.protocols import VERBS
 TINY = ["--n-sources", "2", "--filler", "16", "--presentations", "2", "--gap", "4", "--resamples", "100",
         "--batch-size", "8"]
 FIGURES = {"selectivity": ["selectivity"], "coupling": ["coupling"], "neutral": ["neutral"],
-           "heads": ["recovery", "nonadditivity"], "headscan": ["headscan"], "lens": ["lens"]}
+           "heads": ["recovery", "nonadditivity"], "headscan": ["headscan"], "lens": ["lens"], "gate": ["gate"],
+           "capacity": ["load", "gap"], "overlap": ["overlap"]}
+#: Verbs with their own layout options instead of the shared --filler/--presentations/--gap.
+OWN_ARGS = {"gate": ["--n-sources", "2", "--fillers", "8", "16", "--resamples", "100", "--batch-size", "8"],
+            "capacity": ["--n-sources", "2", "--loads", "1", "2", "--gaps", "8", "16", "--total-length", "120",
+                         "--resamples", "100", "--batch-size", "8"]}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("verb", VERBS)
 def test_verb_smoke(verb, tmp_path, capsys):
     out = tmp_path / verb
-    head = [] if verb in ("heads", "lens") else ["--head", "0", "1"]
+    head = [] if verb in ("heads", "lens", "gate") else ["--head", "0", "1"]
     dev = ["--n-dev", "2"] if verb == "heads" else []
-    assert main([verb, "tiny-gla", *TINY, *head, *dev, "--out", str(out)]) == 0
+    assert main([verb, "tiny-gla", *OWN_ARGS.get(verb, TINY), *head, *dev, "--out", str(out)]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["kind"] == verb and manifest["model_name"] == "tiny-gla"
     summary = pd.read_csv(out / f"{verb}_summary.csv")
