@@ -101,7 +101,8 @@ def connect(address: Optional[str] = None, *, num_cpus: Optional[int] = None, nu
     kwargs = dict(runtime_env=runtime_env or None, include_dashboard=False, logging_level="WARNING",
                   log_to_driver=True)
     if address in (None, "local"):
-        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+        # A local instance serves this machine only, so it listens on the loopback address.
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, _node_ip_address="127.0.0.1", **kwargs)
     else:
         if num_cpus is not None or num_gpus is not None:
             raise DistributedError("num_cpus/num_gpus size a new local Ray instance; an existing cluster has its own")

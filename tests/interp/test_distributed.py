@@ -131,7 +131,7 @@ def ray_address():
 
 @pytest.mark.slow
 def test_ray_scan_equals_single_process_scan(ckpt, ray_address, tmp_path):
-    args = [str(ckpt), "--n-sources", "4", *SMALL]
+    args = [str(ckpt), "--n-sources", "4", "--pairs-per-source", "1", *SMALL]
     assert main(["scan", *args, "--out", str(tmp_path / "local")]) == 0
     assert main(["scan", *args, "--out", str(tmp_path / "ray"), "--ray", ray_address, "--workers", "2",
                  "--head-block", "2"]) == 0
