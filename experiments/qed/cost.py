@@ -17,25 +17,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from recurscope import kernels  # noqa: E402
+from recurscope.kernels.inputs import family_inputs  # noqa: E402
 from experiments.qed import common  # noqa: E402
 from recurscope.interp.data import build_word_tokenizer  # noqa: E402
 from recurscope.interp.models import RecurrentLM  # noqa: E402
 
 DEFAULT_OUT = common.ROOT / "results" / "qed" / "cost"
-
-
-def _inputs(B, T, H, K, V, device, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    q, k = F.normalize(r(B, T, H, K), dim=-1), F.normalize(r(B, T, H, K), dim=-1)
-    x = r(B, T, H, V) * 0.5
-    g = -F.softplus(r(B, T, H, K)) * 0.1
-    b = torch.sigmoid(r(B, T, H, K))
-    lam = torch.full((H,), 0.25 * torch.sigmoid(torch.tensor(-2.0)).item())
-    return [t.to(device) for t in (q, k, x, g, b, lam)]
 
 
 def interleaved(fns: dict[str, Callable[[], None]], repeats: int, sync: Callable[[], None] = lambda: None,
@@ -68,7 +57,9 @@ def _row(path, shape, times, repeats):
 def kernel_cost(backend: str, device: str, shape: tuple, repeats: int) -> dict:
     """erase_vector(arm) + kernels.recurrence, gdn2 vs full, same inputs."""
     B, T, H, K, V = shape
-    q, k, x, g, b, lam = _inputs(B, T, H, K, V, device)
+    # The project's one input builder; QED's decays are kept in [-0.1, 0] as a trained model's mostly are.
+    inp = family_inputs("qed", B, T, H, K, V, dtype=torch.float32, device=device, decay=(0.0, 0.1))
+    q, k, x, g, b, lam = inp.q, inp.k, inp.x, inp.g, inp.b, inp.lam
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def step(arm):
