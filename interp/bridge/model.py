@@ -167,15 +167,6 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
     def n_state_heads(self) -> int:
         return self.cfg.state_heads
 
-    def check_head(self, layer: int, head: int) -> None:
-        L = self.cfg.num_hidden_layers
-        if not 0 <= layer < L:
-            raise ValueError(f"layer {layer} is out of range: this model has layers 0..{L - 1}")
-        if not self.blocks_list[layer].is_recurrent:
-            raise ValueError(f"layer {layer} is a full-attention layer; recurrent layers are {self.recurrent_layers}")
-        if not 0 <= head < self.n_state_heads:
-            raise ValueError(f"head {head} is out of range: layer {layer} has heads 0..{self.n_state_heads - 1}")
-
     def set_backend(self, backend: str) -> None:
         from recurscope import kernels
 

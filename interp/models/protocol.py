@@ -45,3 +45,13 @@ class ProtocolMethods:
 
     def heads(self) -> list[tuple[int, int]]:
         return [(layer, head) for layer in self.recurrent_layers for head in range(self.n_state_heads)]
+
+    def check_head(self, layer: int, head: int) -> None:
+        """Raises a ValueError naming the problem if (layer, head) is not a recurrent head of this model."""
+        L = self.cfg.num_hidden_layers
+        if not 0 <= layer < L:
+            raise ValueError(f"layer {layer} is out of range: this model has layers 0..{L - 1}")
+        if layer not in self.recurrent_layers:
+            raise ValueError(f"layer {layer} is a full-attention layer; recurrent layers are {self.recurrent_layers}")
+        if not 0 <= head < self.n_state_heads:
+            raise ValueError(f"head {head} is out of range: layer {layer} has heads 0..{self.n_state_heads - 1}")
