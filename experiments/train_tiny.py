@@ -45,8 +45,18 @@ ARCHITECTURES: dict[str, dict] = {
                       expand_v=2.0, use_short_conv=True, hidden_ratio=2, erase_arm="gdn2"),
     "tiny-qed": dict(model_type="gated_deltanet2", hidden_size=128, num_hidden_layers=2, num_heads=2, head_dim=32,
                      expand_v=2.0, use_short_conv=True, hidden_ratio=2, erase_arm="full"),
+    # 4 layers x 4 heads with the per-head sizes of tiny-gla / tiny-gdn (d_k 32, d_v 64): enough heads for the
+    # head-level protocols (rankings, joint top-k, all-head scans) to have something to rank.
+    "tiny-gla-wide": dict(model_type="gla", hidden_size=128, num_hidden_layers=4, num_heads=4, expand_k=1.0,
+                          expand_v=2.0, use_short_conv=True, hidden_ratio=2),
+    "tiny-gdn-wide": dict(model_type="gated_deltanet", hidden_size=128, num_hidden_layers=4, num_heads=4,
+                          head_dim=32, expand_v=2.0, use_short_conv=True, hidden_ratio=2),
+    # d_k = 16: K >= d_k facts fit in a sequence, so the load protocols can reach the state's capacity. A width of
+    # 112 keeps the checkpoint directory under 4 MB.
+    "tiny-gdn-narrow": dict(model_type="gated_deltanet", hidden_size=112, num_hidden_layers=2, num_heads=2,
+                            head_dim=16, expand_v=2.0, use_short_conv=True, hidden_ratio=2),
 }
-DEFAULT_STEPS = {"tiny-gla": 500, "tiny-gdn": 500, "tiny-gdn-hybrid": 500, "tiny-gdn2": 500, "tiny-qed": 500}
+DEFAULT_STEPS = {name: 500 for name in ARCHITECTURES}
 SMOKE_STEPS = 3
 
 # Evaluation: every template, each with its own value vocabulary (fixed, so the evaluation never changes).
