@@ -126,6 +126,7 @@ PER_TEMPLATE_WINDOW = 8                        # --advance-per-template: each te
 STAGED_LR, STAGED_WARMUP_STEPS = 1e-3, 20     # constant after warmup: the run length is set by the clock
 STAGED_RECALL_ROWS, STAGED_RECALL_WEIGHT = 16, 4.0
 STAGED_MAX_STEPS = 2_000                      # default step cap of a staged run (--steps / --max-minutes override)
+STOP_FILE = "STOP"                        # `touch <out>/STOP` ends training cleanly at the next step (then eval, save)
 TRAIN_SOURCE_OFFSET = 10 ** 9            # train-split source ids used for the pure filler rows
 
 
@@ -581,6 +582,9 @@ def _train_steps(model: RecurrentLM, optimizer, curriculum, name: str, steps: in
             if max_minutes is not None and time.time() - t0 >= 60.0 * max_minutes:
                 stopped = "max_minutes"
                 break
+            if (log_path.parent / STOP_FILE).exists():      # a watcher saw the target reached: stop, evaluate, save
+                stopped = "stop_file"
+                break
             lr = curriculum.learning_rate(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group["lr_scale"]
@@ -626,7 +630,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     STAGES index to begin at; focus_template: draw this template in FOCUS_FRACTION of the all-template batches;
     early_templates: the templates of the binding stages 0-2 (default is_in only; see staged_curriculum).
     max_minutes: training stops cleanly at the first step that would start after this wall-clock time; the model is
-    then evaluated and saved as usual.
+    then evaluated and saved as usual. A file named STOP in `out` stops it the same way.
     """
     if name not in ARCHITECTURES:
         raise ValueError(f"model must be one of {sorted(ARCHITECTURES)}; received {name!r}.")
