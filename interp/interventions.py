@@ -214,6 +214,11 @@ def _run(model, tokens, hooks=(), cache: Optional[RecurrentCache] = None):
     return model.run_suffix(tokens, cache, hooks)   # the model protocol: native or transformers bridge alike
 
 
+def _forward_for_hooks(model, tokens: torch.Tensor) -> None:
+    """A forward run only for what its hooks capture: no position gets logits (the unembedding is skipped)."""
+    model(tokens, logit_positions=torch.empty(tokens.shape[0], 0, dtype=torch.long, device=tokens.device))
+
+
 def prefix_caches(model, pairs, rows: torch.Tensor, b: int, device) -> tuple[RecurrentCache, RecurrentCache]:
     """Recipient and donor caches after the prefix [0, b], from one batched forward."""
     rec = pairs.recipient_ids[rows, :b + 1]
@@ -260,9 +265,8 @@ def clean_run(model, pairs, batch_size: int = 16) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for rows in _chunks(torch.arange(n), batch_size):
             m = len(rows)
-            logits = model(torch.cat([pairs.recipient_ids[rows], pairs.donor_ids[rows]]).to(device))
-            qp = pairs.query_pos[rows].to(logits.device).repeat(2)
-            last = logits[torch.arange(2 * m, device=logits.device), qp]
+            qp = pairs.query_pos[rows].to(device).repeat(2)
+            last = model(torch.cat([pairs.recipient_ids[rows], pairs.donor_ids[rows]]).to(device), logit_positions=qp)
             cand = pairs.candidate_ids[rows].repeat(2, 1)
             z = candidate_logits(last, cand)
             out["recipient"][rows], out["donor"][rows] = z[:m], z[m:]
@@ -287,13 +291,11 @@ def _write_intervention(name, model, pairs, heads, spans, batch_size, return_ful
             rec = pairs.recipient_ids[rows].to(device)
             qp = pairs.query_pos[rows].to(device)
             cand = pairs.candidate_ids[rows]
-            idx = torch.arange(m, device=device)
-            clean = model(rec)
-            _store(parts, "clean", rows, candidate_logits(clean[idx, qp], cand))
+            clean = model(rec, logit_positions=qp)        # logits at the answer position only
+            _store(parts, "clean", rows, candidate_logits(clean, cand))
             pos_mask = _span_mask(span_t[rows], T)
             with model.hooks(fwd_hooks=patch_hooks(model, make_patches(rows, pos_mask, device))):
-                logits = model(rec)
-            last = logits[idx, qp]
+                last = model(rec, logit_positions=qp)
             _store(parts, "logits", rows, candidate_logits(last, cand))
             if return_full:
                 _store(parts, "full", rows, last.float())
@@ -330,7 +332,7 @@ def donor_write(model, pairs, heads: HeadsArg, *, spans: SpansArg = "fact", batc
         names = {l: (hook_name("hook_write_key", l), hook_name("hook_write_value", l)) for l in layers}
         donor = _Collector([n for pair in names.values() for n in pair])
         with model.hooks(fwd_hooks=donor.hooks()):
-            model(pairs.donor_ids[rows].to(device))
+            _forward_for_hooks(model, pairs.donor_ids[rows].to(device))
         return [WriteReplace(layer, key=donor.values[names[layer][0]], value=donor.values[names[layer][1]],
                              mask=head_mask(pos_mask, H, hs).to(device))
                 for layer, hs in layers.items()]
@@ -374,7 +376,7 @@ def random_write(model, pairs, heads: HeadsArg, *, variant: str = "value", spans
         both = _Collector([n for pair in names.values() for n in pair])
         m = len(rows)
         with model.hooks(fwd_hooks=both.hooks()):
-            model(torch.cat([pairs.recipient_ids[rows], pairs.donor_ids[rows]]).to(device))
+            _forward_for_hooks(model, torch.cat([pairs.recipient_ids[rows], pairs.donor_ids[rows]]).to(device))
         patches = []
         for layer, hs in layers.items():
             key, value = both.values[names[layer][0]], both.values[names[layer][1]]

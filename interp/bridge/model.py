@@ -25,7 +25,7 @@ from transformer_lens.hook_points import HookPoint
 from recurscope.interp.bridge.families import BridgeFamily
 from recurscope.interp.bridge.mixers import add_attention_hooks
 from recurscope.interp.models.cache import LayerCache, RecurrentCache
-from recurscope.interp.models.protocol import ProtocolMethods
+from recurscope.interp.models.protocol import ProtocolMethods, at_positions
 
 
 @dataclass
@@ -216,7 +216,8 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
 
     # ---- forward --------------------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: Optional[RecurrentCache] = None, use_cache: bool = False,
-                state_positions: Optional[Sequence[int]] = None):
+                state_positions: Optional[Sequence[int]] = None, logit_positions: Optional[torch.Tensor] = None):
+        """As RecurrentLM.forward: `logit_positions` ((B,) or (B, P)) gives logits at those positions only."""
         if tokens.dim() == 1:
             tokens = tokens[None]
         if tokens.dtype not in (torch.long, torch.int32, torch.int64):
@@ -238,7 +239,10 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
         finally:
             for m in mixers:
                 m.state_positions = None
-        logits = self.hf.lm_head(out.last_hidden_state)
+        hidden = out.last_hidden_state
+        if logit_positions is not None:
+            hidden = at_positions(hidden, logit_positions)
+        logits = self.hf.lm_head(hidden)
         if use_cache:
             return logits, self._from_hf_cache(hf_cache, offset + T)
         return logits

@@ -13,21 +13,8 @@ from transformer_lens.hook_points import HookPoint
 from recurscope.interp.models.cache import RecurrentCache
 from recurscope.interp.models.config import ModelConfig
 from recurscope.interp.models.layers import GatedMLP, RMSNorm
-from recurscope.interp.models.protocol import ProtocolMethods
+from recurscope.interp.models.protocol import ProtocolMethods, at_positions
 from recurscope.interp.models.mixers import AttentionMixer, GatedDeltaNet2Mixer, RecurrentMixer
-
-
-def _at_positions(resid: torch.Tensor, positions) -> torch.Tensor:
-    """resid (B, T, D) at per-row positions (B,) or (B, P) -> (B, D) or (B, P, D)."""
-    B, T = resid.shape[:2]
-    pos = torch.as_tensor(positions, dtype=torch.long, device=resid.device)
-    if pos.dim() not in (1, 2) or pos.shape[0] != B:
-        raise ValueError(f"logit_positions must have shape (B,) or (B, P) with B={B}; received {tuple(pos.shape)}.")
-    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= T):
-        raise ValueError(f"logit_positions must lie in [0, {T - 1}] for {T} tokens; received "
-                         f"[{int(pos.min())}, {int(pos.max())}].")
-    rows = torch.arange(B, device=resid.device)
-    return resid[rows, pos] if pos.dim() == 1 else resid[rows[:, None], pos]
 
 
 class Block(nn.Module):
@@ -163,7 +150,7 @@ class RecurrentLM(ProtocolMethods, HookedRootModule):
             resid, new_lc = block(resid, lc, state_positions, offset)
             new_layers.append(new_lc)
         if logit_positions is not None:
-            resid = _at_positions(resid, logit_positions)
+            resid = at_positions(resid, logit_positions)
         logits = self.lm_head(self.norm(resid))
         if use_cache:
             return logits, RecurrentCache(new_layers, offset + tokens.shape[1])

@@ -18,6 +18,19 @@ import torch
 from recurscope.interp.models.cache import RecurrentCache
 
 
+def at_positions(resid: torch.Tensor, positions) -> torch.Tensor:
+    """resid (B, T, D) at per-row positions (B,) or (B, P) -> (B, D) or (B, P, D)."""
+    B, T = resid.shape[:2]
+    pos = torch.as_tensor(positions, dtype=torch.long, device=resid.device)
+    if pos.dim() not in (1, 2) or pos.shape[0] != B:
+        raise ValueError(f"logit_positions must have shape (B,) or (B, P) with B={B}; received {tuple(pos.shape)}.")
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= T):
+        raise ValueError(f"logit_positions must lie in [0, {T - 1}] for {T} tokens; received "
+                         f"[{int(pos.min())}, {int(pos.max())}].")
+    rows = torch.arange(B, device=resid.device)
+    return resid[rows, pos] if pos.dim() == 1 else resid[rows[:, None], pos]
+
+
 @runtime_checkable
 class RecurrentModel(Protocol):
     tokenizer: object
@@ -36,7 +49,9 @@ class ProtocolMethods:
     """The protocol's runs in terms of `forward(tokens, cache=, use_cache=, state_positions=)` and `hooks()`."""
 
     def run_prefix(self, tokens: torch.Tensor, state_positions: Optional[Sequence[int]] = None) -> RecurrentCache:
-        _, cache = self(tokens, use_cache=True, state_positions=state_positions)
+        # Only the cache is used, so no position gets logits: on the tiny models the unembedding is half the prefix.
+        no_logits = torch.empty(tokens.shape[0], 0, dtype=torch.long, device=tokens.device)
+        _, cache = self(tokens, use_cache=True, state_positions=state_positions, logit_positions=no_logits)
         return cache
 
     def run_suffix(self, tokens: torch.Tensor, cache: Optional[RecurrentCache], hooks=()):
