@@ -33,10 +33,16 @@ def _model_args(p):
     p.add_argument("--batch-size", type=int, default=16)
 
 
+# Held-out sources of a confirmation: 128, as in the paper (its Fig. 3a rates are multiples of 1/128). Dev sources of
+# a scan: 16.
+N_SOURCES = {"dev": 16, "heldout": 128}
+
+
 def _pair_args(p, split, choose_sources=True):
     if choose_sources:  # `run` picks its own splits (--n-dev, --n-heldout)
         p.add_argument("--sources", default=split, choices=["dev", "heldout"], help="which split of sources (never overlap)")
-        p.add_argument("--n-sources", type=int, default=16)
+        p.add_argument("--n-sources", type=int, default=N_SOURCES[split],
+                       help=f"how many sources of the split (default {N_SOURCES[split]})")
     p.add_argument("--pairs-per-source", type=int, default=DEFAULT_PAIRS_PER_SOURCE,
                    help="donor/recipient pairs built on each source's filler; intervals resample sources, so more "
                         f"pairs per source give tighter source means (default {DEFAULT_PAIRS_PER_SOURCE}, see README)")
@@ -461,8 +467,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("run", parents=[common], help="the main job: scan on dev, confirm on held-out, write a report")
     _model_args(p)
     _pair_args(p, "dev", choose_sources=False)
-    p.add_argument("--n-dev", type=int, default=16, help="dev sources for the scan")
-    p.add_argument("--n-heldout", type=int, default=32, help="held-out sources for the confirmation")
+    p.add_argument("--n-dev", type=int, default=N_SOURCES["dev"], help="dev sources for the scan")
+    p.add_argument("--n-heldout", type=int, default=N_SOURCES["heldout"], help="held-out sources for the confirmation")
     _ray_args(p, scan=True)
     p.add_argument("--out", default="results/tiny-gla")
     p.set_defaults(fn=cmd_run)
