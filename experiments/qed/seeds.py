@@ -1,6 +1,7 @@
 """The seed-level QED study: a task chosen on a dev seed, then every arm and the lambda_max variants on 5 seeds.
 
-Phases (each resumable; results under results/qed-seeds/<profile>/):
+Phases (each resumable; working files under results/qed-seeds/<profile>/, and each finished job of the full profile
+committed as experiments/qed/results/<run>-s<seed>.json.gz, so the 12-hour study can span sessions):
   dev     trains gdn2 on DEV_SEED (with snapshots), takes the step budget from its training curve (the first
           snapshot whose task accuracy is within PLATEAU of the end of the run), scores every retrieval variant on
           dev-split items at 2x, 4x and 8x the training length, and freezes the discriminating task (gdn2 between
@@ -18,6 +19,7 @@ Usage:  python experiments/qed/seeds.py dev
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -63,6 +65,15 @@ RESULTS = common.ROOT / "results"   # tests point this at a temporary folder
 
 def root_for(profile: str) -> Path:
     return RESULTS / ("qed-seeds" if profile == "full" else f"qed-seeds-{profile}")
+
+
+#: Finished jobs of the full profile are committed here (gzipped JSON, kilobytes each): the study takes about 12 hours
+#: of one core, more than a working session, so each session's finished jobs must outlive its results folder.
+COMMITTED_EVAL = HERE / "results"
+
+
+def eval_dir(profile: str) -> Path:
+    return COMMITTED_EVAL if profile == "full" else root_for(profile) / "eval"
 
 
 def frozen_path(profile: str) -> Path:
@@ -221,7 +232,7 @@ def run_job(run: str, seed: int, profile: str, frozen: dict) -> Optional[Path]:
     """Trains and evaluates one (run, seed) unless its result exists; returns the result file."""
     p = PROFILES[profile]
     root = root_for(profile)
-    result = root / "eval" / f"{run}-s{seed}.json"
+    result = eval_dir(profile) / f"{run}-s{seed}.json.gz"
     if result.is_file():
         return result
     lock = root / "locks" / f"{run}-s{seed}.lock"
@@ -241,8 +252,9 @@ def run_job(run: str, seed: int, profile: str, frozen: dict) -> Optional[Path]:
         res["eval_seconds"] = round(time.time() - t1, 1)
         res["job_train_seconds"] = round(t1 - t0, 1)
         result.parent.mkdir(parents=True, exist_ok=True)
-        tmp = result.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res) + "\n")
+        tmp = result.with_name(result.name + ".tmp")
+        with gzip.open(tmp, "wt") as fh:
+            fh.write(json.dumps(res) + "\n")
         tmp.replace(result)
         print(f"[main] {run} s{seed} done: train {t1 - t0:.0f}s, eval {res['eval_seconds']:.0f}s", flush=True)
         return result
@@ -267,10 +279,11 @@ def main_phase(profile: str) -> list[Path]:
 
 def load_results(profile: str) -> dict[str, pd.DataFrame]:
     """Every finished job's rows: items, strength, lambda, train (one row per model), timing."""
-    files = sorted((root_for(profile) / "eval").glob("*.json"))
+    files = sorted(eval_dir(profile).glob("*.json.gz"))
     out = {k: [] for k in ("items", "strength", "lambda", "train")}
     for f in files:
-        r = json.loads(f.read_text())
+        with gzip.open(f, "rt") as fh:
+            r = json.loads(fh.read())
         out["items"] += r["items"]
         out["strength"] += r["strength"]
         out["lambda"] += r["lambda"]

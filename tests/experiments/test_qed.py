@@ -293,8 +293,8 @@ def test_seed_study_pipeline_freezes_the_task_and_reports_every_contrast_per_see
     frozen = json.loads((root / "frozen_task.json").read_text())
     assert frozen["task"] in tasks.RETRIEVAL and frozen["task"] != "sniah1"
     assert frozen["steps"] in (3, 6) and frozen["dev_seed"] == seeds.DEV_SEED
-    assert sorted(p.name for p in (root / "eval").glob("*.json")) == sorted(
-        f"{r}-s{s}.json" for r in ("gdn2", "full", "full-lm0.5-l0.2") for s in (0, 1))
+    assert sorted(p.name for p in (root / "eval").glob("*.json.gz")) == sorted(
+        f"{r}-s{s}.json.gz" for r in ("gdn2", "full", "full-lm0.5-l0.2") for s in (0, 1))
     sc = pd.read_csv(root / "report" / "seed_contrasts.csv")
     for c in ("full - gdn2", "full-lm0.5-l0.2 - gdn2"):
         rows = sc[sc["contrast"] == c]
