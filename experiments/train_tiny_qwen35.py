@@ -134,6 +134,9 @@ def train(out: Path, steps: int = 100_000, seed: int = 0, max_minutes: Optional[
             if max_minutes is not None and elapsed >= 60.0 * max_minutes:
                 stopped = "max_minutes"
                 break
+            if (out / tt.STOP_FILE).exists():      # as train_tiny: a watcher saw the target reached
+                stopped = "stop_file"
+                break
             lr = tt.staged_learning_rate(step, tt.STAGED_LR)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group["lr_scale"]
