@@ -126,6 +126,9 @@ PER_TEMPLATE_WINDOW = 8                        # --advance-per-template: each te
 STAGED_LR, STAGED_WARMUP_STEPS = 1e-3, 20     # constant after warmup: the run length is set by the clock
 STAGED_RECALL_ROWS, STAGED_RECALL_WEIGHT = 16, 4.0
 STAGED_MAX_STEPS = 2_000                      # default step cap of a staged run (--steps / --max-minutes override)
+#: --stop-recall: training ends once the last stage has run FINAL_MIN_STEPS steps and its last FINAL_WINDOW training
+#: batches average at least the given recall (training batches only: the held-out evaluation is never looked at).
+FINAL_MIN_STEPS, FINAL_WINDOW = 120, 80
 STOP_FILE = "STOP"                        # `touch <out>/STOP` ends training cleanly at the next step (then eval, save)
 TRAIN_SOURCE_OFFSET = 10 ** 9            # train-split source ids used for the pure filler rows
 
@@ -423,6 +426,13 @@ def _summary_markdown(name: str, summary: dict, log_path: Optional[Path] = None)
     return "\n".join(lines) + "\n"
 
 
+def final_recall_reached(stage_accs: Sequence[tuple[str, float]], threshold: Optional[float]) -> bool:
+    """The --stop-recall rule on the last stage's (template, training recall) history."""
+    if threshold is None or len(stage_accs) < FINAL_MIN_STEPS:
+        return False
+    return float(np.mean([acc for _, acc in stage_accs[-FINAL_WINDOW:]])) >= threshold - 1e-9
+
+
 class StagedCurriculum:
     """The STAGES curriculum: advance one stage once the training recall passes should_advance (or
     should_advance_every_template), saving the weights that passed each stage under out/stages/."""
@@ -431,12 +441,13 @@ class StagedCurriculum:
 
     def __init__(self, model: RecurrentLM, tokenizer, out: Path, data_rng: random.Random, stages: tuple[dict, ...],
                  start_stage: int, recall_rows: int, seed: int, peak_lr: float, focus_template: Optional[str],
-                 advance_per_template: bool, early_templates: Optional[Sequence[str]], init_from: Optional[Path]):
+                 advance_per_template: bool, early_templates: Optional[Sequence[str]], init_from: Optional[Path],
+                 stop_recall: Optional[float] = None):
         self.model, self.tokenizer, self.out, self.data_rng = model, tokenizer, out, data_rng
         self.stages, self.start_stage, self.stage_index = stages, start_stage, start_stage
         self.recall_rows, self.seed, self.peak_lr = recall_rows, seed, peak_lr
         self.focus_template, self.advance_per_template = focus_template, advance_per_template
-        self.early_templates, self.init_from = early_templates, init_from
+        self.early_templates, self.init_from, self.stop_recall = early_templates, init_from, stop_recall
         self.stage_accs: list[tuple[str, float]] = []
         self.advances: list[dict] = []
 
@@ -454,6 +465,9 @@ class StagedCurriculum:
         batch = make_stage_batch(self.tokenizer, self.data_rng, step, self.stages[self.stage_index],
                                  n_recall=self.recall_rows, seed=self.seed, focus_template=self.focus_template)
         return batch, batch["filler_tokens"]
+
+    def finished(self) -> bool:
+        return self.stage_index == len(self.stages) - 1 and final_recall_reached(self.stage_accs, self.stop_recall)
 
     def record(self, row: dict) -> None:
         row["stage"] = self.stage_index
@@ -585,6 +599,9 @@ def _train_steps(model: RecurrentLM, optimizer, curriculum, name: str, steps: in
             if (log_path.parent / STOP_FILE).exists():      # a watcher saw the target reached: stop, evaluate, save
                 stopped = "stop_file"
                 break
+            if getattr(curriculum, "finished", lambda: False)():
+                stopped = "stop_recall"
+                break
             lr = curriculum.learning_rate(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group["lr_scale"]
@@ -615,7 +632,8 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
           staged: Optional[bool] = None, max_minutes: Optional[float] = None,
           advance_per_template: bool = False, init_from: Optional[Path] = None, start_stage: int = 0,
           focus_template: Optional[str] = None,
-          early_templates: Optional[Sequence[str]] = None) -> tuple[RecurrentLM, dict]:
+          early_templates: Optional[Sequence[str]] = None,
+          stop_recall: Optional[float] = None) -> tuple[RecurrentLM, dict]:
     """Trains `name`, saves it with its tokenizer, log and evaluation into `out`; returns (model, summary).
 
     gated=True: the curriculum only advances while the training recall accuracy (mean of the last GATE_WINDOW steps)
@@ -676,7 +694,8 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     filler_end = 64 if smoke else FILLER_END
     if staged:
         curriculum = StagedCurriculum(model, tokenizer, out, data_rng, stages, start_stage, recall_rows, seed, peak_lr,
-                                      focus_template, advance_per_template, early_templates, init_from)
+                                      focus_template, advance_per_template, early_templates, init_from,
+                                      stop_recall)
     else:
         curriculum = (GatedCurriculum if gated else RampCurriculum)(tokenizer, data_rng, steps, recall_rows, seed,
                                                                     peak_lr, filler_end)
@@ -747,6 +766,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "bundled models since tiny-gla's retraining use belongs")
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="stop training after this many wall-clock minutes, then evaluate and save")
+    parser.add_argument("--stop-recall", type=float, default=None, metavar="R",
+                        help=f"staged: stop once the last stage has run {FINAL_MIN_STEPS} steps and its last "
+                             f"{FINAL_WINDOW} training batches average recall >= R (then evaluate and save)")
     parser.add_argument("--lr", type=float, default=None,
                         help=f"peak learning rate (default {STAGED_LR}; {PEAK_LR} with --ramp/--gated)")
     parser.add_argument("--recall-rows", type=int, default=None,
@@ -775,6 +797,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                            recall_rows=args.recall_rows, staged=staged, max_minutes=args.max_minutes,
                            advance_per_template=args.advance_per_template, init_from=args.init_from,
                            start_stage=args.start_stage, focus_template=args.focus_template,
+                           stop_recall=args.stop_recall,
                            early_templates=None if args.early_templates is None
                            else [t.strip() for t in args.early_templates.split(",") if t.strip()])
         o = summary["eval"]["overall"]

@@ -89,7 +89,7 @@ class Logits(torch.nn.Module):
 
 
 def train(out: Path, steps: int = 100_000, seed: int = 0, max_minutes: Optional[float] = None,
-          threads: int = 1, command: str = "") -> dict:
+          threads: int = 1, command: str = "", stop_recall: Optional[float] = None) -> dict:
     torch.set_num_threads(threads)
     use_torch_path()
     out.mkdir(parents=True, exist_ok=True)
@@ -136,6 +136,9 @@ def train(out: Path, steps: int = 100_000, seed: int = 0, max_minutes: Optional[
                 break
             if (out / tt.STOP_FILE).exists():      # as train_tiny: a watcher saw the target reached
                 stopped = "stop_file"
+                break
+            if stage_index == len(stages) - 1 and tt.final_recall_reached(stage_accs, stop_recall):
+                stopped = "stop_recall"
                 break
             lr = tt.staged_learning_rate(step, tt.STAGED_LR)
             for group in optimizer.param_groups:
@@ -199,10 +202,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--stop-recall", type=float, default=None, metavar="R", help="as train_tiny.py --stop-recall")
     p.add_argument("--bundle", action="store_true", help=f"copy out/model to {CHECKPOINT_DIR / NAME} when done")
     args = p.parse_args(argv)
     summary = train(args.out, args.steps, args.seed, args.max_minutes, args.threads,
-                    command="python experiments/train_tiny_qwen35.py " + " ".join(argv or sys.argv[1:]))
+                    command="python experiments/train_tiny_qwen35.py " + " ".join(argv or sys.argv[1:]),
+                    stop_recall=args.stop_recall)
     o = summary["eval"]["overall"]
     print(f"{NAME}: clean recall {100 * o['accuracy']:.1f}% [{100 * o['ci_low']:.1f}, {100 * o['ci_high']:.1f}] "
           f"on {o['n_sources']} held-out sources after {summary['steps']} steps", flush=True)

@@ -415,3 +415,14 @@ def test_each_curriculum_reproduces_the_run_recorded_before_the_split(train_tiny
     for k, v in expected["summary"].pop("final_losses").items():
         assert final[k] == pytest.approx(v, abs=1e-3), k
     assert json.loads(json.dumps(summary, default=str)) == expected["summary"]
+
+
+def test_stop_recall_needs_the_minimum_steps_and_the_window_mean(train_tiny):
+    n, w = train_tiny.FINAL_MIN_STEPS, train_tiny.FINAL_WINDOW
+    accs = [("is_in", 1.0)] * (n - 1)
+    assert not train_tiny.final_recall_reached(accs, 0.96)            # too few steps in the last stage
+    assert train_tiny.final_recall_reached(accs + [("is_in", 1.0)], 0.96)
+    assert not train_tiny.final_recall_reached(accs + [("is_in", 1.0)], None)   # no threshold: never stops
+    # only the last `w` batches count: a weak start does not hold it back, a weak end does
+    assert train_tiny.final_recall_reached([("is_in", 0.0)] * n + [("is_in", 0.96)] * w, 0.96)
+    assert not train_tiny.final_recall_reached([("is_in", 1.0)] * n + [("is_in", 0.95)] * w, 0.96)
