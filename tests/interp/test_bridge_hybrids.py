@@ -35,9 +35,10 @@ def _build(layout: str, vocab: int):
         cfg = tf.Qwen3NextConfig(vocab_size=vocab, num_key_value_heads=1, head_dim=16, num_experts=4,
                                  shared_expert_intermediate_size=24, decoder_sparse_step=1, **MOE, **GDN, **DECODER)
         return tf.Qwen3NextForCausalLM(cfg), tf.Qwen3NextForCausalLM
-    if layout == "olmo_hybrid":   # separate projections, beta in [0, 2], post-norm attention layers with RoPE
+    if layout == "olmo_hybrid":   # separate projections, beta in [0, 2], post-norm attention layers without RoPE
+        # (NoPE, as the released checkpoints; RoPE positions across prefix and suffix are covered by Qwen3-Next)
         cfg = tf.OlmoHybridConfig(vocab_size=vocab, num_key_value_heads=1, linear_allow_neg_eigval=True,
-                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **GDN, **DECODER)
+                                  rope_parameters={"rope_type": "default", "rope_theta": None}, **GDN, **DECODER)
         return tf.OlmoHybridForCausalLM(cfg), tf.OlmoHybridForCausalLM
     if layout == "kimi_linear":   # KDA (per-channel decay) and MLA attention; a dense first MLP, then MoE
         cfg = tf.KimiLinearConfig(vocab_size=vocab, num_key_value_heads=2,
@@ -69,6 +70,8 @@ def test_loads_the_family_of_config_json(checkpoint):
               "kimi_linear": "BridgedKimiDeltaAttention"}
     assert all(type(model.blocks[l].mixer).__name__ == mixers[layout] for l in model.recurrent_layers)
     assert model.blocks[3].norm_layout == ("post" if layout == "olmo_hybrid" else "pre")
+    if layout == "olmo_hybrid":
+        assert model.text_model[0].rotary_emb is None
 
 
 def _hand_swapped_suffix(ref, recipient, donor, b, parts):
