@@ -5,7 +5,8 @@ The per-layout checks are test_bridge.py's own (parity with transformers' torch 
 the state patch against a hand edit of transformers' cache, write patches that keep the erase, the interventions);
 importing them here makes pytest collect them once more, with this module's `checkpoint` fixture over these three
 families. Added here: per-component cache swaps (recurrent state, conv tails, KV) against the same swaps done by
-hand in transformers' cache, the refusal of a transformers hybrid the bridge does not know, and one CLI smoke."""
+hand in transformers' cache, single-token steps against transformers' own decode, per-head K/V swaps past the
+cached heads refused, the refusal of a transformers hybrid the bridge does not know, and one CLI smoke."""
 import pytest
 import torch
 from test_bridge import (  # noqa: F401  (collected here with this module's checkpoint fixture)
@@ -116,6 +117,43 @@ def test_component_swaps_equal_the_same_swaps_in_transformers_cache(checkpoint):
                 expected = _hand_swapped_suffix(ref, recipient, donor, b, parts)
             torch.testing.assert_close(got, expected, rtol=0, atol=1e-5, msg=lambda m: f"{parts}: {m}")
             assert float((got - clean).abs().max()) > 1e-3, parts
+
+
+def test_single_token_steps_equal_transformers_own_decode(checkpoint):
+    """Token by token through the bridge's cache == transformers' own decode steps (its single-token conv update and
+    recurrent kernel), and == the full run."""
+    from transformers import DynamicCache
+
+    _, path, cls = checkpoint
+    model = load_model(path)
+    ref = cls.from_pretrained(str(path), dtype=torch.float32).eval()
+    tokens = torch.randint(4, model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), torch_reference_path():
+        full = model(tokens)
+        cache = model.run_prefix(tokens[:, :6])
+        theirs = DynamicCache(config=ref.config.get_text_config(decoder=True))
+        ref(input_ids=tokens[:, :6], cache=theirs, use_cache=True)
+        ours, expected = [], []
+        for t in range(6, 12):
+            step, cache = model.run_suffix(tokens[:, t:t + 1], cache)
+            ours.append(step)
+            expected.append(ref(input_ids=tokens[:, t:t + 1], cache=theirs, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(ours, 1), torch.cat(expected, 1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.cat(ours, 1), full[:, 6:], rtol=0, atol=1e-5)
+
+
+def test_a_kv_head_swap_past_the_cached_heads_is_refused(checkpoint):
+    """Per-head K/V swaps index the cached K/V heads (one shared latent under Kimi's MLA, Hkv under GQA)."""
+    _, path, _ = checkpoint
+    model = load_model(path)
+    tokens = torch.randint(4, model.cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        cache = model.run_prefix(tokens)
+    kv_heads = cache.layers[3].keys.shape[2]
+    assert kv_heads == 1   # Hkv = 1 in the Qwen3-Next and OLMo-hybrid configs; the MLA latent in Kimi-Linear
+    cache.swap_from(cache, layers=[3], heads=[0], parts=("kv",))
+    with pytest.raises(ValueError, match=r"head 1 is out of range for layer 3's K/V: it caches 1 key/value heads"):
+        cache.swap_from(cache, layers=[3], heads=[1], parts=("kv",))
 
 
 def test_refuses_an_unknown_architecture_by_name(tmp_path):
