@@ -72,7 +72,8 @@ class BridgedDeltaRule(RecurrentMixer):
                 v.reshape(B, T, -1, self.head_v_dim))
 
     def _project(self, h: torch.Tensor, cache):
-        """-> q, k (B, T, Hk, K), v (B, T, Hv, V), beta (B, T, Hv), g (B, T, Hv) or (B, T, Hv, K), gate (B, T, Hv, V)."""
+        """-> q, k (B, T, Hk, K), v (B, T, Hv, V), beta (B, T, Hv), g (B, T, Hv) or per key channel (B, T, Hv, K),
+        gate (B, T, Hv, V)."""
         raise NotImplementedError
 
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
