@@ -1,5 +1,6 @@
-"""The transformers bridge: Qwen3.5 (dense, MoE, multimodal layout) checkpoints in transformers' format, on recurscope's
-hooks, cache edits, interventions and CLI. `load_model` sends a transformers checkpoint here (see loader.py)."""
+"""The transformers bridge: Qwen3.5 (dense, MoE, multimodal layout), Qwen3-Next, OLMo-hybrid and Kimi-Linear
+checkpoints in transformers' format, on recurscope's hooks, cache edits, interventions and CLI. `load_model` sends a
+transformers checkpoint here (see loader.py)."""
 from recurscope.interp.bridge.families import BRIDGE_FAMILIES, bridge_family, supported_model_types
 from recurscope.interp.bridge.model import BridgeConfig, TransformersBridge
 

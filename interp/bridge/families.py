@@ -19,29 +19,78 @@ class BridgeFamily:
     spec: FamilySpec
     model_types: tuple          # config.json model_type values (text and multimodal layouts)
     linear_attr: str            # the decoder layer's attribute holding the linear-attention module
-    attention_attr: str         # ... and the one holding full attention
+    attention_attr: str         # ... and the one holding full attention (Kimi-Linear: the same attribute)
+    attention_norm: str = "pre"  # "post": its attention layers norm the mixer's and the MLP's outputs (OLMo-hybrid)
 
 
 def _gdn_state_shape(cfg):
     return (cfg.linear_key_head_dim, cfg.linear_value_head_dim)
 
 
+def _gdn_state_heads(cfg):
+    return cfg.linear_num_value_heads
+
+
+#: config.json keys of the Gated DeltaNet layers (Qwen3.5, Qwen3-Next and OLMo-hybrid share them)
+GDN_KEYS = frozenset({"linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                      "linear_value_head_dim", "linear_conv_kernel_dim", "layer_types"})
+_MIXERS = "recurscope.interp.bridge.mixers"
+
 QWEN35_GDN = FamilySpec(
     name="qwen3_5", title="Qwen3.5 Gated DeltaNet + gated attention (transformers; dense, MoE, multimodal)",
-    weights=TRANSFORMERS_WEIGHTS,
-    config_keys=frozenset({"linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                           "linear_value_head_dim", "linear_conv_kernel_dim", "layer_types"}),
+    weights=TRANSFORMERS_WEIGHTS, config_keys=GDN_KEYS,
     kernel_inputs={"q": "l2norm(silu(conv(in_proj_qkv)[:key_dim])), repeated over value heads",
                    "k": "l2norm(silu(conv(in_proj_qkv)[key_dim:2 key_dim])), repeated over value heads",
                    "x": "beta v, beta = sigmoid(in_proj_b)", "g": "-exp(A_log) softplus(in_proj_a + dt_bias), per head",
                    "a": "beta k"},
-    mixer="BridgedGatedDeltaNet", mixer_module="recurscope.interp.bridge.mixers",
-    state_shape=_gdn_state_shape, state_heads=lambda cfg: cfg.linear_num_value_heads,
+    mixer="BridgedGatedDeltaNet", mixer_module=_MIXERS,
+    state_shape=_gdn_state_shape, state_heads=_gdn_state_heads,
     readout_norm=lambda mixer: mixer.norm, readout_gate=None,
+)
+
+QWEN3_NEXT_GDN = FamilySpec(
+    name="qwen3_next", title="Qwen3-Next Gated DeltaNet + gated attention, MoE (transformers)",
+    weights=TRANSFORMERS_WEIGHTS, config_keys=GDN_KEYS,
+    kernel_inputs={"q": "l2norm(silu(conv(q))), q split per key head from in_proj_qkvz, repeated over value heads",
+                   "k": "l2norm(silu(conv(k))), k from the same split, repeated over value heads",
+                   "x": "beta v, beta = sigmoid(b), b split from in_proj_ba",
+                   "g": "-exp(A_log) softplus(a + dt_bias), a split from in_proj_ba, per head", "a": "beta k"},
+    mixer="BridgedQwen3NextGatedDeltaNet", mixer_module=_MIXERS,
+    state_shape=_gdn_state_shape, state_heads=_gdn_state_heads,
+    readout_norm=lambda mixer: mixer.norm, readout_gate=None,
+)
+
+OLMO_HYBRID_GDN = FamilySpec(
+    name="olmo_hybrid", title="OLMo-hybrid Gated DeltaNet + post-norm attention (transformers)",
+    weights=TRANSFORMERS_WEIGHTS, config_keys=GDN_KEYS | {"linear_allow_neg_eigval"},
+    kernel_inputs={"q": "l2norm(silu(conv(q_proj))), repeated over value heads",
+                   "k": "l2norm(silu(conv(k_proj))), repeated over value heads",
+                   "x": "beta v, beta = sigmoid(b_proj), times 2 when linear_allow_neg_eigval",
+                   "g": "-exp(A_log) softplus(a_proj + dt_bias), per head", "a": "beta k"},
+    mixer="BridgedOlmoHybridGatedDeltaNet", mixer_module=_MIXERS,
+    state_shape=_gdn_state_shape, state_heads=_gdn_state_heads,
+    readout_norm=lambda mixer: mixer.o_norm, readout_gate=None,
+)
+
+KIMI_KDA = FamilySpec(
+    name="kimi_linear", title="Kimi-Linear KDA (per-channel decay) + MLA attention, MoE (transformers)",
+    weights=TRANSFORMERS_WEIGHTS,
+    config_keys=frozenset({"linear_attn_config", "layer_types", "mlp_layer_types", "kv_lora_rank", "q_lora_rank",
+                           "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"}),
+    kernel_inputs={"q": "l2norm(silu(conv(q_proj)))", "k": "l2norm(silu(conv(k_proj)))",
+                   "x": "beta v, beta = sigmoid(b_proj)",
+                   "g": "forget_gate: -exp(A_log) softplus(f_b_proj(f_a_proj h) + dt_bias), per key channel",
+                   "a": "beta k"},
+    mixer="BridgedKimiDeltaAttention", mixer_module=_MIXERS,
+    state_shape=lambda cfg: (cfg.linear_head_dim, cfg.linear_head_dim), state_heads=lambda cfg: cfg.linear_num_heads,
+    readout_norm=lambda mixer: mixer.o_norm, readout_gate=None,
 )
 
 BRIDGE_FAMILIES: tuple[BridgeFamily, ...] = (
     BridgeFamily(QWEN35_GDN, ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), "linear_attn", "self_attn"),
+    BridgeFamily(QWEN3_NEXT_GDN, ("qwen3_next",), "linear_attn", "self_attn"),
+    BridgeFamily(OLMO_HYBRID_GDN, ("olmo_hybrid",), "linear_attn", "self_attn", attention_norm="post"),
+    BridgeFamily(KIMI_KDA, ("kimi_linear",), "self_attn", "self_attn"),
 )
 
 

@@ -30,21 +30,29 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-class BridgedGatedDeltaNet(RecurrentMixer):
-    """transformers' Gated DeltaNet layer (Qwen3.5, Qwen3.5-MoE): in_proj_qkv -> causal conv + SiLU -> q, k, v;
-    beta = sigmoid(in_proj_b), g = -exp(A_log) softplus(in_proj_a + dt_bias) per value head; q, k L2-normalised and
-    repeated over the value heads; kernel inputs x = beta v, a = beta k, scale = head_k_dim^-1/2; then the gated
-    RMSNorm with z = in_proj_z and out_proj."""
+class BridgedDeltaRule(RecurrentMixer):
+    """A transformers (gated) delta-rule layer with the recurrence through `kernels.recurrence`. The shared part:
+    the causal conv with transformers' cache, the L2-normalised q and k repeated over the value heads, the kernel
+    inputs x = beta v, a = beta k, scale = head_k_dim^-1/2, the hooks, the cache update and the gated output norm.
+    A family says how its projections give (q, k, v, beta, g, gate) (`_project`) and names its output norm and
+    projection (`norm_attr`, `out_attr`)."""
+
+    copied = ("num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv_kernel_size",
+              "layer_idx", "activation", "hidden_size")
+    norm_attr, out_attr = "norm", "out_proj"
+    state_dtype: Optional[torch.dtype] = None   # the dtype transformers stores the state in (None: the initial one)
 
     def __init__(self, hf_layer: torch.nn.Module):
         super().__init__()
         _adopt(self, hf_layer)
-        for attr in ("num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim",
-                     "conv_kernel_size", "layer_idx", "activation", "hidden_size"):
-            setattr(self, attr, getattr(hf_layer, attr))
+        self._dimensions(hf_layer)
         self.head_k, self.head_v = self.head_k_dim, self.head_v_dim
         self.modeling = importlib.import_module(type(hf_layer).__module__)   # its causal conv functions
         self.state_positions: Optional[Sequence[int]] = None                  # set by the bridge for one call
+
+    def _dimensions(self, hf_layer) -> None:
+        for attr in self.copied:
+            setattr(self, attr, getattr(hf_layer, attr))
 
     # transformers' conv with its cache: the cache keeps the last conv_kernel_size inputs of the layer
     def _conv(self, mixed: torch.Tensor, cache) -> torch.Tensor:
@@ -55,24 +63,24 @@ class BridgedGatedDeltaNet(RecurrentMixer):
                                              activation=self.activation)
         return out[:, :, -T:]
 
-    def _project(self, h: torch.Tensor, cache):
-        B, T, _ = h.shape
-        mixed = self._conv(self.in_proj_qkv(h).transpose(1, 2), cache).transpose(1, 2)
+    def _conv_qkv(self, mixed: torch.Tensor, cache):
+        """(B, T, 2 key_dim + value_dim) -> q, k (B, T, Hk, K) and v (B, T, Hv, V) after the conv and activation."""
+        B, T, _ = mixed.shape
+        mixed = self._conv(mixed.transpose(1, 2), cache).transpose(1, 2)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(B, T, -1, self.head_k_dim)
-        k = k.reshape(B, T, -1, self.head_k_dim)
-        v = v.reshape(B, T, -1, self.head_v_dim)
-        z = self.in_proj_z(h).reshape(B, T, -1, self.head_v_dim)
-        beta = self.in_proj_b(h).sigmoid()
-        acc = torch.promote_types(h.dtype, torch.float32)
-        g = -self.A_log.to(acc).exp() * F.softplus(self.in_proj_a(h).to(acc) + self.dt_bias)
-        return q, k, v, beta, g, z
+        return (q.reshape(B, T, -1, self.head_k_dim), k.reshape(B, T, -1, self.head_k_dim),
+                v.reshape(B, T, -1, self.head_v_dim))
+
+    def _project(self, h: torch.Tensor, cache):
+        """-> q, k (B, T, Hk, K), v (B, T, Hv, V), beta (B, T, Hv), g (B, T, Hv) or per key channel (B, T, Hv, K),
+        gate (B, T, Hv, V)."""
+        raise NotImplementedError
 
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
         if attention_mask is not None:   # transformers zeroes padded positions before the layer
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         init = None if cache is None else cache.get_recurrent_state(self.layer_idx)
-        q, k, v, beta, g, z = self._project(hidden_states, cache)
+        q, k, v, beta, g, gate = self._project(hidden_states, cache)
         acc = torch.promote_types(hidden_states.dtype, torch.float32)   # float32, as transformers, or float64
         groups = self.num_v_heads // self.num_k_heads
         q, k = _l2norm(q.to(acc)), _l2norm(k.to(acc))
@@ -85,12 +93,85 @@ class BridgedGatedDeltaNet(RecurrentMixer):
         o, S = self._recur(q, k, b * v, g, a, None if init is None else init.to(acc), self.state_positions,
                            self.head_k_dim ** -0.5)
         if cache is not None:
-            cache.update_recurrent_state(S.to(init.dtype if init is not None else S.dtype), self.layer_idx)
+            keep = self.state_dtype or (init.dtype if init is not None else S.dtype)
+            cache.update_recurrent_state(S.to(keep), self.layer_idx)
         o = self.hook_head_out(o.to(hidden_states.dtype))
         B, T = hidden_states.shape[:2]
-        zz = self.hook_z(self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        norm = getattr(self, self.norm_attr)
+        zz = self.hook_z(norm(o.reshape(-1, self.head_v_dim), gate.reshape(-1, self.head_v_dim))
                          .reshape(B, T, -1, self.head_v_dim))
-        return self.out_proj(zz.reshape(B, T, -1))
+        return getattr(self, self.out_attr)(zz.reshape(B, T, -1))
+
+
+def _gdn_decay(mixer, a: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """g = -exp(A_log) softplus(a + dt_bias) per value head, in at least float32 (as transformers)."""
+    acc = torch.promote_types(like.dtype, torch.float32)
+    return -mixer.A_log.to(acc).exp() * F.softplus(a.to(acc) + mixer.dt_bias)
+
+
+class BridgedGatedDeltaNet(BridgedDeltaRule):
+    """transformers' Gated DeltaNet layer of Qwen3.5 (dense, MoE): in_proj_qkv -> causal conv + SiLU -> q, k, v;
+    beta = sigmoid(in_proj_b), g = -exp(A_log) softplus(in_proj_a + dt_bias); gate z = in_proj_z; the gated
+    RMSNorm `norm`, then out_proj."""
+
+    def _project(self, h, cache):
+        B, T, _ = h.shape
+        q, k, v = self._conv_qkv(self.in_proj_qkv(h), cache)
+        z = self.in_proj_z(h).reshape(B, T, -1, self.head_v_dim)
+        return q, k, v, self.in_proj_b(h).sigmoid(), _gdn_decay(self, self.in_proj_a(h), h), z
+
+
+class BridgedQwen3NextGatedDeltaNet(BridgedDeltaRule):
+    """Qwen3-Next's Gated DeltaNet: the fused in_proj_qkvz and in_proj_ba, interleaved per key head, are split by
+    transformers' own `fix_query_key_value_ordering`; the rest is Qwen3.5's layer."""
+
+    def __init__(self, hf_layer):
+        super().__init__(hf_layer)
+        self._reorder = type(hf_layer).fix_query_key_value_ordering   # transformers' split, called on this layer
+
+    def _project(self, h, cache):
+        B, T, _ = h.shape
+        q, k, v, z, b, a = self._reorder(self, self.in_proj_qkvz(h), self.in_proj_ba(h))
+        q, k, v = self._conv_qkv(torch.cat([t.reshape(B, T, -1) for t in (q, k, v)], dim=-1), cache)
+        return q, k, v, b.sigmoid(), _gdn_decay(self, a, h), z
+
+
+class BridgedOlmoHybridGatedDeltaNet(BridgedDeltaRule):
+    """OLMo-hybrid's Gated DeltaNet: separate q/k/v_proj into the conv; beta = sigmoid(b_proj), doubled when
+    linear_allow_neg_eigval (beta in [0, 2]); g from a_proj as in Qwen3.5; gate g_proj; output norm o_norm, o_proj."""
+
+    copied = BridgedDeltaRule.copied + ("allow_neg_eigval",)
+    norm_attr, out_attr = "o_norm", "o_proj"
+
+    def _project(self, h, cache):
+        B, T, _ = h.shape
+        q, k, v = self._conv_qkv(torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1), cache)
+        beta = self.b_proj(h).sigmoid()
+        if self.allow_neg_eigval:
+            beta = beta * 2.0
+        return q, k, v, beta, _gdn_decay(self, self.a_proj(h), h), self.g_proj(h).reshape(B, T, -1, self.head_v_dim)
+
+
+class BridgedKimiDeltaAttention(BridgedDeltaRule):
+    """Kimi-Linear's KDA layer: q/k/v_proj into the conv, one head size for keys and values; the per-channel decay
+    g (B, T, H, K) is transformers' own `forget_gate` module; beta = sigmoid(b_proj); gate g_b_proj(g_a_proj(h)),
+    sigmoid inside o_norm; o_proj. transformers keeps its state in float32."""
+
+    copied = ("num_heads", "head_dim", "qkv_dim", "conv_kernel_size", "layer_idx", "activation", "hidden_size")
+    norm_attr, out_attr = "o_norm", "o_proj"
+    state_dtype = torch.float32
+
+    def _dimensions(self, hf_layer) -> None:
+        super()._dimensions(hf_layer)
+        self.num_k_heads = self.num_v_heads = hf_layer.num_heads
+        self.head_k_dim = self.head_v_dim = hf_layer.head_dim
+        self.key_dim = self.value_dim = hf_layer.qkv_dim
+
+    def _project(self, h, cache):
+        B, T, _ = h.shape
+        q, k, v = self._conv_qkv(torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1), cache)
+        gate = self.g_b_proj(self.g_a_proj(h)).reshape(B, T, -1, self.head_v_dim)
+        return q, k, v, self.b_proj(h).sigmoid(), self.forget_gate(h), gate
 
 
 # ---------------------------------------------------------------------------------------------------------------

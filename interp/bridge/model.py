@@ -50,14 +50,19 @@ class BridgeConfig:
 
 
 class BridgeBlock(nn.Module):
-    """A pre-norm decoder layer of transformers (Qwen3.5 layout) with recurscope's residual hooks; it holds the
-    transformers layer's own submodules under their own names."""
+    """A decoder layer of transformers with recurscope's residual hooks; it holds the transformers layer's own
+    submodules under their own names. `norm="pre"`: input_layernorm before the mixer and post_attention_layernorm
+    before the MLP (Qwen3.5, Qwen3-Next, Kimi-Linear, OLMo-hybrid's linear layers); `norm="post"`:
+    post_attention_layernorm on the mixer's output and post_feedforward_layernorm on the MLP's (OLMo-hybrid's
+    attention layers). hook_mixer_out and hook_mlp_out are what the layer adds to the residual stream."""
 
-    def __init__(self, hf_layer: nn.Module, mixer_attr: str, recurrent: bool):
+    def __init__(self, hf_layer: nn.Module, mixer_attr: str, recurrent: bool, norm: str = "pre"):
         super().__init__()
+        if norm not in ("pre", "post"):
+            raise ValueError(f"norm must be 'pre' or 'post', got {norm!r}")
         for name, child in hf_layer.named_children():
             setattr(self, name, child)
-        self.mixer_attr, self.is_recurrent = mixer_attr, recurrent
+        self.mixer_attr, self.is_recurrent, self.norm_layout = mixer_attr, recurrent, norm
         self.hook_resid_pre = HookPoint()
         self.hook_mixer_out = HookPoint()
         self.hook_resid_mid = HookPoint()
@@ -72,16 +77,21 @@ class BridgeBlock(nn.Module):
                 **kwargs):
         kwargs.pop("use_cache", None)
         resid = self.hook_resid_pre(hidden_states)
-        h = self.input_layernorm(resid)
+        pre = self.norm_layout == "pre"
+        h = self.input_layernorm(resid) if pre else resid
         if self.is_recurrent:
             mixed = self.mixer(h, cache=cache, attention_mask=attention_mask)
         else:
             mixed, _ = self.mixer(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, position_embeddings=position_embeddings)
+        if not pre:
+            mixed = self.post_attention_layernorm(mixed)
         resid = self.hook_resid_mid(resid + self.hook_mixer_out(mixed))
-        mlp = self.mlp(self.post_attention_layernorm(resid))
+        mlp = self.mlp(self.post_attention_layernorm(resid) if pre else resid)
         if isinstance(mlp, tuple):   # MoE blocks may also return router logits
             mlp = mlp[0]
+        if not pre:
+            mlp = self.post_feedforward_layernorm(mlp)
         return self.hook_resid_post(resid + self.hook_mlp_out(mlp))
 
 
@@ -113,7 +123,8 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
                 setattr(layer, family.linear_attr, mixer_cls(getattr(layer, family.linear_attr)))
             else:
                 add_attention_hooks(getattr(layer, family.attention_attr))
-            block = BridgeBlock(layer, family.linear_attr if recurrent else family.attention_attr, recurrent)
+            block = BridgeBlock(layer, family.linear_attr if recurrent else family.attention_attr, recurrent,
+                                "pre" if recurrent else family.attention_norm)
             text.layers[i] = block
             blocks.append(block)
         self.hf = hf

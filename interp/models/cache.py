@@ -123,6 +123,10 @@ class RecurrentCache:
                     mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
                 else:
                     for h in heads:
+                        if not 0 <= h < mine.keys.shape[2]:   # K/V heads: fewer under GQA, one latent under MLA
+                            raise ValueError(f"head {h} is out of range for layer {layer}'s K/V: it caches "
+                                             f"{mine.keys.shape[2]} key/value heads; pick among those, or leave "
+                                             "heads unset to swap the layer's whole K/V")
                         mine.keys[:, :, h] = theirs.keys[:, :, h]
                         mine.values[:, :, h] = theirs.values[:, :, h]
         return out
