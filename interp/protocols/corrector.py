@@ -8,7 +8,8 @@ Do the frozen head's states still hold the answer? On DEV sources only:
    example's candidates (W_U: the unembedding);
 3. a ridge map W (V x D) from centred features to targets, truncated to rank r by its SVD; the correction
    delta_i = alpha * (f_i - mean f) W_r is added to the residual stream leaving the last block at the query
-   position (blocks.{L-1}.hook_resid_post), and alpha (a multiple of the residual's norm) is picked on dev.
+   position (blocks.{L-1}.hook_resid_post); the ridge and alpha (a multiple of the residual's norm, 0 included)
+   are chosen by cross-fitting between the even and odd dev sources, then the map is refitted on all of dev.
 Then the frozen corrector is applied to HELD-OUT sources: accuracy before and after, rescued (wrong -> right) and
 broken (right -> wrong) counts. Controls: a random rank-r map of equal Frobenius norm with the same alpha, and the
 whole procedure on the control head's readout. A Corrector remembers the sources it was fitted on and refuses to
@@ -42,7 +43,9 @@ LABELS = {"corrector": "corrector (frozen head)", "random_map": "random map, equ
           "control_head": "corrector on the control head"}
 METRICS = ("clean_correct", "correct", "accuracy_change", "rescued", "broken")
 #: Residual-norm multiples tried for alpha on dev.
-ALPHAS = (0.0625, 0.125, 0.25, 0.5, 1.0, 2.0)
+ALPHAS = (0.0, 0.03125, 0.0625, 0.125, 0.25, 0.5, 1.0)
+#: Ridge strengths tried (times the mean eigenvalue of X^T X).
+RIDGES = (0.01, 0.1, 1.0, 10.0)
 PAPER = {"GLA colours": ("24.2% -> 52.3%", "64 / 28"), "GLA shapes": ("30.5% -> 49.2%", "53 / 29"),
          "GDN colours": ("46.9% -> 48.4%", "29 / 27"), "Qwen3.5-4B": ("78.9% -> 46.9%", "8 / 49")}
 
@@ -63,6 +66,8 @@ class Corrector:
     alpha: float
     rank: int
     fit_sources: frozenset = field(default_factory=frozenset)
+    ridge: float = float("nan")
+    multiple: float = float("nan")      # alpha over the residual-to-prediction norm ratio, chosen on dev
 
     def delta(self, features: torch.Tensor, pairs=None) -> torch.Tensor:
         if pairs is not None:
@@ -140,22 +145,30 @@ def _ridge_rank(X: torch.Tensor, Y: torch.Tensor, rank: int, ridge: float) -> to
     return (U[:, :r] * S[:r]) @ Vh[:r]
 
 
-def _pick_alpha(model, pairs, X: torch.Tensor, resid: torch.Tensor, mean, weight) -> tuple[float, float]:
-    """The alpha in ALPHAS x (mean residual norm / mean prediction norm) with the best dev accuracy."""
+def _fit_map(X: torch.Tensor, Y: torch.Tensor, rank: int, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = X.mean(0)
+    return mean, _ridge_rank(X - mean, Y - Y.mean(0), rank, ridge)
+
+
+def _scale_unit(X, resid, mean, weight) -> float:
+    """Mean residual norm over mean prediction norm: alpha = multiple * unit."""
     pred = (X - mean) @ weight
-    unit = float(resid.norm(dim=1).mean()) / max(float(pred.norm(dim=1).mean()), 1e-12)
-    best = (-1.0, 0.0)
-    for a in ALPHAS:
-        z = corrected_logits(model, pairs, resid, a * unit * pred)
-        acc = float((z.argmax(1) == pairs.recipient_answer_index).double().mean())
-        if acc > best[0]:
-            best = (acc, a * unit)
-    return best[1], best[0]
+    return float(resid.norm(dim=1).mean()) / max(float(pred.norm(dim=1).mean()), 1e-12)
 
 
-def fit_corrector(model, pairs, head, *, rank: int = 4, ridge: float = 1e-2, feats: Optional[Features] = None,
-                  batch_size: int = 16) -> Corrector:
-    """Fits the rank-`rank` corrector of `head` on `pairs`, which must all come from the dev split."""
+def _accuracy(model, pairs, resid, delta) -> float:
+    z = corrected_logits(model, pairs, resid, delta)
+    return float((z.argmax(1) == pairs.recipient_answer_index).double().mean())
+
+
+def fit_corrector(model, pairs, head, *, rank: int = 4, ridges: Sequence[float] = RIDGES,
+                  feats: Optional[Features] = None, batch_size: int = 16) -> Corrector:
+    """Fits the rank-`rank` corrector of `head` on `pairs`, which must all come from the dev split. The ridge and
+    the scale are chosen by cross-fitting inside dev: maps fitted on the even dev sources are scored on the odd ones
+    (ties go to the smaller scale, so a correction that does not help there is not made); the chosen ridge is then
+    refitted on every dev source."""
+    from recurscope.interp.distributed import take_rows
+
     splits = sorted(set(pairs.splits))
     if splits != ["dev"]:
         raise ValueError(f"fit the corrector on dev sources only (build_pairs(split='dev')); these pairs come from "
@@ -164,11 +177,25 @@ def fit_corrector(model, pairs, head, *, rank: int = 4, ridge: float = 1e-2, fea
         raise ValueError(f"rank must be an integer >= 1; got {rank!r}")
     head = tuple(head)
     feats = collect_features(model, pairs, [head], batch_size=batch_size) if feats is None else feats
-    X = feats.readout[head]
-    mean = X.mean(0)
-    weight = _ridge_rank(X - mean, feats.target - feats.target.mean(0), rank, ridge)
-    alpha, _ = _pick_alpha(model, pairs, X, feats.resid, mean, weight)
-    return Corrector(head, mean, weight, alpha, rank, source_keys(pairs))
+    X, Y = feats.readout[head], feats.target
+    odd = (pairs.source_id % 2 == 1)
+    if odd.all() or not odd.any():
+        raise ValueError("the corrector cross-fits on even and odd dev sources; pass at least 2 dev sources")
+    fit_i, sel_i = (~odd).nonzero()[:, 0], odd.nonzero()[:, 0]
+    sel_pairs = take_rows(pairs, sel_i.tolist())
+    best = (-1.0, 0.0, ridges[0])
+    for ridge in ridges:
+        mean, weight = _fit_map(X[fit_i], Y[fit_i], rank, ridge)
+        unit = _scale_unit(X[fit_i], feats.resid[fit_i], mean, weight)
+        pred = (X[sel_i] - mean) @ weight
+        for a in ALPHAS:
+            acc = _accuracy(model, sel_pairs, feats.resid[sel_i], a * unit * pred)
+            if acc > best[0] + 1e-12:
+                best = (acc, a, ridge)
+    _, multiple, ridge = best
+    mean, weight = _fit_map(X, Y, rank, ridge)
+    alpha = multiple * _scale_unit(X, feats.resid, mean, weight)
+    return Corrector(head, mean, weight, alpha, rank, source_keys(pairs), ridge=ridge, multiple=multiple)
 
 
 def random_corrector(fitted: Corrector, seed: int = 0) -> Corrector:
@@ -179,7 +206,8 @@ def random_corrector(fitted: Corrector, seed: int = 0) -> Corrector:
     B = torch.randn(fitted.rank, D, generator=gen, dtype=torch.float64)
     W = A @ B
     W = W * (fitted.weight.norm() / W.norm())
-    return Corrector(fitted.head, fitted.mean, W, fitted.alpha, fitted.rank, fitted.fit_sources)
+    return Corrector(fitted.head, fitted.mean, W, fitted.alpha, fitted.rank, fitted.fit_sources, fitted.ridge,
+                     fitted.multiple)
 
 
 def _rows(arm, pairs, clean: torch.Tensor, z: torch.Tensor) -> pd.DataFrame:
@@ -194,8 +222,8 @@ def _rows(arm, pairs, clean: torch.Tensor, z: torch.Tensor) -> pd.DataFrame:
 
 
 def run_corrector(model, head: Optional[Sequence[int]] = None, *, from_scan=None, k: int = 64,
-                  total_length: Optional[int] = None, n_sources: int = 32, n_fit: int = 32, pairs_per_source: int = 4,
-                  rank: int = 4, ridge: float = 1e-2, n_dev: int = 16, template: str = "is_in",
+                  total_length: Optional[int] = None, n_sources: int = 32, n_fit: int = 32, pairs_per_source: int = 8,
+                  rank: int = 4, n_dev: int = 16, template: str = "is_in",
                   vocab: str = "cities", seed: int = 0, batch_size: int = 16, n_resamples: int = 9999, run_dir=None,
                   model_name: str = "model", progress=None) -> ProtocolResult:
     """Fits the corrector on `n_fit` dev sources and evaluates it, with its controls, on `n_sources` held-out
@@ -219,10 +247,10 @@ def run_corrector(model, head: Optional[Sequence[int]] = None, *, from_scan=None
         if not cache:
             fit_feats = collect_features(model, fit_pairs, [chosen, control], batch_size=batch_size)
             test_feats = collect_features(model, test_pairs, [chosen, control], batch_size=batch_size)
-            cache["main"] = fit_corrector(model, fit_pairs, chosen, rank=rank, ridge=ridge,
+            cache["main"] = fit_corrector(model, fit_pairs, chosen, rank=rank,
                                           feats=Features({chosen: fit_feats.readout[chosen]}, fit_feats.resid,
                                                          fit_feats.target, fit_feats.clean))
-            cache["control"] = fit_corrector(model, fit_pairs, control, rank=rank, ridge=ridge,
+            cache["control"] = fit_corrector(model, fit_pairs, control, rank=rank,
                                              feats=Features({control: fit_feats.readout[control]}, fit_feats.resid,
                                                             fit_feats.target, fit_feats.clean))
             cache["random"] = random_corrector(cache["main"], seed=seed)
@@ -244,8 +272,8 @@ def run_corrector(model, head: Optional[Sequence[int]] = None, *, from_scan=None
     info = {"head": chosen, "control_head": control, "k": int(k), "total_length": int(total_length),
             "n_sources": n_sources, "n_fit": n_fit, "pairs_per_source": pairs_per_source, "rank": rank,
             "template": template, "vocab": vocab, "counts": counts.to_dict("records"),
-            "alpha": {a: float(cache[c].alpha) for a, c in (("corrector", "main"), ("control_head", "control"))}
-            if cache else {}, "fit_sources": len(source_keys(fit_pairs)),
+            "chosen": {a: {"ridge": cache[c].ridge, "multiple": cache[c].multiple}
+                       for a, c in (("corrector", "main"), ("control_head", "control"))} if cache else {}, "fit_sources": len(source_keys(fit_pairs)),
             "shared_sources": len(source_keys(fit_pairs) & source_keys(test_pairs))}
     result = ProtocolResult("corrector", rows, sources, summary, info=info)
     if run_dir is not None:
@@ -270,7 +298,9 @@ def corrector_section(result: ProtocolResult, model_name: str) -> str:
              f"rank-{info['rank']} ridge map from the head's query readout to the correct candidate's residual "
              f"direction, fitted (with its scale) on {info['n_fit']} dev sources and applied to {info['n_sources']} "
              f"held-out sources ({info['pairs_per_source']} pairs each; {info['shared_sources']} sources shared); "
-             f"control head {head_label(info['control_head'])}; template `{info['template']}`, {info['vocab']}.", "",
+             f"control head {head_label(info['control_head'])}; template `{info['template']}`, {info['vocab']}."
+             + "".join(f" Chosen on dev for the {a.replace('_', ' ')}: ridge {c['ridge']:g}, scale {c['multiple']:g} x "
+                       "the residual norm." for a, c in info.get("chosen", {}).items()), "",
              "| arm | accuracy before | accuracy after | change | rescued / broken |", "|---|---|---|---|---|"]
     for arm, label in LABELS.items():
         c = counts.get(arm)
@@ -292,6 +322,11 @@ def corrector_section(result: ProtocolResult, model_name: str) -> str:
                    "a loss whose interval excludes 0" if excludes_zero(change) else "no change beyond the interval")
         reading.append(f"Here the corrector takes held-out accuracy from {100 * before[0]:.1f}% to "
                        f"{100 * after[0]:.1f}% ({int(c['rescued'])} rescued / {int(c['broken'])} broken): {verdict}.")
+        chosen = info.get("chosen", {}).get("corrector")
+        if chosen and chosen["multiple"] == 0:
+            reading.append("Cross-fitting inside dev found no scale at which the correction helped, so none is "
+                           "made: the frozen head's readout carries no answer a rank-"
+                           f"{info['rank']} linear map learns from {info['n_fit']} dev sources.")
         if before[0] > 0.6:
             reading.append(f"The tiny model fails less at K = {info['k']} than the paper's models at theirs, so there "
                            "are fewer failures to rescue.")
@@ -316,12 +351,11 @@ def add_verb(sub, model_args, load) -> None:
     p.add_argument("--n-dev", type=int, default=16, help="dev sources for the head scan when no head is given")
     p.add_argument("--n-fit", type=int, default=32, help="dev sources the corrector is fitted on")
     p.add_argument("--n-sources", type=int, default=32, help="held-out sources it is evaluated on")
-    p.add_argument("--pairs-per-source", type=int, default=4)
+    p.add_argument("--pairs-per-source", type=int, default=8)
     p.add_argument("--k", type=int, default=64, help="facts in the high-load layout")
     p.add_argument("--total-length", type=int, default=None,
                    help="fixed sequence length (default: the K=16 layout with 128 filler tokens, as `capacity`)")
     p.add_argument("--rank", type=int, default=4)
-    p.add_argument("--ridge", type=float, default=1e-2)
     p.add_argument("--template", default="is_in")
     p.add_argument("--vocab", default="cities")
     p.add_argument("--seed", type=int, default=0)
@@ -333,12 +367,12 @@ def add_verb(sub, model_args, load) -> None:
 def _cli(args, load) -> int:
     model = load(args)
     keys = ("model", "head", "from_scan", "n_dev", "n_fit", "n_sources", "pairs_per_source", "k", "total_length",
-            "rank", "ridge", "template", "vocab", "seed")
+            "rank", "template", "vocab", "seed")
     run = open_run(args.out, kind="corrector", model=model, model_name=args.model,
                    args={k: getattr(args, k) for k in keys}, seeds=[args.seed], split="heldout")
     result = run_corrector(model, args.head, from_scan=args.from_scan, k=args.k, total_length=args.total_length,
                            n_sources=args.n_sources, n_fit=args.n_fit, pairs_per_source=args.pairs_per_source,
-                           rank=args.rank, ridge=args.ridge, n_dev=args.n_dev, template=args.template,
+                           rank=args.rank, n_dev=args.n_dev, template=args.template,
                            vocab=args.vocab, seed=args.seed, batch_size=args.batch_size, n_resamples=args.resamples,
                            run_dir=run, model_name=args.model, progress=lambda a: print(f"corrector: {a}", flush=True))
     print(result.section)
