@@ -209,6 +209,9 @@ def _reading(s: pd.DataFrame, info: dict) -> list[str]:
                    "kept)" + ("; it halves or more, as in the paper." if ratio <= 0.5 else
                               "; it weakens but by less than half, unlike the paper." if ratio < 1 else
                               "; it does not weaken, unlike the paper."))
+    s32 = estimate(s, {"k": 32, "intervention": "state_swap"}, "donor_margin_shift")
+    if s_lo and s32 and hi_k != 32 and s_lo[0] != 0:
+        out.append(f"At K = 32 it keeps {100 * s32[0] / s_lo[0]:.0f}% ({s32[0]:+.2f}).")
     breaks = [(k, estimate(s, {"k": k, "intervention": "state_swap"}, "nontarget_break")) for k in evaluated]
     breaks = [(k, e) for k, e in breaks if e]
     if breaks:
@@ -216,6 +219,14 @@ def _reading(s: pd.DataFrame, info: dict) -> list[str]:
         out.append(f"The swap's non-target break rate peaks at {100 * worst[0]:.2f}% [{100 * worst[1]:.2f}, "
                    f"{100 * worst[2]:.2f}] (K = {worst_k})"
                    + (", under the paper's 5% line." if worst[0] < 0.05 else ", above the paper's 5% line."))
+    rand_breaks = [(k, estimate(s, {"k": k, "intervention": "random_update"}, "nontarget_break")) for k in evaluated]
+    rand_breaks = [(k, e) for k, e in rand_breaks if e]
+    if breaks and rand_breaks:
+        rk, re_ = max(rand_breaks, key=lambda kv: kv[1][0])
+        if re_[0] > worst[0]:
+            out.append(f"The equal-norm random update breaks more non-targets than the swap (up to "
+                       f"{100 * re_[0]:.2f}% at K = {rk}): the swap's change is confined to the target where a "
+                       "random change of the same size is not.")
     rand = [(k, estimate(s, {"k": k, "intervention": "random_update"}, "donor_margin_shift")) for k in evaluated]
     rand = [e for _, e in rand if e]
     if rand:
