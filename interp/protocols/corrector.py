@@ -262,7 +262,7 @@ def run_corrector(model, head: Optional[Sequence[int]] = None, *, from_scan=None
         corr = {"corrector": c["main"], "random_map": c["random"], "control_head": c["control"]}[arm]
         t = c["test"]
         z = corrected_logits(model, test_pairs, t.resid, corr.delta(t.readout[corr.head], test_pairs))
-        return _rows(arm, test_pairs, t.clean, z)
+        return _rows(arm, test_pairs, t.clean, z).assign(ridge=corr.ridge, multiple=corr.multiple)
     rows = logged_arms(run_dir, "corrector_rows", ("arm", "row"), ARMS, compute, progress)
     rows["source"] = rows["source"].astype(int)
     summary = summarise_metrics(rows, METRICS, by=("arm",), n_resamples=n_resamples, seed=seed)
@@ -272,8 +272,9 @@ def run_corrector(model, head: Optional[Sequence[int]] = None, *, from_scan=None
     info = {"head": chosen, "control_head": control, "k": int(k), "total_length": int(total_length),
             "n_sources": n_sources, "n_fit": n_fit, "pairs_per_source": pairs_per_source, "rank": rank,
             "template": template, "vocab": vocab, "counts": counts.to_dict("records"),
-            "chosen": {a: {"ridge": cache[c].ridge, "multiple": cache[c].multiple}
-                       for a, c in (("corrector", "main"), ("control_head", "control"))} if cache else {}, "fit_sources": len(source_keys(fit_pairs)),
+            "chosen": {a: {"ridge": float(rows.loc[rows["arm"] == a, "ridge"].iloc[0]),
+                           "multiple": float(rows.loc[rows["arm"] == a, "multiple"].iloc[0])}
+                       for a in ("corrector", "control_head") if {"ridge", "multiple"} <= set(rows.columns)}, "fit_sources": len(source_keys(fit_pairs)),
             "shared_sources": len(source_keys(fit_pairs) & source_keys(test_pairs))}
     result = ProtocolResult("corrector", rows, sources, summary, info=info)
     if run_dir is not None:
@@ -290,6 +291,10 @@ def run_corrector(model, head: Optional[Sequence[int]] = None, *, from_scan=None
     return finish(result, run_dir)
 
 
+def _pp(e) -> str:
+    return "–" if e is None else f"{100 * e[0]:+.1f} pp [{100 * e[1]:+.1f}, {100 * e[2]:+.1f}]"
+
+
 def corrector_section(result: ProtocolResult, model_name: str) -> str:
     s, info = result.summary, result.info
     counts = {c["arm"]: c for c in info["counts"]}
@@ -301,12 +306,12 @@ def corrector_section(result: ProtocolResult, model_name: str) -> str:
              f"control head {head_label(info['control_head'])}; template `{info['template']}`, {info['vocab']}."
              + "".join(f" Chosen on dev for the {a.replace('_', ' ')}: ridge {c['ridge']:g}, scale {c['multiple']:g} x "
                        "the residual norm." for a, c in info.get("chosen", {}).items()), "",
-             "| arm | accuracy before | accuracy after | change | rescued / broken |", "|---|---|---|---|---|"]
+             "| arm | accuracy before | accuracy after | change | rescued / broken (of all rows) |", "|---|---|---|---|---|"]
     for arm, label in LABELS.items():
         c = counts.get(arm)
         lines.append(f"| {label} | {ci_text(s, {'arm': arm}, 'clean_correct', pct=True)} | "
                      f"{ci_text(s, {'arm': arm}, 'correct', pct=True)} | "
-                     f"{ci_text(s, {'arm': arm}, 'accuracy_change', pct=True)} | "
+                     f"{_pp(estimate(s, {'arm': arm}, 'accuracy_change'))} | "
                      + (f"{int(c['rescued'])} / {int(c['broken'])} of {int(c['n'])}" if c else "–") + " |")
     if "corrector" in result.figures:
         lines += ["", f"![corrector](figures/{result.figures['corrector'].name})"]

@@ -104,6 +104,7 @@ def test_run_corrector_never_fits_on_a_heldout_source(word_tok, model, monkeypat
     for keys in seen:
         assert {k[0] for k in keys} == {"dev"} and not {(k[0], k[2]) for k in keys} & evaluated
     assert r.info["shared_sources"] == 0 and set(r.rows["arm"]) == set(corrector.ARMS)
+    assert r.info["chosen"]["corrector"]["multiple"] in corrector.ALPHAS
     counts = {c["arm"]: c for c in r.info["counts"]}["corrector"]
     assert counts["after"] - counts["before"] == counts["rescued"] - counts["broken"]
 
