@@ -64,13 +64,9 @@ def test_retention_gate_keeps_recall_and_refuses_the_edit(word_tok, model):
     r = retention.run_retention(model, (0, 0), loads=(2,), total_length=total, n_sources=3, n_nontarget=1,
                                 batch_size=8, n_resamples=100, gate_threshold=0.99)
     s = r.summary.set_index(["intervention", "metric"])
-    assert pd_notna(s.loc[("state_swap", "clean_correct"), "estimate"])
+    assert not np.isnan(s.loc[("state_swap", "clean_correct"), "estimate"])
     for m in ("donor_margin_shift", "nontarget_break"):
         assert np.isnan(s.loc[("state_swap", m), "estimate"]) and "refused" in s.loc[("state_swap", m), "reason"]
-
-
-def pd_notna(x) -> bool:
-    return not (isinstance(x, float) and np.isnan(x))
 
 
 # ---- corrector (F.1) ------------------------------------------------------------------------------------------
