@@ -217,6 +217,7 @@ def run_reuse(model, head: Optional[Sequence[int]] = None, *, from_scan=None, n_
         fig = plot_interval_panels(summary_f, run_dir.figure_path("reuse"), row_col="arm", rows=keys,
                                    panels=["clean_correct", "qualified_donor_answer"],
                                    percent=["clean_correct", "qualified_donor_answer"],
+                                   reference={"clean_correct": gate_threshold} if gate_threshold else None,
                                    panel_labels={"clean_correct": "clean recall",
                                                  "qualified_donor_answer": "qualified donor answers"},
                                    title=f"{model_name}: donor write across formats, head {head_label(chosen)}")
