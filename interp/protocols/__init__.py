@@ -1,5 +1,5 @@
-"""The paper's protocols beyond the scan and confirmation (How Linear Attention Remembers, §2.4, §3.3, App. C, D.1,
-E.2), one module each. Every protocol has a function returning a ProtocolResult (per-example rows, per-source means,
+"""The paper's protocols beyond the scan and confirmation (How Linear Attention Remembers, §2.4, §3.3, §4.2, App. C,
+D.1, D.2, E.2, F.1, F.2), one module each. Every protocol has a function returning a ProtocolResult (per-example rows, per-source means,
 a source-bootstrap summary, a figure and a markdown report section with a "Reading" paragraph) and a CLI verb.
 
 | verb | module | paper |
@@ -13,6 +13,9 @@ a source-bootstrap summary, a figure and a markdown report section with a "Readi
 | gate | gate.py | App. F.2, Table 3: natural-sentence capability gate (reusable: capability_gate, require_capability) |
 | capacity | capacity.py | §4.2, Fig. 7a-b: clean recall and state-swap shift against load K and gap |
 | overlap | overlap.py | §4.2, Fig. 7c: interfering write keys aligned with the target's write direction |
+| retention | retention.py | §4.2, Fig. 8: clean recall, state-swap edit shift and non-target breakage against K |
+| corrector | corrector.py | App. F.1, Fig. 15: a low-rank state-feature corrector fitted on dev, applied held out |
+| reuse | reuse.py | App. D.2, Fig. 13: the frozen head's donor write across formats; rank-4 value-subspace transfer |
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from recurscope.interp.protocols._common import ProtocolResult
 
 __all__ = ["ProtocolResult", "VERBS", "register_verbs"]
 
-VERBS = ("selectivity", "coupling", "neutral", "heads", "headscan", "lens", "gate", "capacity", "overlap")
+VERBS = ("selectivity", "coupling", "neutral", "heads", "headscan", "lens", "gate", "capacity", "overlap", "retention", "corrector", "reuse")
 
 
 def register_verbs(subparsers, model_args, load) -> None:

@@ -12,11 +12,18 @@ TINY = ["--n-sources", "2", "--filler", "16", "--presentations", "2", "--gap", "
         "--batch-size", "8"]
 FIGURES = {"selectivity": ["selectivity"], "coupling": ["coupling"], "neutral": ["neutral"],
            "heads": ["recovery", "nonadditivity"], "headscan": ["headscan"], "lens": ["lens"], "gate": ["gate"],
-           "capacity": ["load", "gap"], "overlap": ["overlap"]}
+           "capacity": ["load", "gap"], "overlap": ["overlap"], "retention": ["retention"],
+           "corrector": ["corrector"], "reuse": ["reuse", "subspace"]}
 #: Verbs with their own layout options instead of the shared --filler/--presentations/--gap.
 OWN_ARGS = {"gate": ["--n-sources", "2", "--fillers", "8", "16", "--resamples", "100", "--batch-size", "8"],
             "capacity": ["--n-sources", "2", "--loads", "1", "2", "--gaps", "8", "16", "--total-length", "120",
-                         "--resamples", "100", "--batch-size", "8"]}
+                         "--resamples", "100", "--batch-size", "8"],
+            "retention": ["--n-sources", "2", "--loads", "1", "2", "--total-length", "200", "--n-nontarget", "1",
+                          "--resamples", "100", "--batch-size", "8"],
+            "corrector": ["--n-sources", "2", "--n-fit", "2", "--pairs-per-source", "2", "--k", "2",
+                          "--total-length", "200", "--resamples", "100", "--batch-size", "8"],
+            "reuse": ["--n-sources", "2", "--n-fit", "2", "--filler", "16", "--formats", "template:is_in",
+                      "update:is_in", "--resamples", "100", "--batch-size", "8"]}
 
 
 @pytest.mark.slow

@@ -1,0 +1,346 @@
+"""Head reuse across formats and the value-subspace transfer (How Linear Attention Remembers, App. D.2, Fig. 13).
+
+1. The frozen head's donor write (interventions.donor_write over the target fact's spans) in every format: the five
+   templates (cities), the value vocabularies (template `is_in`) and the update format (build_update_pairs: the
+   target's last presentation re-binds it, the answer is the new value). Per format: clean recall, the donor-answer
+   rate and the qualified donor-answer rate, the donor-answer rate among the examples whose clean recall succeeded.
+   Each format first passes the capability gate (protocols.gate, 80% by default): a refused format reports its
+   recall only.
+2. Subspace transfer: the frozen head's query-time edits Delta = o_t(donor) - o_t(recipient) (hook_head_out at the
+   query positions, the output patch's change) of colour-value pairs on DEV sources give a rank-4 basis (top right
+   singular vectors). On held-out colour and shape pairs the output patch keeps only Delta's component in that
+   basis; the shift kept is the ratio of source means, projected / full output patch, against a random rank-4
+   basis (seeded, orthonormal).
+
+Paper: GLA keeps qualified donor-answer rates of at least 89.7% across formats (GDN 46.8-91.9%); the rank-4 colour
+basis carries colour edits but produces no shape donor answers in either model.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from recurscope.hooks.patches import ReadoutReplace, head_mask
+from recurscope.hooks.points import hook_name
+from recurscope.interp import interventions as iv
+from recurscope.interp import stats
+from recurscope.interp.data.words import TEMPLATES, VALUE_VOCABS
+from recurscope.interp.metrics import example_metrics
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, estimate, finish, frozen_head, head_label,
+                                                 logged_arms, max_length, open_run, pair_kwargs)
+from recurscope.interp.protocols.gate import GATE_THRESHOLD, capability_gate
+
+__all__ = ["FORMATS", "SUBSPACE_ARMS", "PAPER", "format_layouts", "edit_deltas", "fit_basis", "random_basis",
+           "projected_output_patch", "run_reuse", "add_verb"]
+
+#: (family, condition) of every format: the five templates, the value vocabularies, the update format.
+FORMATS = tuple([("template", t) for t in TEMPLATES] + [("vocab", v) for v in VALUE_VOCABS] + [("update", "is_in")])
+SUBSPACE_ARMS = ("output_patch", "colour_basis", "random_basis")
+SUBSPACE_LABELS = {"output_patch": "full output patch", "colour_basis": "projected on the colour basis",
+                   "random_basis": "projected on a random basis"}
+METRICS = ("clean_correct", "donor_answer", "qualified_donor_answer", "donor_margin_shift")
+PROPORTIONS = ("clean_correct", "donor_answer", "qualified_donor_answer")
+PAPER = {"GLA qualified": ">= 89.7%", "GDN qualified": "46.8-91.9%",
+         "transfer": "the colour basis carries colour edits, no shape donor answers"}
+
+
+def format_layouts(template: str = "is_in", vocab: str = "cities", *, filler: int = 512, seed: int = 0) -> dict:
+    """{"family:condition": build_pairs kwargs} of every format in the §3.3 layout."""
+    out = {}
+    for family, cond in FORMATS:
+        base = pair_kwargs(filler=filler, seed=seed, template=template, vocab=vocab)
+        if family == "template":
+            base["template"] = cond
+        elif family == "vocab":
+            base["vocab"] = cond
+        else:
+            base.update(variant="update", n_updated=1)
+        out[f"{family}:{cond}"] = base
+    return out
+
+
+def edit_deltas(model, pairs, head, *, batch_size: int = 16) -> torch.Tensor:
+    """(P, V) query-time edits o_t(donor) - o_t(recipient) of `head` at every query position of every row."""
+    layer, h = head
+    name = hook_name("hook_head_out", layer)
+    device = iv.model_device(model)
+    T = pairs.recipient_ids.shape[1]
+    pos = torch.arange(T)[None]
+    out = []
+    with torch.no_grad():
+        for rows in iv._chunks(torch.arange(len(pairs)), batch_size):
+            col = iv._Collector([name])
+            with model.hooks(fwd_hooks=col.hooks()):
+                model(torch.cat([pairs.recipient_ids[rows], pairs.donor_ids[rows]]).to(device))
+            o = col.values[name].cpu()[..., h, :].double()
+            m = len(rows)
+            mask = (pos >= pairs.query_start[rows][:, None]) & (pos <= pairs.query_pos[rows][:, None])
+            out.append((o[m:] - o[:m])[mask])
+    return torch.cat(out)
+
+
+def fit_basis(deltas: torch.Tensor, rank: int = 4) -> torch.Tensor:
+    """(V, rank) orthonormal basis: the top right singular vectors of the stacked edits."""
+    if not isinstance(rank, int) or not 1 <= rank <= deltas.shape[1]:
+        raise ValueError(f"rank must be an integer in [1, {deltas.shape[1]}]; got {rank!r}")
+    return torch.linalg.svd(deltas.double(), full_matrices=False)[2][:rank].T.contiguous()
+
+
+def random_basis(V: int, rank: int = 4, seed: int = 0) -> torch.Tensor:
+    """(V, rank) orthonormal basis of a seeded Gaussian subspace."""
+    gen = torch.Generator().manual_seed(int(seed))
+    return torch.linalg.qr(torch.randn(V, rank, generator=gen, dtype=torch.float64))[0]
+
+
+def projected_output_patch(model, pairs, head, basis: Optional[torch.Tensor], *, batch_size: int = 16):
+    """The output patch of `head` (every query position) keeping only the edit's component in span(basis):
+    o = o(recipient) + (o(donor) - o(recipient)) B B^T. basis=None is the full output patch."""
+    layer, h = iv.normalise_heads(model, [tuple(head)])[0]
+    P = None if basis is None else basis.double() @ basis.double().T
+    H = model.n_state_heads
+
+    def body(ctx, R, D, heads):
+        m = ctx.m
+        where = torch.zeros(3 * m, ctx.rec.shape[1], dtype=torch.bool)
+        where[2 * m:] = ctx.query_mask
+
+        def value(o):
+            out = o.clone()
+            delta = o[m:2 * m] - o[:m]
+            if P is not None:
+                delta = (delta.double() @ P.to(o.device)).to(o.dtype)
+            out[2 * m:] = o[:m] + delta
+            return out
+        patches = [ReadoutReplace(layer, value=value, mask=head_mask(where, H, [h]).to(ctx.device))]
+        (clean, _, patched), _ = iv._stack(ctx, [ctx.rec, ctx.don, ctx.rec], [R, D, R], patches)
+        return {"clean": clean, "logits": patched}
+    name = "output_patch" if basis is None else f"projected_output_patch:rank{basis.shape[1]}"
+    return iv._query_time(name, model, pairs, [(layer, h)], None, batch_size, False, body)
+
+
+def _metric_rows(pairs, result, arm: str, **extra) -> pd.DataFrame:
+    f = example_metrics(pairs, result, intervention=arm)
+    f["qualified_donor_answer"] = np.where(f["clean_correct"] == 1, f["donor_answer"], np.nan)
+    out = f[["row", "source", "clean_correct", "donor_answer", "qualified_donor_answer", "donor_margin_shift"]].copy()
+    out.insert(0, "arm", arm)
+    for k, v in extra.items():
+        out[k] = v
+    return out
+
+
+def run_reuse(model, head: Optional[Sequence[int]] = None, *, from_scan=None, n_sources: int = 32,
+              n_fit: int = 32, n_dev: int = 16, filler: int = 512, rank: int = 4, seed: int = 0,
+              gate_threshold: Optional[float] = GATE_THRESHOLD, formats: Optional[Sequence[str]] = None,
+              batch_size: int = 16, n_resamples: int = 9999, run_dir=None, model_name: str = "model",
+              progress=None) -> ProtocolResult:
+    """The donor write in every format (`formats`: "family:condition" keys of format_layouts, default all) and the
+    colour-to-shape subspace transfer, on `n_sources` held-out sources; the basis is fitted on `n_fit` dev sources.
+    gate_threshold=None reports every format without the capability gate."""
+    from recurscope.interp.data import build_pairs
+
+    chosen, _ = frozen_head(model, head, from_scan, n_dev=n_dev, layout=pair_kwargs(seed=seed))
+    layouts = format_layouts(filler=filler, seed=seed)
+    keys = list(layouts) if formats is None else list(formats)
+    unknown = [k for k in keys if k not in layouts]
+    if unknown:
+        raise ValueError(f"unknown formats {unknown}; choose from {list(layouts)}")
+    tok, ml = model.tokenizer, max_length(model)
+
+    def compute_format(arm):
+        family, cond = arm.split(":", 1)
+        pairs = build_pairs(tok, split="heldout", n_sources=n_sources, max_length=ml, **layouts[arm])
+        reason = ""
+        if gate_threshold is not None:
+            g = capability_gate(model, pairs, threshold=gate_threshold, condition=arm, batch_size=batch_size,
+                                n_resamples=min(n_resamples, 2000), seed=seed)
+            reason = "" if g.passed else g.describe()
+        frame = _metric_rows(pairs, iv.donor_write(model, pairs, [chosen], batch_size=batch_size), arm,
+                             family=family, condition=cond, reason=reason)
+        if reason:                                       # refused by the gate: recall only
+            frame[["donor_answer", "qualified_donor_answer", "donor_margin_shift"]] = np.nan
+        return frame
+    rows = logged_arms(run_dir, "reuse_rows", ("arm", "row"), keys, compute_format, progress)
+    rows["reason"] = rows["reason"].fillna("")
+    basis: dict = {}
+
+    def bases():
+        if not basis:
+            dev = build_pairs(tok, split="dev", n_sources=n_fit, max_length=ml, **pair_kwargs(filler=filler, seed=seed,
+                                                                                              vocab="colours"))
+            basis["colour_basis"] = fit_basis(edit_deltas(model, dev, chosen, batch_size=batch_size), rank)
+            basis["random_basis"] = random_basis(basis["colour_basis"].shape[0], rank, seed)
+        return basis
+
+    def compute_subspace(arm):
+        vocab, how = arm.split(":", 1)
+        pairs = build_pairs(tok, split="heldout", n_sources=n_sources, max_length=ml,
+                            **pair_kwargs(filler=filler, seed=seed, vocab=vocab))
+        B = None if how == "output_patch" else bases()[how]
+        return _metric_rows(pairs, projected_output_patch(model, pairs, chosen, B, batch_size=batch_size), arm,
+                            vocab=vocab, projection=how)
+    sub_arms = [f"{v}:{a}" for v in ("colours", "shapes") for a in SUBSPACE_ARMS]
+    sub_rows = logged_arms(run_dir, "subspace_rows", ("arm", "row"), sub_arms, compute_subspace, progress)
+
+    summary_f = stats.summarise(rows, list(METRICS), by=["arm"], source_col="source", n_resamples=n_resamples,
+                                seed=seed, proportions=list(PROPORTIONS))
+    summary_f["reason"] = summary_f["arm"].map(rows.groupby("arm")["reason"].first())
+    summary_f.insert(0, "part", "formats")
+    summary_s = stats.summarise(sub_rows, ["donor_margin_shift", "donor_answer"], by=["vocab", "projection"],
+                                source_col="source", n_resamples=n_resamples, seed=seed, proportions=["donor_answer"])
+    kept = []
+    for vocab in ("colours", "shapes"):
+        full = sub_rows[sub_rows["arm"] == f"{vocab}:output_patch"].sort_values("row")
+        for how in SUBSPACE_ARMS[1:]:
+            part = sub_rows[sub_rows["arm"] == f"{vocab}:{how}"].sort_values("row")
+            ci = stats.source_ratio_ci(part["donor_margin_shift"].to_numpy(float),
+                                       full["donor_margin_shift"].to_numpy(float), full["source"].to_numpy(int),
+                                       n_resamples=n_resamples, seed=seed)
+            kept.append({"vocab": vocab, "projection": how, "metric": "shift_kept", "estimate": ci.estimate,
+                         "low": ci.low, "high": ci.high, "n_sources": ci.n_sources, "n_examples": ci.n_examples,
+                         "method": ci.method, "seed": seed, "confidence": ci.confidence})
+    summary_s = pd.concat([summary_s, pd.DataFrame(kept)], ignore_index=True)
+    summary_s.insert(0, "part", "subspace")
+    summary = pd.concat([summary_f, summary_s], ignore_index=True)
+    sources = pd.concat([rows.groupby(["arm", "source"])[list(METRICS)].mean().reset_index(),
+                         sub_rows.groupby(["arm", "source"])[["donor_margin_shift", "donor_answer"]].mean()
+                         .reset_index()], ignore_index=True)
+    all_rows = pd.concat([rows.assign(part="formats"), sub_rows.assign(part="subspace")], ignore_index=True)
+    info = {"head": chosen, "n_sources": n_sources, "n_fit": n_fit, "rank": rank, "filler": filler, "formats": keys,
+            "gate": gate_threshold}
+    result = ProtocolResult("reuse", all_rows, sources, summary, info=info)
+    if run_dir is not None:
+        from recurscope.interp.plots import plot_interval_panels
+
+        fig = plot_interval_panels(summary_f, run_dir.figure_path("reuse"), row_col="arm", rows=keys,
+                                   panels=["clean_correct", "qualified_donor_answer"],
+                                   percent=["clean_correct", "qualified_donor_answer"],
+                                   reference={"clean_correct": gate_threshold} if gate_threshold else None,
+                                   panel_labels={"clean_correct": "clean recall",
+                                                 "qualified_donor_answer": "qualified donor answers"},
+                                   title=f"{model_name}: donor write across formats, head {head_label(chosen)}")
+        result.figures["reuse"] = fig.png
+        fig = plot_interval_panels(summary_s, run_dir.figure_path("subspace"), row_col="projection",
+                                   rows=list(SUBSPACE_ARMS), hue_col="vocab", panels=["donor_margin_shift",
+                                                                                       "donor_answer"],
+                                   percent=["donor_answer"],
+                                   title=f"{model_name}: rank-{rank} colour basis, head {head_label(chosen)}")
+        result.figures["subspace"] = fig.png
+    result.section = reuse_section(result, model_name)
+    return finish(result, run_dir)
+
+
+def reuse_section(result: ProtocolResult, model_name: str) -> str:
+    s, info = result.summary, result.info
+    f = s[s["part"] == "formats"]
+    lines = [f"## Head reuse across formats: {model_name}, head {head_label(info['head'])}", "",
+             f"Donor write of the frozen head over the target's spans; K = 4, 3 presentations, {info['filler']} filler "
+             f"tokens, {info['n_sources']} held-out sources"
+             + (f"; every format gated at {100 * info['gate']:.0f}% clean recall" if info["gate"] else "")
+             + ". The qualified rate counts donor answers among the examples recalled correctly when clean.", "",
+             "| format | clean recall | donor-answer rate | qualified donor-answer rate | donor-margin shift | gate |",
+             "|---|---|---|---|---|---|"]
+    for arm in info["formats"]:
+        reason = f[f["arm"] == arm]["reason"]
+        gate = "–" if not info["gate"] else ("refused" if len(reason) and reason.iloc[0] else "pass")
+        lines.append(f"| {arm} | {ci_text(f, {'arm': arm}, 'clean_correct', pct=True)} | "
+                     f"{ci_text(f, {'arm': arm}, 'donor_answer', pct=True)} | "
+                     f"{ci_text(f, {'arm': arm}, 'qualified_donor_answer', pct=True)} | "
+                     f"{ci_text(f, {'arm': arm}, 'donor_margin_shift')} | {gate} |")
+    sub = s[s["part"] == "subspace"]
+    lines += ["", f"Rank-{info['rank']} subspace transfer: basis of colour-value edits (head output at the query "
+              f"positions) fitted on {info['n_fit']} dev sources, applied to held-out colour and shape pairs.", "",
+              "| values | projection | donor-margin shift | donor-answer rate | shift kept (of the full patch) |",
+              "|---|---|---|---|---|"]
+    for vocab in ("colours", "shapes"):
+        for how in SUBSPACE_ARMS:
+            w = {"vocab": vocab, "projection": how}
+            lines.append(f"| {vocab} | {SUBSPACE_LABELS[how]} | {ci_text(sub, w, 'donor_margin_shift')} | "
+                         f"{ci_text(sub, w, 'donor_answer', pct=True)} | "
+                         + ("1 (reference)" if how == "output_patch" else ci_text(sub, w, "shift_kept", pct=True))
+                         + " |")
+    for name in ("reuse", "subspace"):
+        if name in result.figures:
+            lines += ["", f"![{name}](figures/{result.figures[name].name})"]
+    lines += ["", "### Reading", "", " ".join(_reading(s, info))]
+    return "\n".join(lines)
+
+
+def _reading(s: pd.DataFrame, info: dict) -> list[str]:
+    out = [f"The paper: GLA's qualified donor-answer rate is {PAPER['GLA qualified']} in every format (GDN "
+           f"{PAPER['GDN qualified']}); {PAPER['transfer']}."]
+    f = s[s["part"] == "formats"]
+    q = [(arm, estimate(f, {"arm": arm}, "qualified_donor_answer")) for arm in info["formats"]]
+    q = [(a, e) for a, e in q if e]
+    if q:
+        low_arm, low = min(q, key=lambda ae: ae[1][0])
+        high_arm, high = max(q, key=lambda ae: ae[1][0])
+        floor = sum(e[0] >= 0.897 for _, e in q)
+        out.append(f"Here the qualified rate ranges from {100 * low[0]:.1f}% ({low_arm}) to {100 * high[0]:.1f}% "
+                   f"({high_arm}); {floor} of {len(q)} formats reach the paper's GLA floor of 89.7%"
+                   + (", so the head is reused across formats as in the paper." if floor == len(q) else
+                      f", {low_arm} falls short." if floor == len(q) - 1 else "."))
+    refused = [a for a in info["formats"] if a not in dict(q)]
+    if refused:
+        out.append(f"Not read: {', '.join(refused)} (refused by the gate or not evaluated).")
+    sub = s[s["part"] == "subspace"]
+    ck = estimate(sub, {"vocab": "colours", "projection": "colour_basis"}, "shift_kept")
+    sk = estimate(sub, {"vocab": "shapes", "projection": "colour_basis"}, "shift_kept")
+    rk = estimate(sub, {"vocab": "shapes", "projection": "random_basis"}, "shift_kept")
+    sd = estimate(sub, {"vocab": "shapes", "projection": "colour_basis"}, "donor_answer")
+    cd = estimate(sub, {"vocab": "colours", "projection": "colour_basis"}, "donor_answer")
+    if ck and sk:
+        out.append(f"The rank-{info['rank']} colour basis keeps {100 * ck[0]:.0f}% [{100 * ck[1]:.0f}, "
+                   f"{100 * ck[2]:.0f}] of the colour edit's shift"
+                   + (f" ({100 * cd[0]:.1f}% colour donor answers)" if cd else "")
+                   + f" and {100 * sk[0]:.0f}% [{100 * sk[1]:.0f}, {100 * sk[2]:.0f}] of the shape edit's"
+                   + (f" ({100 * sd[0]:.1f}% shape donor answers)" if sd else "")
+                   + (f"; a random rank-{info['rank']} basis keeps {100 * rk[0]:.0f}%" if rk else "") + ".")
+        few_shapes = sd is not None and sd[0] < 0.25
+        out.append(("As in the paper, the colour basis produces few shape donor answers"
+                    if few_shapes else "Unlike the paper, the colour basis produces shape donor answers")
+                   + (f", though it carries more of the shape shift than a random basis does (the subspaces overlap)"
+                      if rk and sk[1] > rk[2] else "") + "."
+                   + (f" It also keeps less than half of the colour edit itself: the colour edits are not confined "
+                      f"to rank {info['rank']} here." if ck[0] < 0.5 else ""))
+    return out
+
+
+def add_verb(sub, model_args, load) -> None:
+    p = sub.add_parser("reuse", help="the frozen head's donor write across templates, value vocabularies and the "
+                       "update format, and the rank-4 colour-to-shape subspace transfer (App. D.2)")
+    model_args(p)
+    p.add_argument("--head", type=int, nargs=2, metavar=("LAYER", "HEAD"), default=None)
+    p.add_argument("--from-scan", default=None)
+    p.add_argument("--n-dev", type=int, default=16, help="dev sources for the head scan when no head is given")
+    p.add_argument("--n-fit", type=int, default=32, help="dev sources the colour basis is fitted on")
+    p.add_argument("--n-sources", type=int, default=32)
+    p.add_argument("--filler", type=int, default=512)
+    p.add_argument("--rank", type=int, default=4)
+    p.add_argument("--formats", nargs="+", default=None, help="format keys, e.g. template:colon vocab:shapes "
+                   "update:is_in (default: all)")
+    p.add_argument("--gate", type=float, default=GATE_THRESHOLD, metavar="THRESHOLD",
+                   help="capability gate on every format's clean recall (default 0.8)")
+    p.add_argument("--no-gate", action="store_true", help="report every format without the capability gate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resamples", type=int, default=9999)
+    p.add_argument("--out", required=True)
+    p.set_defaults(fn=lambda args: _cli(args, load))
+
+
+def _cli(args, load) -> int:
+    model = load(args)
+    keys = ("model", "head", "from_scan", "n_dev", "n_fit", "n_sources", "filler", "rank", "formats", "gate",
+            "no_gate", "seed")
+    run = open_run(args.out, kind="reuse", model=model, model_name=args.model,
+                   args={k: getattr(args, k) for k in keys}, seeds=[args.seed], split="heldout")
+    result = run_reuse(model, args.head, from_scan=args.from_scan, n_sources=args.n_sources, n_fit=args.n_fit,
+                       n_dev=args.n_dev, filler=args.filler, rank=args.rank, seed=args.seed,
+                       gate_threshold=None if args.no_gate else args.gate, formats=args.formats,
+                       batch_size=args.batch_size, n_resamples=args.resamples, run_dir=run, model_name=args.model,
+                       progress=lambda a: print(f"reuse: {a}", flush=True))
+    print(result.section)
+    print(f"results in {run.path}")
+    return 0
