@@ -329,20 +329,28 @@ def corrector_section(result: ProtocolResult, model_name: str) -> str:
                        f"{100 * after[0]:.1f}% ({int(c['rescued'])} rescued / {int(c['broken'])} broken): {verdict}.")
         chosen = info.get("chosen", {}).get("corrector")
         if chosen and chosen["multiple"] == 0:
-            reading.append("Cross-fitting inside dev found no scale at which the correction helped, so none is "
-                           "made: the frozen head's readout carries no answer a rank-"
-                           f"{info['rank']} linear map learns from {info['n_fit']} dev sources.")
+            reading.append("Cross-fitting inside dev (even against odd sources) found no scale at which a rank-"
+                           f"{info['rank']} map from the head's readout helped, so none is made.")
         if before[0] > 0.6:
             reading.append(f"The tiny model fails less at K = {info['k']} than the paper's models at theirs, so there "
                            "are fewer failures to rescue.")
+    scales = {a: c["multiple"] for a, c in info.get("chosen", {}).items()}
+    scales["random_map"] = scales.get("corrector")
     for arm in ("random_map", "control_head"):
         e = estimate(s, {"arm": arm}, "accuracy_change")
-        if e:
-            reading.append(f"The {LABELS[arm]} changes accuracy by {100 * e[0]:+.1f} pp "
-                           f"[{100 * e[1]:+.1f}, {100 * e[2]:+.1f}]"
-                           + (", near 0 as a control should." if not excludes_zero(e) or abs(e[0]) < 0.02 else
-                              ": not 0, so part of the frozen head's gain is not specific to it."
-                              if change and change[0] > 0 and e[0] > 0 else "."))
+        if e is None:
+            continue
+        text = f"The {LABELS[arm]} changes accuracy by {100 * e[0]:+.1f} pp [{100 * e[1]:+.1f}, {100 * e[2]:+.1f}]"
+        if scales.get(arm) == 0:
+            text += " (scale 0 chosen on dev: no correction)."
+        elif not excludes_zero(e):
+            text += ", near 0 as a control should."
+        elif e[0] > 0:
+            text += (": a gain too, so part of the frozen head's gain is not specific to it." if change and change[0] > 0
+                     else ": a gain where the frozen head has none.")
+        else:
+            text += ": a loss."
+        reading.append(text)
     lines += ["", "### Reading", "", " ".join(reading)]
     return "\n".join(lines)
 
