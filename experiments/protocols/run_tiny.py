@@ -48,6 +48,7 @@ def main(argv=None) -> int:
                        seeds=[args.seed], split="dev")
         scan = run_scan(model, dev, run_dir=run)
         head, ranking = scan.winner, scan.heads
+        first_section = len(sections)
         common = dict(seed=args.seed, n_resamples=args.resamples, model_name=name, layout=layout)
         for proto in args.protocols:
             t0 = time.time()
@@ -70,6 +71,8 @@ def main(argv=None) -> int:
                 r = lens.run_lens(model, run_dir=run, n_sources=args.n_sources, **common)
             print(f"{name} {proto}: {time.time() - t0:.0f} s", flush=True)
             sections.append(r.section.replace("](figures/", f"]({name}/{proto}/figures/"))
+        # one file per model too, so runs of different models into one --out (in parallel) never overwrite each other
+        (out / name / "sections.md").write_text("\n\n".join(sections[first_section:]) + "\n")
         (out / "sections.md").write_text("\n\n".join(sections) + "\n")
     return 0
 
