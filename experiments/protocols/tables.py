@@ -106,14 +106,15 @@ def main(roots) -> None:
               f"{sp['estimate']:+.3f} [{sp['low']:+.3f}, {sp['high']:+.3f}] |")
     ln = load(roots, "lens")
     print("\n### Logit lens (App. C)\n\nPaper: " + PAPER["lens"] + "\n")
-    print("| model | task | embedding | after layer 0 | after layer 1 | after layer 2 |")
-    print("|---|---|---|---|---|---|")
+    n_layers = max((int(s["layer"].max()) + 1 for s in ln.values()), default=0)   # the deepest model sets the columns
+    print("| model | task | embedding | " + " | ".join(f"after layer {i}" for i in range(n_layers)) + " |")
+    print("|---|---|---|" + "---|" * n_layers)
     for m, s in ln.items():
         acc = s[s["metric"] == "correct"]
         for task in ("retention", "update"):
             a = acc[acc["task"] == task]
             cells = [f"{100 * a[(a.layer == 0) & (a.side == 'before')].iloc[0]['estimate']:.1f}%"]
-            for layer in range(3):
+            for layer in range(n_layers):
                 r = a[(a.layer == layer) & (a.side == "after")]
                 cells.append(f"{100 * r.iloc[0]['estimate']:.1f}%" if len(r) else "–")
             print(f"| {m} | {task} | " + " | ".join(cells) + " |")
