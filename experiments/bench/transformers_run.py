@@ -29,6 +29,7 @@ output gate, vocabulary 248320, tied embeddings, RoPE theta 1e7 on a quarter of 
 Usage:  python experiments/bench/transformers_run.py --ckpt /work/results/qwen08/ckpt [--config shape.json]
             [--dtypes float32 bfloat16] [--confirm-pairs 2] [--arms state_swap write_block] [--batch-size 16]
             [--gpu-tflops 989] [--gpu-utilisation 0.2] [--json results.json]
+        python experiments/bench/transformers_run.py --report float32.json bfloat16.json
 """
 from __future__ import annotations
 
@@ -117,8 +118,12 @@ def forward_flops(model, T: int) -> float:
 
 
 def measure(args) -> dict:
-    """One dtype, in this (child) process."""
+    """One dtype, in this (child) process; each step's figures go to stderr as it finishes."""
     import torch
+
+    def done(step, c):
+        print(f"{args.measure} {step}: {c.wall:.1f} s wall, {c.cpu:.1f} s CPU, peak {rss_gib():.2f} GiB, "
+              f"load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
 
     torch.set_num_threads(1)
     from recurscope.interp.confirm import confirm_arm
@@ -130,6 +135,7 @@ def measure(args) -> dict:
     out = {"dtype": args.measure, "rss_start_gib": rss_gib(), "load_before": os.getloadavg()[0]}
     with Clock() as c:
         model = load_model(args.ckpt, dtype=getattr(torch, args.measure))
+    done("load_model", c)
     out.update(load_wall=c.wall, load_cpu=c.cpu, rss_loaded_gib=rss_gib(), heads=len(all_heads(model)))
     dev = build_pairs(model.tokenizer, split="dev", n_sources=1, pairs_per_source=MAIN_JOB["pairs_per_source"],
                       **PAIR_LAYOUT)
@@ -140,9 +146,11 @@ def measure(args) -> dict:
         model(scan_pair.recipient_ids[:, :32], logit_positions=torch.zeros(1, dtype=torch.long))   # warm-up
         with Clock() as c:
             model(scan_pair.recipient_ids, logit_positions=scan_pair.query_pos)
+    done(f"forward of {T} tokens", c)
     out.update(forward_wall=c.wall, forward_cpu=c.cpu, rss_forward_gib=rss_gib(), forward_flops=forward_flops(model, T))
     with Clock() as c:
         run_scan(model, scan_pair, batch_size=args.batch_size)
+    done("scan unit", c)
     out.update(scan_unit_wall=c.wall, scan_unit_cpu=c.cpu, rss_scan_gib=rss_gib())
     held = build_pairs(model.tokenizer, split="heldout", n_sources=1, pairs_per_source=MAIN_JOB["pairs_per_source"],
                        **PAIR_LAYOUT)
@@ -152,6 +160,7 @@ def measure(args) -> dict:
     for arm in args.arms:
         with Clock() as c:
             confirm_arm(model, held, [head], arm, batch_size=args.batch_size)
+        done(f"arm {arm} on {len(held)} pairs", c)
         out["arms"][arm] = {"wall_per_pair": c.wall / len(held), "cpu_per_pair": c.cpu / len(held)}
     out.update(confirm_pairs=len(held), rss_peak_gib=rss_gib(), load_after=os.getloadavg()[0])
     return out
@@ -196,7 +205,7 @@ def report(results: list[dict], args) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", required=True, help="where the random-weight checkpoint is built (outside the repository)")
+    p.add_argument("--ckpt", default=None, help="where the random-weight checkpoint is built (outside the repository)")
     p.add_argument("--config", default=None, help="JSON object of Qwen3_5TextConfig keys overriding the preset")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--confirm-pairs", type=int, default=2, help="held-out pairs each sampled arm runs on")
@@ -206,8 +215,17 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-tflops", type=float, default=989.0, help="GPU peak for the estimate (H100 SXM dense bf16)")
     p.add_argument("--gpu-utilisation", type=float, default=0.2, help="assumed fraction of that peak")
     p.add_argument("--json", default=None, help="also write the measurements here")
+    p.add_argument("--report", nargs="+", default=None, metavar="JSON",
+                   help="print the table from measurement files that --json wrote (e.g. one per dtype), measure nothing")
     p.add_argument("--measure", default=None, help=argparse.SUPPRESS)   # internal: the child process's dtype
     args = p.parse_args(argv)
+    if args.report:
+        results = [r for path in args.report for r in json.loads(Path(path).read_text())]
+        args.arms = list(results[0]["arms"])
+        print(report(results, args))
+        return 0
+    if not args.ckpt:
+        raise SystemExit("--ckpt DIR is needed: where the random-weight checkpoint is built or reused")
     if args.confirm_pairs < 1 or args.batch_size < 1:
         raise SystemExit("--confirm-pairs and --batch-size must be positive integers")
     if args.measure:
@@ -224,9 +242,9 @@ def main(argv=None) -> int:
     for dtype in args.dtypes:
         cmd = [sys.executable, __file__, "--ckpt", str(ckpt), "--measure", dtype, "--confirm-pairs",
                str(args.confirm_pairs), "--batch-size", str(args.batch_size), "--arms", *args.arms]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)   # the child's progress: stderr
         if proc.returncode != 0:
-            raise SystemExit(f"{dtype} measurement failed:\n{proc.stderr[-3000:]}")
+            raise SystemExit(f"{dtype} measurement failed (its traceback is above)")
         results.append(json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:]))
         print(f"{dtype}: done", flush=True)
     if args.json:
