@@ -130,11 +130,30 @@ def _capture_states(capture, C, G, channel, starts, chunk_R, kc, uc, yc):
     return torch.stack(caps, dim=1)
 
 
+def _shared_state_product(P, S0, B, H):
+    """P S0 for rows (B*H, C, K) that all start from one state per head, S0 (H, K, V): per head one
+    (B*C, K) x (K, V) product instead of B small ones, and S0 is never copied per row. Returns (H, B, C, V)."""
+    BH, C, K = P.shape
+    Ph = P.view(B, H, C, K).transpose(0, 1).reshape(H, B * C, K)
+    return torch.bmm(Ph, S0).view(H, B, C, -1)
+
+
+def _add_heads_major(dst, src_hb, B, H):
+    """dst (B*H, C, V) += src (H, B, C, V)."""
+    dst.view(B, H, *dst.shape[1:]).add_(src_hb.transpose(0, 1))
+
+
 def recurrence_chunked(
     q, k, x, g, a=None, *, scale: float, initial_state=None, write_scale=None, extra_write=None,
     capture: Optional[list[int]] = None, dtype: torch.dtype = torch.float32, chunk_size: int = 64,
+    final_state: bool = True,
 ):
-    """Same contract as `recurrence_reference`; differentiable. Inputs are assumed validated."""
+    """Same contract as `recurrence_reference`; differentiable. Inputs are assumed validated.
+
+    final_state=False returns None for the final state, and without autograd the last chunk's state update is
+    skipped. An initial_state expanded along the batch (stride 0 in B, e.g. S[:1].expand(B, ...)) is read as one
+    state per head, never copied per row: many rows continuing one prefix (the head scan) cost one product per head.
+    """
     B, T, H, K = q.shape
     V = x.shape[-1]
     BH = B * H
@@ -210,37 +229,73 @@ def recurrence_chunked(
         if A_qu is not None:
             O = O + A_qu @ yc
     else:
-        # No graph: one preallocated output, the state updated in place, the residuals written over R0.
-        S = q.new_zeros(BH, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype).reshape(BH, K, V).clone()
+        # No graph: one preallocated output, the residuals written over R0, the state updated in place from the
+        # second chunk on. The first chunk only reads the initial state (its update is out of place), so the
+        # caller's state is never copied or written; a batch-expanded initial state stays one state per head.
+        shared = initial_state is not None and B > 1 and initial_state.stride(0) == 0
+        if initial_state is None:
+            S = q.new_zeros(BH, K, V, dtype=dtype)
+        elif shared:
+            S = initial_state[0].to(dtype)                          # (H, K, V), one per head
+        else:
+            S = initial_state.to(dtype).reshape(BH, K, V)
         R = R0
+        update_last = final_state          # captures need the chunk start states and residuals, not S_N
         if M is None:
             # Without an erase the residuals are the inputs: the chunk-local terms are batched over all chunks.
             O = A_qk @ R
-            KR = kd_T @ R if UY is None else (kd_T @ R).add_(UY)
+            KR = None
+            if N > 1 or update_last:
+                KR = kd_T @ R if UY is None else (kd_T @ R).add_(UY)
         else:
             O = torch.empty(N, BH, C, V, dtype=dtype, device=q.device)
         if A_qu is not None:
             O = O.add_(A_qu @ yc) if M is None else torch.matmul(A_qu, yc, out=O)
         for n in range(N):
+            first, last = n == 0, n == N - 1
             if n in want:
-                starts[n] = S.clone()
-            if M is None:
+                if first and shared:
+                    starts[n] = S.expand(B, H, K, V).reshape(BH, K, V)
+                else:
+                    # the caller's start state is never written; ours (zeros, later chunks) is updated in place
+                    starts[n] = S if first and initial_state is not None else S.clone()
+            if M is not None:
+                if first and shared:
+                    R_n = R[n]
+                    R_n.view(B, H, C, V).sub_(_shared_state_product(M[n], S, B, H).transpose(0, 1))
+                elif first and initial_state is None:
+                    R_n = R[n]
+                else:
+                    R_n = R[n].baddbmm_(M[n], S, alpha=-1.0)
+                if A_qu is None:
+                    torch.bmm(A_qk[n], R_n, out=O[n])
+                else:
+                    O[n].baddbmm_(A_qk[n], R_n)
+            if first and shared:
+                _add_heads_major(O[n], _shared_state_product(qg[n], S, B, H), B, H)
+            elif not (first and initial_state is None):                 # a zero start adds nothing
                 O[n].baddbmm_(qg[n], S)
-                S.mul_(decay_C[n]).add_(KR[n])
-                continue
-            R_n = R[n].baddbmm_(M[n], S, alpha=-1.0)
-            if A_qu is None:
-                torch.bmm(A_qk[n], R_n, out=O[n])
+            if last and not update_last:
+                S = None
+                break
+            if first and initial_state is not None:
+                # Out of place: e^{G_C} S_0 as a new (BH, K, V) state (broadcast over rows when S_0 is shared).
+                if shared:
+                    S = (decay_C[n].view(B, H, -1, 1) * S).view(BH, K, V)
+                else:
+                    S = decay_C[n] * S
             else:
-                O[n].baddbmm_(A_qk[n], R_n)
-            O[n].baddbmm_(qg[n], S)
-            S.mul_(decay_C[n]).baddbmm_(kd_T[n], R_n)
-            if UY is not None:
-                S.add_(UY[n])
+                S.mul_(decay_C[n])
+            if M is None:
+                S.add_(KR[n])
+            else:
+                S.baddbmm_(kd_T[n], R_n)
+                if UY is not None:
+                    S.add_(UY[n])
     o = O.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(q.dtype)
 
     states = None
     if capture:
         caps = _capture_states(capture, C, G, channel, starts, R, kc, uc, yc)
         states = caps.view(B, H, len(capture), K, V).transpose(1, 2)
-    return o, S.reshape(B, H, K, V), states
+    return o, (S.reshape(B, H, K, V) if final_state and S is not None else None), states

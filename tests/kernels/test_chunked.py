@@ -185,6 +185,29 @@ def test_output_final_state_false_returns_none():
     assert out.final_state is None and out.states is None
 
 
+@pytest.mark.parametrize("features", [(), ("write_scale", "extra_write", "capture")], ids=["plain", "patched"])
+@pytest.mark.parametrize("T", [7, 150])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batch_expanded_initial_state_and_no_final_state_match_reference(family, T, features):
+    """Rows continuing one prefix (the head scan's suffix rows) pass S[:1].expand(B, ...): the chunked backend reads
+    it as one state per head; with output_final_state=False it skips the last update. Both equal the reference on
+    the materialised state, and the caller's state is left untouched."""
+    B, H, K, V = 3, 2, 16, 8
+    q, k, x, g, a = family_inputs(family, B, T, H, K, V, seed=31).args()
+    kw = make_patches(features, B, T, H, K, V, torch.float64)
+    one = torch.randn(1, H, K, V, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    shared = one.expand(B, H, K, V)
+    assert shared.stride(0) == 0
+    ref = kernels.recurrence(q, k, x, g, a, backend="reference", initial_state=shared.clone(), **kw)
+    for final in (True, False):
+        chk = kernels.recurrence(q, k, x, g, a, backend="chunked", initial_state=shared, output_final_state=final, **kw)
+        assert_outputs_close(ref if final else ref._replace(final_state=None), chk, atol=1e-10, rtol=1e-10)
+        own = kernels.recurrence(q, k, x, g, a, backend="chunked", initial_state=shared.clone(),
+                                 output_final_state=final, **kw)
+        assert_outputs_close(ref if final else ref._replace(final_state=None), own, atol=1e-10, rtol=1e-10)
+    assert torch.equal(one, torch.randn(1, H, K, V, generator=torch.Generator().manual_seed(5), dtype=torch.float64))
+
+
 def test_gradients_stay_finite_and_exact_under_decays_that_overflow_a_sub_chunk():
     # Up to -12 per step: a 16-step block spans ~190 nats, past the float32 pivot range, so the exact
     # diagonal-block path takes over; its backward must not see inf * 0 from the pivoted factors.
