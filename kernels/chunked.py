@@ -30,6 +30,19 @@ def _pairwise_scalar(xs, ym, G):
     return [(x @ y_T).mul_(dec) for x in xs]              # one product per row set: no concatenated copy
 
 
+def _pairwise_from_chunk_end(xs, y_end, to_end):
+    """For each x in xs: A[t, s] = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]} for s <= t, zero above, as one full product
+    (x_t e^{G_t - G_C}) . (y_s e^{G_C - G_s}) pivoted at the chunk's end C. y_end = y e^{G_C - G} and to_end =
+    e^{G_C - G} are the factors the sequential part uses anyway, so the pairwise terms cost one division and one
+    product per row set. Valid while no chunk spans more decay than the dtype holds (the caller checks): then every
+    factor is a normal float, each term keeps its relative precision, and the large products sit above the
+    diagonal, where they are masked."""
+    C = y_end.shape[-2]
+    above = torch.ones(C, C, dtype=torch.bool, device=y_end.device).triu(1)
+    y_T = y_end.transpose(-1, -2)
+    return [((x / to_end) @ y_T).masked_fill_(above, 0.0) for x in xs]
+
+
 def _pairwise_channel(xs, ym, G, max_span):
     """For each x in xs: A[t, s] = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]} for s <= t, zero above; G is (..., C, K).
 
@@ -178,20 +191,29 @@ def recurrence_chunked(
     if channel:
         G_last = G[..., -1:, :]
         gam = G.exp()                            # e^{G_t}, (N, BH, C, K)
-        to_end = (G_last - G).exp()              # e^{G_C - G_s}
+        to_end = G_last - G
+        # The decay any chunk spans (one host read): within the dtype's range, the pairwise terms pivot at the
+        # chunk's end; beyond it, at every SUB-step block (slower, exact for any decay).
+        spread = float(to_end.detach().abs().amax())
+        to_end = to_end.exp_() if not grad else to_end.exp()   # e^{G_C - G_s}
         decay_C = G_last.exp().transpose(-1, -2)  # (N, BH, K, 1)
         max_span = 60.0 if dtype == torch.float32 else 600.0
-        pair = lambda xs, ym: _pairwise_channel(xs, ym, G, max_span)  # noqa: E731
+        if spread <= max_span:
+            pair = lambda xs, y_end, ym: _pairwise_from_chunk_end(xs, y_end, to_end)  # noqa: E731
+        else:
+            pair = lambda xs, y_end, ym: _pairwise_channel(xs, ym, G, max_span)  # noqa: E731
     else:
         G_last = G[..., -1:]
         gam = G.exp()[..., None]
         to_end = (G_last - G).exp()[..., None]
         decay_C = G_last.exp()[..., None]        # (N, BH, 1, 1)
-        pair = lambda xs, ym: _pairwise_scalar(xs, ym, G)  # noqa: E731
+        pair = lambda xs, y_end, ym: _pairwise_scalar(xs, ym, G)  # noqa: E731
 
+    kd = kc * to_end                             # k_s e^{G_C - G_s}
+    ud = None if uc is None else uc * to_end
     rows = [qc] if ac is None else [qc, ac]
-    A_qk, *A_ak = pair(rows, kc)
-    A_qu, *A_au = (None,) if uc is None else pair(rows, uc)
+    A_qk, *A_ak = pair(rows, kd, kc)
+    A_qu, *A_au = (None,) if uc is None else pair(rows, ud, uc)
 
     # Chunk-local solve: R = R0 - M S_0, for all chunks at once. The system's diagonal is 1 and its upper triangle
     # is never read, so A_ak goes in as it is.
@@ -207,9 +229,9 @@ def recurrence_chunked(
         R0, M = rhs, None
 
     # The sequential part, one chunk per step; the output of a chunk is formed as soon as its residuals are known.
-    kd_T = (kc * to_end).transpose(-1, -2)       # (N, BH, K, C)
+    kd_T = kd.transpose(-1, -2)                  # (N, BH, K, C)
     qg = qc * gam
-    UY = None if uc is None else (uc * to_end).transpose(-1, -2) @ yc
+    UY = None if ud is None else ud.transpose(-1, -2) @ yc
     want = {p // C for p in capture} if capture else set()      # chunks whose start state a capture needs
     starts = {}
     if grad:

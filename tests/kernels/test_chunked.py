@@ -228,3 +228,29 @@ def test_gradients_stay_finite_and_exact_under_decays_that_overflow_a_sub_chunk(
         assert torch.isfinite(mine.grad).all()
         scale = theirs.grad.abs().max() + 1e-12
         assert ((mine.grad.double() - theirs.grad).abs().max() / scale) < 1e-4
+
+
+def test_pairwise_terms_pivoted_at_the_chunk_end_equal_the_blocked_pivots(monkeypatch):
+    """The per-channel pairwise terms, pivoted once at the chunk's end (within the dtype's decay range) and at every
+    sub-block (any decay), both equal the materialised sum_k x_t y_s e^{G_t - G_s}; a chunk spanning more decay
+    than float32 holds takes the sub-block path."""
+    from recurscope.kernels import chunked
+
+    gen = torch.Generator().manual_seed(3)
+    N, BH, C, K = 2, 3, 64, 8
+    G = (-torch.rand(N, BH, C, K, generator=gen, dtype=torch.float64)).cumsum(-2)
+    x, y = (torch.randn(N, BH, C, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    dec = (G[..., :, None, :] - G[..., None, :, :]).exp() * torch.ones(C, C, dtype=torch.float64).tril()[..., None]
+    exact = torch.einsum("...tk,...sk,...tsk->...ts", x, y, dec)
+    to_end = (G[..., -1:, :] - G).exp()
+    torch.testing.assert_close(chunked._pairwise_from_chunk_end([x], y * to_end, to_end)[0], exact, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(chunked._pairwise_channel([x], y, G, 600.0)[0], exact, rtol=1e-12, atol=1e-12)
+
+    calls = []
+    blocked = chunked._pairwise_channel
+    monkeypatch.setattr(chunked, "_pairwise_channel", lambda *a: calls.append(1) or blocked(*a))
+    q, k, x, g, a = family_inputs("gdn2", 1, 64, 1, 8, 4, dtype=torch.float32, decay=(0.0, 0.5)).args()
+    kernels.recurrence(q, k, x, g, a, backend="chunked")
+    assert calls == []                                   # spans about 16 nats: one pivot per chunk
+    kernels.recurrence(q, k, x, g * 8, a, backend="chunked")
+    assert calls == [1]                                  # spans about 128 nats: sub-block pivots
