@@ -30,17 +30,17 @@ def _pairwise_scalar(xs, ym, G):
     return [(x @ y_T).mul_(dec) for x in xs]              # one product per row set: no concatenated copy
 
 
-def _pairwise_from_chunk_end(xs, y_end, to_end):
+def _pairwise_from_chunk_end(xs_g, y_end, inv_decay_C):
     """For each x in xs: A[t, s] = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]} for s <= t, zero above, as one full product
-    (x_t e^{G_t - G_C}) . (y_s e^{G_C - G_s}) pivoted at the chunk's end C. y_end = y e^{G_C - G} and to_end =
-    e^{G_C - G} are the factors the sequential part uses anyway, so the pairwise terms cost one division and one
-    product per row set. Valid while no chunk spans more decay than the dtype holds (the caller checks): then every
-    factor is a normal float, each term keeps its relative precision, and the large products sit above the
-    diagonal, where they are masked."""
+    (x_t e^{G_t} e^{-G_C}) . (y_s e^{G_C - G_s}) pivoted at the chunk's end C. xs_g = x e^{G}, y_end = y e^{G_C - G}
+    and inv_decay_C = e^{-G_C} (..., 1, K) are factors the rest of the kernel forms anyway, so a row set costs one
+    multiplication and one product. Valid while every |G_t| and |G_C - G_t| stays within the dtype's range (the
+    caller checks): then every factor is a normal float, each term keeps its relative precision, and the large
+    products sit above the diagonal, where they are masked."""
     C = y_end.shape[-2]
     above = torch.ones(C, C, dtype=torch.bool, device=y_end.device).triu(1)
     y_T = y_end.transpose(-1, -2)
-    return [((x / to_end) @ y_T).masked_fill_(above, 0.0) for x in xs]
+    return [((x * inv_decay_C) @ y_T).masked_fill_(above, 0.0) for x in xs_g]
 
 
 def _pairwise_channel(xs, ym, G, max_span):
@@ -151,11 +151,6 @@ def _shared_state_product(P, S0, B, H):
     return torch.bmm(Ph, S0).view(H, B, C, -1)
 
 
-def _add_heads_major(dst, src_hb, B, H):
-    """dst (B*H, C, V) += src (H, B, C, V)."""
-    dst.view(B, H, *dst.shape[1:]).add_(src_hb.transpose(0, 1))
-
-
 def recurrence_chunked(
     q, k, x, g, a=None, *, scale: float, initial_state=None, write_scale=None, extra_write=None,
     capture: Optional[list[int]] = None, dtype: torch.dtype = torch.float32, chunk_size: int = 64,
@@ -191,29 +186,31 @@ def recurrence_chunked(
     if channel:
         G_last = G[..., -1:, :]
         gam = G.exp()                            # e^{G_t}, (N, BH, C, K)
-        to_end = G_last - G
-        # The decay any chunk spans (one host read): within the dtype's range, the pairwise terms pivot at the
-        # chunk's end; beyond it, at every SUB-step block (slower, exact for any decay).
-        spread = float(to_end.detach().abs().amax())
-        to_end = to_end.exp_() if not grad else to_end.exp()   # e^{G_C - G_s}
+        to_end = (G_last - G).exp()              # e^{G_C - G_s}
         decay_C = G_last.exp().transpose(-1, -2)  # (N, BH, K, 1)
         max_span = 60.0 if dtype == torch.float32 else 600.0
-        if spread <= max_span:
-            pair = lambda xs, y_end, ym: _pairwise_from_chunk_end(xs, y_end, to_end)  # noqa: E731
+        # One host read: G and G_C - G within [-max_span, max_span] (G_t lies in [lo, hi], and so does G_C) let the
+        # pairwise terms pivot at the chunk's end; past that, they pivot at every SUB-step block (exact for any decay).
+        lo, hi = (float(v) for v in torch.stack(torch.aminmax(G.detach())).tolist())
+        if max(hi - lo, abs(lo), abs(hi)) <= max_span:
+            inv_decay_C = (-G_last).exp()
+            pair = lambda xs, xs_g, y_end, ym: _pairwise_from_chunk_end(xs_g, y_end, inv_decay_C)  # noqa: E731
         else:
-            pair = lambda xs, y_end, ym: _pairwise_channel(xs, ym, G, max_span)  # noqa: E731
+            pair = lambda xs, xs_g, y_end, ym: _pairwise_channel(xs, ym, G, max_span)  # noqa: E731
     else:
         G_last = G[..., -1:]
         gam = G.exp()[..., None]
         to_end = (G_last - G).exp()[..., None]
         decay_C = G_last.exp()[..., None]        # (N, BH, 1, 1)
-        pair = lambda xs, y_end, ym: _pairwise_scalar(xs, ym, G)  # noqa: E731
+        pair = lambda xs, xs_g, y_end, ym: _pairwise_scalar(xs, ym, G)  # noqa: E731
 
     kd = kc * to_end                             # k_s e^{G_C - G_s}
     ud = None if uc is None else uc * to_end
-    rows = [qc] if ac is None else [qc, ac]
-    A_qk, *A_ak = pair(rows, kd, kc)
-    A_qu, *A_au = (None,) if uc is None else pair(rows, ud, uc)
+    qg = qc * gam                                # q_t e^{G_t}: the output's state term
+    ag = None if ac is None else ac * gam        # a_t e^{G_t}: the erase's state term
+    rows, rows_g = ([qc], [qg]) if ac is None else ([qc, ac], [qg, ag])
+    A_qk, *A_ak = pair(rows, rows_g, kd, kc)
+    A_qu, *A_au = (None,) if uc is None else pair(rows, rows_g, ud, uc)
 
     # Chunk-local solve: R = R0 - M S_0, for all chunks at once. The system's diagonal is 1 and its upper triangle
     # is never read, so A_ak goes in as it is.
@@ -224,13 +221,12 @@ def recurrence_chunked(
     if ac is not None:
         # The explicit inverse of the unit triangular system, then two products: faster than a solve with V+K columns.
         L_inv = _unit_lower_inverse(A_ak[0])
-        R0, M = L_inv @ rhs, L_inv @ (ac * gam)
+        R0, M = L_inv @ rhs, L_inv @ ag
     else:
         R0, M = rhs, None
 
     # The sequential part, one chunk per step; the output of a chunk is formed as soon as its residuals are known.
     kd_T = kd.transpose(-1, -2)                  # (N, BH, K, C)
-    qg = qc * gam
     UY = None if ud is None else ud.transpose(-1, -2) @ yc
     want = {p // C for p in capture} if capture else set()      # chunks whose start state a capture needs
     starts = {}
@@ -273,6 +269,7 @@ def recurrence_chunked(
             O = torch.empty(N, BH, C, V, dtype=dtype, device=q.device)
         if A_qu is not None:
             O = O.add_(A_qu @ yc) if M is None else torch.matmul(A_qu, yc, out=O)
+        written = M is None or A_qu is not None           # O already holds a term, so the state term adds to it
         for n in range(N):
             first, last = n == 0, n == N - 1
             if n in want:
@@ -289,14 +286,17 @@ def recurrence_chunked(
                     R_n = R[n]
                 else:
                     R_n = R[n].baddbmm_(M[n], S, alpha=-1.0)
-                if A_qu is None:
-                    torch.bmm(A_qk[n], R_n, out=O[n])
-                else:
-                    O[n].baddbmm_(A_qk[n], R_n)
+            # The state term of the output, (q e^G) S_0; the within-chunk term A_qk R follows for all chunks at once.
             if first and shared:
-                _add_heads_major(O[n], _shared_state_product(qg[n], S, B, H), B, H)
-            elif not (first and initial_state is None):                 # a zero start adds nothing
+                term = _shared_state_product(qg[n], S, B, H).transpose(0, 1)
+                O[n].view(B, H, C, V).add_(term) if written else O[n].view(B, H, C, V).copy_(term)
+            elif first and initial_state is None:                        # a zero start adds nothing
+                if not written:
+                    O[n].zero_()
+            elif written:
                 O[n].baddbmm_(qg[n], S)
+            else:
+                torch.bmm(qg[n], S, out=O[n])
             if last and not update_last:
                 S = None
                 break
@@ -314,6 +314,9 @@ def recurrence_chunked(
                 S.baddbmm_(kd_T[n], R_n)
                 if UY is not None:
                     S.add_(UY[n])
+        if M is not None:
+            # R now holds every chunk's residuals: the within-chunk output is one batched product.
+            O.view(N * BH, C, V).baddbmm_(A_qk.reshape(N * BH, C, C), R.view(N * BH, C, V))
     o = O.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(q.dtype)
 
     states = None

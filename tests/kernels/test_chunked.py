@@ -124,8 +124,13 @@ def test_half_inputs_accumulate_in_float32(family, dtype):
     # States carry float32 error only: the half inputs are exact in float64.
     torch.testing.assert_close(chk.final_state.double(), ref.final_state, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(chk.states.double(), ref.states, atol=2e-5, rtol=2e-5)
-    # o is rounded once to the half dtype at the end.
-    torch.testing.assert_close(chk.o, ref.o.to(dtype), atol=2e-5, rtol=2e-5)
+    # o is rounded once to the half dtype at the end: within half a unit in the last place of the float64 value,
+    # plus float32 error. (Comparing with the rounded reference instead fails by one unit wherever the float32
+    # and float64 values straddle a rounding midpoint, which any reordering of float32 sums can cause.)
+    tiny, eps = torch.finfo(dtype).tiny, torch.finfo(dtype).eps
+    ulp = eps * 2.0 ** torch.floor(torch.log2(ref.o.abs().clamp_min(tiny)))
+    excess = (chk.o.double() - ref.o).abs() - (ulp / 2 + 1e-6)
+    assert float(excess.max()) <= 0, f"o is off by more than half a unit of {dtype} at {int(excess.argmax())}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -242,8 +247,9 @@ def test_pairwise_terms_pivoted_at_the_chunk_end_equal_the_blocked_pivots(monkey
     x, y = (torch.randn(N, BH, C, K, generator=gen, dtype=torch.float64) for _ in range(2))
     dec = (G[..., :, None, :] - G[..., None, :, :]).exp() * torch.ones(C, C, dtype=torch.float64).tril()[..., None]
     exact = torch.einsum("...tk,...sk,...tsk->...ts", x, y, dec)
-    to_end = (G[..., -1:, :] - G).exp()
-    torch.testing.assert_close(chunked._pairwise_from_chunk_end([x], y * to_end, to_end)[0], exact, rtol=1e-12, atol=1e-12)
+    to_end, inv_decay_C = (G[..., -1:, :] - G).exp(), (-G[..., -1:, :]).exp()
+    end_pivot = chunked._pairwise_from_chunk_end([x * G.exp()], y * to_end, inv_decay_C)[0]
+    torch.testing.assert_close(end_pivot, exact, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(chunked._pairwise_channel([x], y, G, 600.0)[0], exact, rtol=1e-12, atol=1e-12)
 
     calls = []
