@@ -182,7 +182,14 @@ def recurrence_chunked(
     ac = None if a is None else prep(a)
     uc, yc = (None, None) if extra_write is None else (prep(extra_write[0]), prep(extra_write[1]))
 
-    G = gc.cumsum(-2 if channel else -1)
+    if channel and not grad:
+        # Along the chunk's steps in place: C - 1 contiguous row additions run about 3x faster than cumsum over
+        # a non-last dimension. gc is this call's own chunk-major copy.
+        G = gc
+        for i in range(1, C):
+            G[..., i, :] += G[..., i - 1, :]
+    else:
+        G = gc.cumsum(-2 if channel else -1)
     if channel:
         G_last = G[..., -1:, :]
         gam = G.exp()                            # e^{G_t}, (N, BH, C, K)
@@ -260,25 +267,50 @@ def recurrence_chunked(
         R = R0
         update_last = final_state          # captures need the chunk start states and residuals, not S_N
         if M is None:
-            # Without an erase the residuals are the inputs: the chunk-local terms are batched over all chunks.
+            # Without an erase the residuals are the inputs, so all but the chunk start states is batched over the
+            # chunks: P[n] = e^{G_C} P[n-1] + K_n^T R_n (P[-1] = S_0), the state after chunk n, is formed in place in
+            # K^T R's buffer (one elementwise step per chunk), and the state term of every later chunk is one product.
             O = A_qk @ R
-            KR = None
+            if A_qu is not None:
+                O.add_(A_qu @ yc)
+            if initial_state is not None:
+                if shared:
+                    O[0].view(B, H, C, V).add_(_shared_state_product(qg[0], S, B, H).transpose(0, 1))
+                else:
+                    O[0].baddbmm_(qg[0], S)
+            if 0 in want:
+                starts[0] = S.expand(B, H, K, V).reshape(BH, K, V) if shared else S.clone()
             if N > 1 or update_last:
-                KR = kd_T @ R if UY is None else (kd_T @ R).add_(UY)
+                P = kd_T @ R
+                if UY is not None:
+                    P.add_(UY)
+                if initial_state is not None:
+                    if shared:
+                        P[0].view(B, H, K, V).add_(decay_C[0].view(B, H, -1, 1) * S)
+                    else:
+                        P[0].addcmul_(decay_C[0], S)
+                for n in range(1, N):
+                    P[n].addcmul_(decay_C[n], P[n - 1])
+                if N > 1:
+                    O[1:].view(-1, C, V).baddbmm_(qg[1:].reshape(-1, C, K), P[:-1].reshape(-1, K, V))
+                for n in want - {0}:
+                    starts[n] = P[n - 1]
+                S = P[N - 1].clone() if update_last else None   # a copy, so the final state does not hold P
+            else:
+                S = None
         else:
             O = torch.empty(N, BH, C, V, dtype=dtype, device=q.device)
-        if A_qu is not None:
-            O = O.add_(A_qu @ yc) if M is None else torch.matmul(A_qu, yc, out=O)
-        written = M is None or A_qu is not None           # O already holds a term, so the state term adds to it
-        for n in range(N):
-            first, last = n == 0, n == N - 1
-            if n in want:
-                if first and shared:
-                    starts[n] = S.expand(B, H, K, V).reshape(BH, K, V)
-                else:
-                    # the caller's start state is never written; ours (zeros, later chunks) is updated in place
-                    starts[n] = S if first and initial_state is not None else S.clone()
-            if M is not None:
+            if A_qu is not None:
+                torch.matmul(A_qu, yc, out=O)
+            written = A_qu is not None       # O already holds a term, so the state term adds to it
+            for n in range(N):
+                first, last = n == 0, n == N - 1
+                if n in want:
+                    if first and shared:
+                        starts[n] = S.expand(B, H, K, V).reshape(BH, K, V)
+                    else:
+                        # the caller's start state is never written; ours (zeros, later chunks) is updated in place
+                        starts[n] = S if first and initial_state is not None else S.clone()
                 if first and shared:
                     R_n = R[n]
                     R_n.view(B, H, C, V).sub_(_shared_state_product(M[n], S, B, H).transpose(0, 1))
@@ -286,35 +318,31 @@ def recurrence_chunked(
                     R_n = R[n]
                 else:
                     R_n = R[n].baddbmm_(M[n], S, alpha=-1.0)
-            # The state term of the output, (q e^G) S_0; the within-chunk term A_qk R follows for all chunks at once.
-            if first and shared:
-                term = _shared_state_product(qg[n], S, B, H).transpose(0, 1)
-                O[n].view(B, H, C, V).add_(term) if written else O[n].view(B, H, C, V).copy_(term)
-            elif first and initial_state is None:                        # a zero start adds nothing
-                if not written:
-                    O[n].zero_()
-            elif written:
-                O[n].baddbmm_(qg[n], S)
-            else:
-                torch.bmm(qg[n], S, out=O[n])
-            if last and not update_last:
-                S = None
-                break
-            if first and initial_state is not None:
-                # Out of place: e^{G_C} S_0 as a new (BH, K, V) state (broadcast over rows when S_0 is shared).
-                if shared:
-                    S = (decay_C[n].view(B, H, -1, 1) * S).view(BH, K, V)
+                # The state term of the output, (q e^G) S_0; the within-chunk term A_qk R follows for all chunks.
+                if first and shared:
+                    term = _shared_state_product(qg[n], S, B, H).transpose(0, 1)
+                    O[n].view(B, H, C, V).add_(term) if written else O[n].view(B, H, C, V).copy_(term)
+                elif first and initial_state is None:                    # a zero start adds nothing
+                    if not written:
+                        O[n].zero_()
+                elif written:
+                    O[n].baddbmm_(qg[n], S)
                 else:
-                    S = decay_C[n] * S
-            else:
-                S.mul_(decay_C[n])
-            if M is None:
-                S.add_(KR[n])
-            else:
+                    torch.bmm(qg[n], S, out=O[n])
+                if last and not update_last:
+                    S = None
+                    break
+                if first and initial_state is not None:
+                    # Out of place: e^{G_C} S_0 as a new (BH, K, V) state (broadcast over rows when S_0 is shared).
+                    if shared:
+                        S = (decay_C[n].view(B, H, -1, 1) * S).view(BH, K, V)
+                    else:
+                        S = decay_C[n] * S
+                else:
+                    S.mul_(decay_C[n])
                 S.baddbmm_(kd_T[n], R_n)
                 if UY is not None:
                     S.add_(UY[n])
-        if M is not None:
             # R now holds every chunk's residuals: the within-chunk output is one batched product.
             O.view(N * BH, C, V).baddbmm_(A_qk.reshape(N * BH, C, C), R.view(N * BH, C, V))
     o = O.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(q.dtype)

@@ -12,6 +12,8 @@ plus a plain torch bmm of the chunked path's shape class, so that a same-run mat
 Each round runs every contender of a (family, T) once, in an order rotated by one place per round; a ratio is
 formed within each round (paired) and the median of those paired ratios is printed beside the ratio of the minima.
 `uptime` is printed before and after: on a shared machine other jobs inflate every figure, the ratios less so.
+--clock cpu times each call by this process's CPU time instead of elapsed time: at one thread the time other
+jobs hold the core then does not count (cache and memory-bandwidth contention still does).
 
 Useful FLOPs of the chunked algorithm, per chunk of C steps and per head (multiply-add = 2 FLOPs):
     pairwise A_qk, A_ak (lower triangles)          C(C+1) K + C(C-1) K
@@ -127,7 +129,10 @@ def baseline_kernel(checkout: str):
     return run
 
 
-def paired_rounds(fns: dict, repeats: int) -> dict:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def paired_rounds(fns: dict, repeats: int, clock=time.perf_counter) -> dict:
     """Every fn once per round, the order rotated by one place per round (after one untimed warm-up round)."""
     names = list(fns)
     for n in names:
@@ -136,9 +141,9 @@ def paired_rounds(fns: dict, repeats: int) -> dict:
     for r in range(repeats):
         shift = r % len(names)
         for n in names[shift:] + names[:shift]:
-            t0 = time.perf_counter()
+            t0 = clock()
             fns[n]()
-            times[n].append(time.perf_counter() - t0)
+            times[n].append(clock() - t0)
     return times
 
 
@@ -149,6 +154,9 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="*", default=[512, 2048, 8192], help="sequence lengths")
     ap.add_argument("--families", nargs="*", default=["GDN", "GDN-2", "GLA", "QED"])
     ap.add_argument("--reference", action="store_true", help="also time the step-loop reference (slow)")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall: elapsed time; cpu: this process's CPU time (at one thread, time other jobs hold the "
+                         "core does not count, which steadies the figures on a loaded machine)")
     ap.add_argument("--baseline", default=None, help="an older checkout whose chunked kernel runs as a contender")
     ap.add_argument("--slow-peer-max-T", type=int, default=2048,
                     help="skip fla's naive GDN-2 and recurrent GLA above this length (they take seconds per call)")
@@ -156,6 +164,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"recurrence benchmark: B={B} H={H} K=V={K}, float32, threads={torch.get_num_threads()}, "
           f"{args.repeats} interleaved rounds, order rotated per round, torch {torch.__version__}")
+    print(f"clock: {args.clock}")
     print(f"uptime before: {uptime()}")
     # A script's own folder comes first on sys.path, so `recurscope` is whatever is installed unless PYTHONPATH
     # points at a checkout: say which code is being timed.
@@ -188,7 +197,7 @@ def main() -> None:
                         err = (fn().float() - mine.float()).abs().max().item()
                         if err > 1e-3:
                             print(f"  warning: {fam} T={T} {name} differs from recurscope by {err:.1e}")
-                times = paired_rounds(fns, args.repeats)
+                times = paired_rounds(fns, args.repeats, CLOCKS[args.clock])
                 tc = times["recurscope chunked"]
                 chunked_med[fam, T] = statistics.median(tc)
                 best_peer = None
