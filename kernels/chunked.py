@@ -190,34 +190,43 @@ def recurrence_chunked(
             G[..., i, :] += G[..., i - 1, :]
     else:
         G = gc.cumsum(-2 if channel else -1)
+    # Without autograd and captures (which read k, u and G later), the chunk-major copies are this call's own and
+    # are scaled in place once read: fresh buffers cost page faults on every call.
+    consume = not grad and not capture
+    scaled = lambda t, f: None if t is None else (t.mul_(f) if consume else t * f)  # noqa: E731
+    end_pivot = False
     if channel:
-        G_last = G[..., -1:, :]
-        gam = G.exp()                            # e^{G_t}, (N, BH, C, K)
-        to_end = (G_last - G).exp()              # e^{G_C - G_s}
-        decay_C = G_last.exp().transpose(-1, -2)  # (N, BH, K, 1)
+        G_last = G[..., -1:, :].clone()
         max_span = 60.0 if dtype == torch.float32 else 600.0
         # One host read: G and G_C - G within [-max_span, max_span] (G_t lies in [lo, hi], and so does G_C) let the
         # pairwise terms pivot at the chunk's end; past that, they pivot at every SUB-step block (exact for any decay).
         lo, hi = (float(v) for v in torch.stack(torch.aminmax(G.detach())).tolist())
-        if max(hi - lo, abs(lo), abs(hi)) <= max_span:
-            inv_decay_C = (-G_last).exp()
-            pair = lambda xs, xs_g, y_end, ym: _pairwise_from_chunk_end(xs_g, y_end, inv_decay_C)  # noqa: E731
-        else:
-            pair = lambda xs, xs_g, y_end, ym: _pairwise_channel(xs, ym, G, max_span)  # noqa: E731
+        end_pivot = max(hi - lo, abs(lo), abs(hi)) <= max_span
+        to_end = torch.sub(G_last, G)            # e^{G_C - G_s}
+        to_end = to_end.exp_() if not grad else to_end.exp()
+        gam = G.exp_() if consume and end_pivot else G.exp()     # e^{G_t}, (N, BH, C, K); G is not read again
+        decay_C = G_last.exp().transpose(-1, -2)  # (N, BH, K, 1)
     else:
         G_last = G[..., -1:]
         gam = G.exp()[..., None]
         to_end = (G_last - G).exp()[..., None]
         decay_C = G_last.exp()[..., None]        # (N, BH, 1, 1)
-        pair = lambda xs, xs_g, y_end, ym: _pairwise_scalar(xs, ym, G)  # noqa: E731
 
-    kd = kc * to_end                             # k_s e^{G_C - G_s}
-    ud = None if uc is None else uc * to_end
-    qg = qc * gam                                # q_t e^{G_t}: the output's state term
-    ag = None if ac is None else ac * gam        # a_t e^{G_t}: the erase's state term
-    rows, rows_g = ([qc], [qg]) if ac is None else ([qc, ac], [qg, ag])
-    A_qk, *A_ak = pair(rows, rows_g, kd, kc)
-    A_qu, *A_au = (None,) if uc is None else pair(rows, rows_g, ud, uc)
+    rows = [qc] if ac is None else [qc, ac]
+    if not end_pivot:
+        pair = (lambda xs, ym: _pairwise_channel(xs, ym, G, max_span)) if channel else \
+            (lambda xs, ym: _pairwise_scalar(xs, ym, G))
+        A_qk, *A_ak = pair(rows, kc)
+        A_qu, *A_au = (None,) if uc is None else pair(rows, uc)
+    kd = scaled(kc, to_end)                      # k_s e^{G_C - G_s}
+    ud = scaled(uc, to_end)
+    qg = scaled(qc, gam)                         # q_t e^{G_t}: the output's state term
+    ag = scaled(ac, gam)                         # a_t e^{G_t}: the erase's state term
+    if end_pivot:
+        inv_decay_C = (-G_last).exp()
+        rows_g = [qg] if ag is None else [qg, ag]
+        A_qk, *A_ak = _pairwise_from_chunk_end(rows_g, kd, inv_decay_C)
+        A_qu, *A_au = (None,) if uc is None else _pairwise_from_chunk_end(rows_g, ud, inv_decay_C)
 
     # Chunk-local solve: R = R0 - M S_0, for all chunks at once. The system's diagonal is 1 and its upper triangle
     # is never read, so A_ak goes in as it is.
