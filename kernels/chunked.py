@@ -32,15 +32,15 @@ def _pairwise_scalar(xs, ym, G):
 
 def _pairwise_from_chunk_end(xs_g, y_end, inv_decay_C):
     """For each x in xs: A[t, s] = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]} for s <= t, zero above, as one full product
-    (x_t e^{G_t} e^{-G_C}) . (y_s e^{G_C - G_s}) pivoted at the chunk's end C. xs_g = x e^{G}, y_end = y e^{G_C - G}
-    and inv_decay_C = e^{-G_C} (..., 1, K) are factors the rest of the kernel forms anyway, so a row set costs one
-    multiplication and one product. Valid while every |G_t| and |G_C - G_t| stays within the dtype's range (the
-    caller checks): then every factor is a normal float, each term keeps its relative precision, and the large
-    products sit above the diagonal, where they are masked."""
+    (x_t e^{G_t}) . (y_s e^{G_C - G_s} e^{-G_C}) pivoted at the chunk's end C. xs_g = x e^{G}, y_end = y e^{G_C - G}
+    and inv_decay_C = e^{-G_C} (..., 1, K) are factors the rest of the kernel forms anyway, so the y side costs one
+    multiplication shared by every x, and each x one product. Valid while every |G_t| and |G_C - G_t| stays within
+    the dtype's range (the caller checks): then every factor is a normal float, each term keeps its relative
+    precision, and the large products sit above the diagonal, where they are masked."""
     C = y_end.shape[-2]
     above = torch.ones(C, C, dtype=torch.bool, device=y_end.device).triu(1)
-    y_T = y_end.transpose(-1, -2)
-    return [((x * inv_decay_C) @ y_T).masked_fill_(above, 0.0) for x in xs_g]
+    y_T = (y_end * inv_decay_C).transpose(-1, -2)
+    return [(x @ y_T).masked_fill_(above, 0.0) for x in xs_g]
 
 
 def _pairwise_channel(xs, ym, G, max_span):
