@@ -30,16 +30,16 @@ def _pairwise_scalar(xs, ym, G):
     return [(x @ y_T).mul_(dec) for x in xs]              # one product per row set: no concatenated copy
 
 
-def _pairwise_from_chunk_end(xs_g, y_end, inv_decay_C):
+def _pairwise_from_chunk_start(xs_g, ym, gam):
     """For each x in xs: A[t, s] = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]} for s <= t, zero above, as one full product
-    (x_t e^{G_t}) . (y_s e^{G_C - G_s} e^{-G_C}) pivoted at the chunk's end C. xs_g = x e^{G}, y_end = y e^{G_C - G}
-    and inv_decay_C = e^{-G_C} (..., 1, K) are factors the rest of the kernel forms anyway, so the y side costs one
-    multiplication shared by every x, and each x one product. Valid while every |G_t| and |G_C - G_t| stays within
-    the dtype's range (the caller checks): then every factor is a normal float, each term keeps its relative
-    precision, and the large products sit above the diagonal, where they are masked."""
-    C = y_end.shape[-2]
-    above = torch.ones(C, C, dtype=torch.bool, device=y_end.device).triu(1)
-    y_T = (y_end * inv_decay_C).transpose(-1, -2)
+    (x_t e^{G_t}) . (y_s / e^{G_s}) pivoted at the chunk's start. xs_g = x e^{G} and gam = e^{G} are factors the
+    rest of the kernel forms anyway, so the y side costs one division shared by every x, and each x one product.
+    Valid while every |G_t| stays within the dtype's range (the caller checks): then every factor is a normal float,
+    each term keeps its relative precision, and the large products sit above the diagonal, where they are masked.
+    Each entry reads only steps s <= t, so a later step never changes an earlier output, not even by rounding."""
+    C = ym.shape[-2]
+    above = torch.ones(C, C, dtype=torch.bool, device=ym.device).triu(1)
+    y_T = (ym / gam).transpose(-1, -2)
     return [(x @ y_T).masked_fill_(above, 0.0) for x in xs_g]
 
 
@@ -194,17 +194,17 @@ def recurrence_chunked(
     # are scaled in place once read: fresh buffers cost page faults on every call.
     consume = not grad and not capture
     scaled = lambda t, f: None if t is None else (t.mul_(f) if consume else t * f)  # noqa: E731
-    end_pivot = False
+    start_pivot = False
     if channel:
         G_last = G[..., -1:, :].clone()
         max_span = 60.0 if dtype == torch.float32 else 600.0
-        # One host read: G and G_C - G within [-max_span, max_span] (G_t lies in [lo, hi], and so does G_C) let the
-        # pairwise terms pivot at the chunk's end; past that, they pivot at every SUB-step block (exact for any decay).
+        # One host read: every G_t (the decay from the chunk's start) within [-max_span, max_span] lets the pairwise
+        # terms pivot at the chunk's start; past that, they pivot at every SUB-step block (exact for any decay).
         lo, hi = (float(v) for v in torch.stack(torch.aminmax(G.detach())).tolist())
-        end_pivot = max(hi - lo, abs(lo), abs(hi)) <= max_span
+        start_pivot = max(abs(lo), abs(hi)) <= max_span
         to_end = torch.sub(G_last, G)            # e^{G_C - G_s}
         to_end = to_end.exp_() if not grad else to_end.exp()
-        gam = G.exp_() if consume and end_pivot else G.exp()     # e^{G_t}, (N, BH, C, K); G is not read again
+        gam = G.exp_() if consume and start_pivot else G.exp()     # e^{G_t}, (N, BH, C, K); G is not read again
         decay_C = G_last.exp().transpose(-1, -2)  # (N, BH, K, 1)
     else:
         G_last = G[..., -1:]
@@ -213,20 +213,19 @@ def recurrence_chunked(
         decay_C = G_last.exp()[..., None]        # (N, BH, 1, 1)
 
     rows = [qc] if ac is None else [qc, ac]
-    if not end_pivot:
+    if not start_pivot:
         pair = (lambda xs, ym: _pairwise_channel(xs, ym, G, max_span)) if channel else \
             (lambda xs, ym: _pairwise_scalar(xs, ym, G))
         A_qk, *A_ak = pair(rows, kc)
         A_qu, *A_au = (None,) if uc is None else pair(rows, uc)
-    kd = scaled(kc, to_end)                      # k_s e^{G_C - G_s}
-    ud = scaled(uc, to_end)
     qg = scaled(qc, gam)                         # q_t e^{G_t}: the output's state term
     ag = scaled(ac, gam)                         # a_t e^{G_t}: the erase's state term
-    if end_pivot:
-        inv_decay_C = (-G_last).exp()
+    if start_pivot:
         rows_g = [qg] if ag is None else [qg, ag]
-        A_qk, *A_ak = _pairwise_from_chunk_end(rows_g, kd, inv_decay_C)
-        A_qu, *A_au = (None,) if uc is None else _pairwise_from_chunk_end(rows_g, ud, inv_decay_C)
+        A_qk, *A_ak = _pairwise_from_chunk_start(rows_g, kc, gam)
+        A_qu, *A_au = (None,) if uc is None else _pairwise_from_chunk_start(rows_g, uc, gam)
+    kd = scaled(kc, to_end)                      # k_s e^{G_C - G_s}
+    ud = scaled(uc, to_end)
 
     # Chunk-local solve: R = R0 - M S_0, for all chunks at once. The system's diagonal is 1 and its upper triangle
     # is never read, so A_ak goes in as it is.

@@ -235,10 +235,11 @@ def test_gradients_stay_finite_and_exact_under_decays_that_overflow_a_sub_chunk(
         assert ((mine.grad.double() - theirs.grad).abs().max() / scale) < 1e-4
 
 
-def test_pairwise_terms_pivoted_at_the_chunk_end_equal_the_blocked_pivots(monkeypatch):
-    """The per-channel pairwise terms, pivoted once at the chunk's end (within the dtype's decay range) and at every
-    sub-block (any decay), both equal the materialised sum_k x_t y_s e^{G_t - G_s}; a chunk spanning more decay
-    than float32 holds takes the sub-block path."""
+def test_pairwise_terms_pivoted_at_the_chunk_start_equal_the_blocked_pivots(monkeypatch):
+    """The per-channel pairwise terms, pivoted once at the chunk's start (within the dtype's decay range) and at
+    every sub-block (any decay), both equal the materialised sum_k x_t y_s e^{G_t - G_s}; a chunk spanning more
+    decay than float32 holds takes the sub-block path; and a later step never moves an earlier output, not even by
+    rounding (a patch leaves every earlier position bit for bit)."""
     from recurscope.kernels import chunked
 
     gen = torch.Generator().manual_seed(3)
@@ -247,9 +248,8 @@ def test_pairwise_terms_pivoted_at_the_chunk_end_equal_the_blocked_pivots(monkey
     x, y = (torch.randn(N, BH, C, K, generator=gen, dtype=torch.float64) for _ in range(2))
     dec = (G[..., :, None, :] - G[..., None, :, :]).exp() * torch.ones(C, C, dtype=torch.float64).tril()[..., None]
     exact = torch.einsum("...tk,...sk,...tsk->...ts", x, y, dec)
-    to_end, inv_decay_C = (G[..., -1:, :] - G).exp(), (-G[..., -1:, :]).exp()
-    end_pivot = chunked._pairwise_from_chunk_end([x * G.exp()], y * to_end, inv_decay_C)[0]
-    torch.testing.assert_close(end_pivot, exact, rtol=1e-12, atol=1e-12)
+    start_pivot = chunked._pairwise_from_chunk_start([x * G.exp()], y, G.exp())[0]
+    torch.testing.assert_close(start_pivot, exact, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(chunked._pairwise_channel([x], y, G, 600.0)[0], exact, rtol=1e-12, atol=1e-12)
 
     calls = []
@@ -260,3 +260,13 @@ def test_pairwise_terms_pivoted_at_the_chunk_end_equal_the_blocked_pivots(monkey
     assert calls == []                                   # spans about 16 nats: one pivot per chunk
     kernels.recurrence(q, k, x, g * 8, a, backend="chunked")
     assert calls == [1]                                  # spans about 128 nats: sub-block pivots
+
+    for family in ("gla", "gdn2"):
+        q, k, x, g, a = family_inputs(family, 1, 50, 2, 8, 4, dtype=torch.float32, decay=(0.0, 0.5)).args()
+        clean = kernels.recurrence(q, k, x, g, a, backend="chunked").o
+        later = [t.clone() for t in (q, k, x, g)]
+        for t in later:
+            t[:, 30:] *= 1.5
+        moved = kernels.recurrence(*later, a, backend="chunked").o
+        assert torch.equal(moved[:, :30], clean[:, :30]), family
+        assert not torch.equal(moved[:, 30:], clean[:, 30:])
