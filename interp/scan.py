@@ -20,6 +20,7 @@ slow reference.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -89,8 +90,10 @@ def _prefix_cache(model, pairs, ex: torch.Tensor, b: int, device) -> RecurrentCa
     return RecurrentCache(layers, b + 1)
 
 
-def _rows(lc: LayerCache, index: torch.Tensor) -> LayerCache:
-    return lc.map(lambda t: t.index_select(0, index.to(t.device)))
+def _rows_of(lc: LayerCache, row: int, count: int) -> LayerCache:
+    """Cache row `row` for `count` rows as a batch-expanded view (stride 0): nothing is copied per row, and the
+    chunked kernel reads an expanded initial state once per head."""
+    return lc.map(lambda t: t[row:row + 1].expand(count, *t.shape[1:]))
 
 
 def _query_logits(model, resid: torch.Tensor, qp: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
@@ -99,40 +102,69 @@ def _query_logits(model, resid: torch.Tensor, qp: torch.Tensor, cand: torch.Tens
     return candidate_logits(model.lm_head(model.norm(h)), cand)
 
 
+@contextmanager
+def _outputs_only(model):
+    """The suffix rows' final states are never read, so the recurrent mixers do not form them meanwhile."""
+    mixers = [b.mixer for b in model.blocks if b.is_recurrent]
+    before = [m.keep_final_state for m in mixers]
+    try:
+        for m in mixers:
+            m.keep_final_state = False
+        yield
+    finally:
+        for m, keep in zip(mixers, before):
+            m.keep_final_state = keep
+
+
 def _clean_suffix(model, cache: RecurrentCache, suffix: torch.Tensor):
-    """Runs the recipients' suffix (cache rows 0..n-1) layer by layer; returns each layer's input residual and the
-    final residual."""
+    """Runs the recipients' suffix (cache rows 0..n-1, read in place) layer by layer; returns each layer's input
+    residual and the final residual."""
     n = suffix.shape[0]
-    rec = torch.arange(n)
     resid = model.hook_embed(model.embed(suffix))
     inputs = []
     for i, block in enumerate(model.blocks):
         inputs.append(resid)
-        resid, _ = block(resid, _rows(cache.layers[i], rec), offset=cache.seen_tokens)
+        resid, _ = block(resid, cache.layers[i].map(lambda t: t[:n]), offset=cache.seen_tokens)
     return inputs, resid
 
 
 def _patched_suffix(model, cache: RecurrentCache, clean_inputs: list, n: int, example: torch.Tensor,
                     layer: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The growing batch: row j runs the layers from layer[j] up, entering with the clean residual of its example,
-    the recipient's cache, and the donor's (cache row n + example) state in (layer[j], head[j]) only.
-    Returns the final residuals and the row order (indices into example/layer/head)."""
+    """The growing batch, one example at a time: row j runs the layers from layer[j] up, entering with the clean
+    residual of its example, the recipient's cache, and the donor's (cache row n + example) state in
+    (layer[j], head[j]) only. Returns the final residuals and the row order (indices into example/layer/head)."""
+    resids, orders = [], []
+    for e in torch.unique(example).tolist():
+        rows = torch.nonzero(example == e)[:, 0]
+        resid, order = _example_suffix(model, cache, clean_inputs, n, e, layer[rows], head[rows])
+        resids.append(resid)
+        orders.append(rows[order])
+    return torch.cat(resids), torch.cat(orders)
+
+
+def _example_suffix(model, cache: RecurrentCache, clean_inputs: list, n: int, e: int, layer: torch.Tensor,
+                    head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The growing batch of one example. Rows already running (patched below this layer) share the recipient's
+    cache of the layer: it goes in as a batch-expanded view, so no state is copied per row. Rows entering here get
+    their own copy of the recipient's state with the donor's head put in, and run as a second, small batch."""
     order = torch.argsort(layer, stable=True)
-    example, layer, head = example[order], layer[order], head[order]
-    resid, members = None, example[:0]
+    layer, head = layer[order], head[order]
+    resid = None
     for i in range(int(layer.min()), len(model.blocks)):
+        lc, block = cache.layers[i], model.blocks[i]
+        parts = []
+        if resid is not None:
+            parts.append(block(resid, _rows_of(lc, e, len(resid)), offset=cache.seen_tokens)[0])
         entering = torch.nonzero(layer == i)[:, 0]
         if len(entering):
-            joined = clean_inputs[i][example[entering].to(clean_inputs[i].device)]
-            resid = joined if resid is None else torch.cat([resid, joined])
-            members = torch.cat([members, example[entering]])
-        lc = _rows(cache.layers[i], members)
-        if len(entering):
-            state = lc.state
-            new_rows = torch.arange(len(members) - len(entering), len(members), device=state.device)
-            h = head[entering].to(state.device)
-            state[new_rows, h] = cache.layers[i].state[(n + example[entering]).to(state.device), h]
-        resid, _ = model.blocks[i](resid, lc, offset=cache.seen_tokens)
+            m = len(entering)
+            own = _rows_of(lc, e, m)
+            h = head[entering].to(lc.state.device)
+            own.state = own.state.clone()
+            own.state[torch.arange(m, device=h.device), h] = lc.state[n + e, h]
+            clean = clean_inputs[i][e:e + 1].expand(m, *clean_inputs[i].shape[1:])
+            parts.append(block(clean, own, offset=cache.seen_tokens)[0])
+        resid = parts[0] if len(parts) == 1 else torch.cat(parts)
     return resid, order
 
 
@@ -197,7 +229,8 @@ def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optiona
                 d, r = pairs.donor_answer_index[ex], pairs.recipient_answer_index[ex]
                 if native:
                     cache = _prefix_cache(model, pairs, ex, b, device)
-                    clean_inputs, clean_out = _clean_suffix(model, cache, suffix)
+                    with _outputs_only(model):
+                        clean_inputs, clean_out = _clean_suffix(model, cache, suffix)
                     clean = _margins(_query_logits(model, clean_out, qp, cand), d, r)
                 else:
                     cache = model.run_prefix(torch.cat([pairs.recipient_ids[ex, :b + 1],
@@ -208,8 +241,9 @@ def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optiona
                     chunk = todo_t[c:c + batch_size]
                     e, j = chunk[:, 0], chunk[:, 1]
                     if native:
-                        resid, order = _patched_suffix(model, cache, clean_inputs, len(ex), e, heads_t[j, 0],
-                                                       heads_t[j, 1])
+                        with _outputs_only(model):
+                            resid, order = _patched_suffix(model, cache, clean_inputs, len(ex), e, heads_t[j, 0],
+                                                           heads_t[j, 1])
                         e, j = e[order], j[order]
                         layer, head = heads_t[j, 0], heads_t[j, 1]
                         margin = _margins(_query_logits(model, resid, qp[e], cand[e]), d[e], r[e])

@@ -67,6 +67,9 @@ def recurrence(
     write_scale (B, T, H) multiplies the k x^T term (0 blocks a write; decay and erase still act).
     extra_write (u, y) adds u_t y_t^T at every step. capture: sorted positions whose S_t (after step t)
     is returned in `states`. initial_state continues a previous run, which is what stepping means.
+    output_final_state=False: the final state is not needed (None is returned), and the chunked backend skips the
+    last state update. An initial_state expanded along the batch (stride 0, S[:1].expand(B, ...)) is read, not
+    copied per row, by the chunked backend.
     check_finite=False skips the NaN/inf scan of every input (one host sync each); the models pass their `debug`
     flag here, so that a forward on a GPU does not wait on the host. Shapes, dtypes and devices are always checked.
     """
@@ -80,7 +83,7 @@ def recurrence(
     if chosen == "reference":
         o, S, states = recurrence_reference(q, k, x, g, a, dtype=dtype, **kwargs)
     elif chosen == "chunked":
-        o, S, states = recurrence_chunked(q, k, x, g, a, dtype=dtype, **kwargs)
+        o, S, states = recurrence_chunked(q, k, x, g, a, dtype=dtype, final_state=output_final_state, **kwargs)
     elif chosen == "fla":
         from recurscope.kernels.fla_chunk import recurrence_fla
 

@@ -30,6 +30,19 @@ def _pairwise_scalar(xs, ym, G):
     return [(x @ y_T).mul_(dec) for x in xs]              # one product per row set: no concatenated copy
 
 
+def _pairwise_from_chunk_start(xs_g, ym, gam):
+    """For each x in xs: A[t, s] = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]} for s <= t, zero above, as one full product
+    (x_t e^{G_t}) . (y_s / e^{G_s}) pivoted at the chunk's start. xs_g = x e^{G} and gam = e^{G} are factors the
+    rest of the kernel forms anyway, so the y side costs one division shared by every x, and each x one product.
+    Valid while every |G_t| stays within the dtype's range (the caller checks): then every factor is a normal float,
+    each term keeps its relative precision, and the large products sit above the diagonal, where they are masked.
+    Each entry reads only steps s <= t, so a later step never changes an earlier output, not even by rounding."""
+    C = ym.shape[-2]
+    above = torch.ones(C, C, dtype=torch.bool, device=ym.device).triu(1)
+    y_T = (ym / gam).transpose(-1, -2)
+    return [(x @ y_T).masked_fill_(above, 0.0) for x in xs_g]
+
+
 def _pairwise_channel(xs, ym, G, max_span):
     """For each x in xs: A[t, s] = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]} for s <= t, zero above; G is (..., C, K).
 
@@ -130,11 +143,25 @@ def _capture_states(capture, C, G, channel, starts, chunk_R, kc, uc, yc):
     return torch.stack(caps, dim=1)
 
 
+def _shared_state_product(P, S0, B, H):
+    """P S0 for rows (B*H, C, K) that all start from one state per head, S0 (H, K, V): per head one
+    (B*C, K) x (K, V) product instead of B small ones, and S0 is never copied per row. Returns (H, B, C, V)."""
+    BH, C, K = P.shape
+    Ph = P.view(B, H, C, K).transpose(0, 1).reshape(H, B * C, K)
+    return torch.bmm(Ph, S0).view(H, B, C, -1)
+
+
 def recurrence_chunked(
     q, k, x, g, a=None, *, scale: float, initial_state=None, write_scale=None, extra_write=None,
     capture: Optional[list[int]] = None, dtype: torch.dtype = torch.float32, chunk_size: int = 64,
+    final_state: bool = True,
 ):
-    """Same contract as `recurrence_reference`; differentiable. Inputs are assumed validated."""
+    """Same contract as `recurrence_reference`; differentiable. Inputs are assumed validated.
+
+    final_state=False returns None for the final state, and without autograd the last chunk's state update is
+    skipped. An initial_state expanded along the batch (stride 0 in B, e.g. S[:1].expand(B, ...)) is read as one
+    state per head, never copied per row: many rows continuing one prefix (the head scan) cost one product per head.
+    """
     B, T, H, K = q.shape
     V = x.shape[-1]
     BH = B * H
@@ -155,24 +182,50 @@ def recurrence_chunked(
     ac = None if a is None else prep(a)
     uc, yc = (None, None) if extra_write is None else (prep(extra_write[0]), prep(extra_write[1]))
 
-    G = gc.cumsum(-2 if channel else -1)
+    if channel and not grad:
+        # Along the chunk's steps in place: C - 1 contiguous row additions run about 3x faster than cumsum over
+        # a non-last dimension. gc is this call's own chunk-major copy.
+        G = gc
+        for i in range(1, C):
+            G[..., i, :] += G[..., i - 1, :]
+    else:
+        G = gc.cumsum(-2 if channel else -1)
+    # Without autograd and captures (which read k, u and G later), the chunk-major copies are this call's own and
+    # are scaled in place once read: fresh buffers cost page faults on every call.
+    consume = not grad and not capture
+    scaled = lambda t, f: None if t is None else (t.mul_(f) if consume else t * f)  # noqa: E731
+    start_pivot = False
     if channel:
-        G_last = G[..., -1:, :]
-        gam = G.exp()                            # e^{G_t}, (N, BH, C, K)
-        to_end = (G_last - G).exp()              # e^{G_C - G_s}
-        decay_C = G_last.exp().transpose(-1, -2)  # (N, BH, K, 1)
+        G_last = G[..., -1:, :].clone()
         max_span = 60.0 if dtype == torch.float32 else 600.0
-        pair = lambda xs, ym: _pairwise_channel(xs, ym, G, max_span)  # noqa: E731
+        # One host read: every G_t (the decay from the chunk's start) within [-max_span, max_span] lets the pairwise
+        # terms pivot at the chunk's start; past that, they pivot at every SUB-step block (exact for any decay).
+        lo, hi = (float(v) for v in torch.stack(torch.aminmax(G.detach())).tolist())
+        start_pivot = max(abs(lo), abs(hi)) <= max_span
+        to_end = torch.sub(G_last, G)            # e^{G_C - G_s}
+        to_end = to_end.exp_() if not grad else to_end.exp()
+        gam = G.exp_() if consume and start_pivot else G.exp()     # e^{G_t}, (N, BH, C, K); G is not read again
+        decay_C = G_last.exp().transpose(-1, -2)  # (N, BH, K, 1)
     else:
         G_last = G[..., -1:]
         gam = G.exp()[..., None]
         to_end = (G_last - G).exp()[..., None]
         decay_C = G_last.exp()[..., None]        # (N, BH, 1, 1)
-        pair = lambda xs, ym: _pairwise_scalar(xs, ym, G)  # noqa: E731
 
     rows = [qc] if ac is None else [qc, ac]
-    A_qk, *A_ak = pair(rows, kc)
-    A_qu, *A_au = (None,) if uc is None else pair(rows, uc)
+    if not start_pivot:
+        pair = (lambda xs, ym: _pairwise_channel(xs, ym, G, max_span)) if channel else \
+            (lambda xs, ym: _pairwise_scalar(xs, ym, G))
+        A_qk, *A_ak = pair(rows, kc)
+        A_qu, *A_au = (None,) if uc is None else pair(rows, uc)
+    qg = scaled(qc, gam)                         # q_t e^{G_t}: the output's state term
+    ag = scaled(ac, gam)                         # a_t e^{G_t}: the erase's state term
+    if start_pivot:
+        rows_g = [qg] if ag is None else [qg, ag]
+        A_qk, *A_ak = _pairwise_from_chunk_start(rows_g, kc, gam)
+        A_qu, *A_au = (None,) if uc is None else _pairwise_from_chunk_start(rows_g, uc, gam)
+    kd = scaled(kc, to_end)                      # k_s e^{G_C - G_s}
+    ud = scaled(uc, to_end)
 
     # Chunk-local solve: R = R0 - M S_0, for all chunks at once. The system's diagonal is 1 and its upper triangle
     # is never read, so A_ak goes in as it is.
@@ -183,14 +236,13 @@ def recurrence_chunked(
     if ac is not None:
         # The explicit inverse of the unit triangular system, then two products: faster than a solve with V+K columns.
         L_inv = _unit_lower_inverse(A_ak[0])
-        R0, M = L_inv @ rhs, L_inv @ (ac * gam)
+        R0, M = L_inv @ rhs, L_inv @ ag
     else:
         R0, M = rhs, None
 
     # The sequential part, one chunk per step; the output of a chunk is formed as soon as its residuals are known.
-    kd_T = (kc * to_end).transpose(-1, -2)       # (N, BH, K, C)
-    qg = qc * gam
-    UY = None if uc is None else (uc * to_end).transpose(-1, -2) @ yc
+    kd_T = kd.transpose(-1, -2)                  # (N, BH, K, C)
+    UY = None if ud is None else ud.transpose(-1, -2) @ yc
     want = {p // C for p in capture} if capture else set()      # chunks whose start state a capture needs
     starts = {}
     if grad:
@@ -210,37 +262,101 @@ def recurrence_chunked(
         if A_qu is not None:
             O = O + A_qu @ yc
     else:
-        # No graph: one preallocated output, the state updated in place, the residuals written over R0.
-        S = q.new_zeros(BH, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype).reshape(BH, K, V).clone()
+        # No graph: one preallocated output, the residuals written over R0, the state updated in place from the
+        # second chunk on. The first chunk only reads the initial state (its update is out of place), so the
+        # caller's state is never copied or written; a batch-expanded initial state stays one state per head.
+        shared = initial_state is not None and B > 1 and initial_state.stride(0) == 0
+        if initial_state is None:
+            S = q.new_zeros(BH, K, V, dtype=dtype)
+        elif shared:
+            S = initial_state[0].to(dtype)                          # (H, K, V), one per head
+        else:
+            S = initial_state.to(dtype).reshape(BH, K, V)
         R = R0
+        update_last = final_state          # captures need the chunk start states and residuals, not S_N
         if M is None:
-            # Without an erase the residuals are the inputs: the chunk-local terms are batched over all chunks.
+            # Without an erase the residuals are the inputs, so all but the chunk start states is batched over the
+            # chunks: P[n] = e^{G_C} P[n-1] + K_n^T R_n (P[-1] = S_0), the state after chunk n, is formed in place in
+            # K^T R's buffer (one elementwise step per chunk), and the state term of every later chunk is one product.
             O = A_qk @ R
-            KR = kd_T @ R if UY is None else (kd_T @ R).add_(UY)
+            if A_qu is not None:
+                O.add_(A_qu @ yc)
+            if initial_state is not None:
+                if shared:
+                    O[0].view(B, H, C, V).add_(_shared_state_product(qg[0], S, B, H).transpose(0, 1))
+                else:
+                    O[0].baddbmm_(qg[0], S)
+            if 0 in want:
+                starts[0] = S.expand(B, H, K, V).reshape(BH, K, V) if shared else S.clone()
+            if N > 1 or update_last:
+                P = kd_T @ R
+                if UY is not None:
+                    P.add_(UY)
+                if initial_state is not None:
+                    if shared:
+                        P[0].view(B, H, K, V).add_(decay_C[0].view(B, H, -1, 1) * S)
+                    else:
+                        P[0].addcmul_(decay_C[0], S)
+                for n in range(1, N):
+                    P[n].addcmul_(decay_C[n], P[n - 1])
+                if N > 1:
+                    O[1:].view(-1, C, V).baddbmm_(qg[1:].reshape(-1, C, K), P[:-1].reshape(-1, K, V))
+                for n in want - {0}:
+                    starts[n] = P[n - 1]
+                S = P[N - 1].clone() if update_last else None   # a copy, so the final state does not hold P
+            else:
+                S = None
         else:
             O = torch.empty(N, BH, C, V, dtype=dtype, device=q.device)
-        if A_qu is not None:
-            O = O.add_(A_qu @ yc) if M is None else torch.matmul(A_qu, yc, out=O)
-        for n in range(N):
-            if n in want:
-                starts[n] = S.clone()
-            if M is None:
-                O[n].baddbmm_(qg[n], S)
-                S.mul_(decay_C[n]).add_(KR[n])
-                continue
-            R_n = R[n].baddbmm_(M[n], S, alpha=-1.0)
-            if A_qu is None:
-                torch.bmm(A_qk[n], R_n, out=O[n])
-            else:
-                O[n].baddbmm_(A_qk[n], R_n)
-            O[n].baddbmm_(qg[n], S)
-            S.mul_(decay_C[n]).baddbmm_(kd_T[n], R_n)
-            if UY is not None:
-                S.add_(UY[n])
+            if A_qu is not None:
+                torch.matmul(A_qu, yc, out=O)
+            written = A_qu is not None       # O already holds a term, so the state term adds to it
+            for n in range(N):
+                first, last = n == 0, n == N - 1
+                if n in want:
+                    if first and shared:
+                        starts[n] = S.expand(B, H, K, V).reshape(BH, K, V)
+                    else:
+                        # the caller's start state is never written; ours (zeros, later chunks) is updated in place
+                        starts[n] = S if first and initial_state is not None else S.clone()
+                if first and shared:
+                    R_n = R[n]
+                    R_n.view(B, H, C, V).sub_(_shared_state_product(M[n], S, B, H).transpose(0, 1))
+                elif first and initial_state is None:
+                    R_n = R[n]
+                else:
+                    R_n = R[n].baddbmm_(M[n], S, alpha=-1.0)
+                # The state term of the output, (q e^G) S_0; the within-chunk term A_qk R follows for all chunks.
+                if first and shared:
+                    term = _shared_state_product(qg[n], S, B, H).transpose(0, 1)
+                    O[n].view(B, H, C, V).add_(term) if written else O[n].view(B, H, C, V).copy_(term)
+                elif first and initial_state is None:                    # a zero start adds nothing
+                    if not written:
+                        O[n].zero_()
+                elif written:
+                    O[n].baddbmm_(qg[n], S)
+                else:
+                    torch.bmm(qg[n], S, out=O[n])
+                if last and not update_last:
+                    S = None
+                    break
+                if first and initial_state is not None:
+                    # Out of place: e^{G_C} S_0 as a new (BH, K, V) state (broadcast over rows when S_0 is shared).
+                    if shared:
+                        S = (decay_C[n].view(B, H, -1, 1) * S).view(BH, K, V)
+                    else:
+                        S = decay_C[n] * S
+                else:
+                    S.mul_(decay_C[n])
+                S.baddbmm_(kd_T[n], R_n)
+                if UY is not None:
+                    S.add_(UY[n])
+            # R now holds every chunk's residuals: the within-chunk output is one batched product.
+            O.view(N * BH, C, V).baddbmm_(A_qk.reshape(N * BH, C, C), R.view(N * BH, C, V))
     o = O.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(q.dtype)
 
     states = None
     if capture:
         caps = _capture_states(capture, C, G, channel, starts, R, kc, uc, yc)
         states = caps.view(B, H, len(capture), K, V).transpose(1, 2)
-    return o, S.reshape(B, H, K, V), states
+    return o, (S.reshape(B, H, K, V) if final_state and S is not None else None), states

@@ -12,6 +12,8 @@ plus a plain torch bmm of the chunked path's shape class, so that a same-run mat
 Each round runs every contender of a (family, T) once, in an order rotated by one place per round; a ratio is
 formed within each round (paired) and the median of those paired ratios is printed beside the ratio of the minima.
 `uptime` is printed before and after: on a shared machine other jobs inflate every figure, the ratios less so.
+--clock cpu times each call by this process's CPU time instead of elapsed time: at one thread the time other
+jobs hold the core then does not count (cache and memory-bandwidth contention still does).
 
 Useful FLOPs of the chunked algorithm, per chunk of C steps and per head (multiply-add = 2 FLOPs):
     pairwise A_qk, A_ak (lower triangles)          C(C+1) K + C(C-1) K
@@ -22,11 +24,16 @@ Useful FLOPs of the chunked algorithm, per chunk of C steps and per head (multip
 For a family without an erase vector (GLA) the A_ak, inverse, M and M S terms drop out. Elementwise work
 (exponentials, decay factors) is not counted.
 
+--baseline DIR adds an older checkout's chunked kernel (DIR/kernels/chunked.py, e.g. from `git archive`) as a
+contender, called after the same input checks, so that old against new is a paired ratio of one run.
+
 Usage:  python experiments/bench/recurrence.py [--lengths 2048 8192] [--repeats 7] [--threads 1] [--reference]
+                                               [--baseline DIR]
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -104,7 +111,28 @@ def contenders(T: int, with_reference: bool):
     return fams
 
 
-def paired_rounds(fns: dict, repeats: int) -> dict:
+def baseline_kernel(checkout: str):
+    """recurrence_chunked of an older checkout, called after the current input checks like kernels.recurrence."""
+    from recurscope.kernels._validate import validate
+
+    path = os.path.join(checkout, "kernels", "chunked.py")
+    if not os.path.isfile(path):
+        raise SystemExit(f"--baseline {checkout}: no kernels/chunked.py there; pass a checkout of this repository "
+                         "(e.g. git archive <commit> | tar -x -C DIR)")
+    spec = importlib.util.spec_from_file_location("baseline_chunked", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def run(q, k, x, g, a):
+        validate(q, k, x, g, a, None, None, None, None, check_finite=True)
+        return mod.recurrence_chunked(q, k, x, g, a, scale=q.shape[-1] ** -0.5, dtype=torch.float32)[0]
+    return run
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def paired_rounds(fns: dict, repeats: int, clock=time.perf_counter) -> dict:
     """Every fn once per round, the order rotated by one place per round (after one untimed warm-up round)."""
     names = list(fns)
     for n in names:
@@ -113,9 +141,9 @@ def paired_rounds(fns: dict, repeats: int) -> dict:
     for r in range(repeats):
         shift = r % len(names)
         for n in names[shift:] + names[:shift]:
-            t0 = time.perf_counter()
+            t0 = clock()
             fns[n]()
-            times[n].append(time.perf_counter() - t0)
+            times[n].append(clock() - t0)
     return times
 
 
@@ -126,12 +154,17 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="*", default=[512, 2048, 8192], help="sequence lengths")
     ap.add_argument("--families", nargs="*", default=["GDN", "GDN-2", "GLA", "QED"])
     ap.add_argument("--reference", action="store_true", help="also time the step-loop reference (slow)")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall: elapsed time; cpu: this process's CPU time (at one thread, time other jobs hold the "
+                         "core does not count, which steadies the figures on a loaded machine)")
+    ap.add_argument("--baseline", default=None, help="an older checkout whose chunked kernel runs as a contender")
     ap.add_argument("--slow-peer-max-T", type=int, default=2048,
                     help="skip fla's naive GDN-2 and recurrent GLA above this length (they take seconds per call)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"recurrence benchmark: B={B} H={H} K=V={K}, float32, threads={torch.get_num_threads()}, "
           f"{args.repeats} interleaved rounds, order rotated per round, torch {torch.__version__}")
+    print(f"clock: {args.clock}")
     print(f"uptime before: {uptime()}")
     # A script's own folder comes first on sys.path, so `recurscope` is whatever is installed unless PYTHONPATH
     # points at a checkout: say which code is being timed.
@@ -144,6 +177,9 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     verdicts, chunked_med = [], {}
+    base = None if args.baseline is None else baseline_kernel(args.baseline)
+    if base is not None:
+        print(f"baseline chunked kernel: {args.baseline}/kernels/chunked.py")
     with torch.no_grad():
         for T in args.lengths:
             fams = contenders(T, args.reference)
@@ -152,14 +188,16 @@ def main() -> None:
                 fns = {"recurscope chunked": lambda: kernels.recurrence(*rc_args, backend="chunked").o}
                 slow = fam in ("GDN-2", "GLA") and T > args.slow_peer_max_T
                 fns.update({} if slow else peer)
+                if base is not None:
+                    fns["baseline chunked"] = (lambda a_: lambda: base(*a_))(rc_args)
                 fns["torch bmm"] = lambda: torch.bmm(a, b)
                 mine = fns["recurscope chunked"]()
-                for name, fn in peer.items():
-                    if name in fns and name != "step reference":
+                for name, fn in fns.items():
+                    if name not in ("recurscope chunked", "torch bmm", "step reference"):
                         err = (fn().float() - mine.float()).abs().max().item()
                         if err > 1e-3:
                             print(f"  warning: {fam} T={T} {name} differs from recurscope by {err:.1e}")
-                times = paired_rounds(fns, args.repeats)
+                times = paired_rounds(fns, args.repeats, CLOCKS[args.clock])
                 tc = times["recurscope chunked"]
                 chunked_med[fam, T] = statistics.median(tc)
                 best_peer = None
@@ -169,7 +207,7 @@ def main() -> None:
                     paired = statistics.median(t / c for t, c in zip(ts, tc))
                     print(f"{fam:6s} {T:5d} {name:26s} {statistics.median(ts) * 1e3:7.1f}ms {min(ts) * 1e3:7.1f}ms "
                           f"{paired:15.2f}x {min(ts) / min(tc):12.2f}x")
-                    if name not in ("recurscope chunked", "step reference"):
+                    if name not in ("recurscope chunked", "step reference", "baseline chunked"):
                         best_peer = min(best_peer or (paired, name), (paired, name))
                 flops = chunked_flops(T, with_erase=fam != "GLA")
                 pct = [100 * (flops / c) / (BMM_FLOPS / m) for c, m in zip(tc, times["torch bmm"])]

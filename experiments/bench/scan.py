@@ -15,8 +15,11 @@ head); GDN-340M: 24 layers, hidden 1024, 4 heads, head_dim 256, expand_v 1 (stat
 Pairs: word-tokenizer recall pairs with a 7-token query; 4 facts and 256 filler tokens give 611 tokens, 2 facts
 and 126 filler tokens 307. Targets: scan <= 1.5x clean + donor at 611 tokens, <= 2x at 307.
 
+--clock cpu (CPU only) times by this process's CPU time: at one thread the time other jobs hold the core then
+does not count (cache and memory-bandwidth contention still does).
+
 Usage:  python experiments/bench/scan.py [--shapes gla gdn] [--lengths 611 307] [--repeats 3] [--threads 1]
-                                         [--layers 24] [--naive-heads 0] [--device cpu|cuda]
+                                         [--layers 24] [--naive-heads 0] [--device cpu|cuda] [--clock wall|cpu]
 """
 from __future__ import annotations
 
@@ -57,15 +60,18 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed(fn, device) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def timed(fn, device, clock=time.perf_counter) -> float:
     sync(device)
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
     sync(device)
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
-def scan_vs_forward(model, pairs, device, repeats: int, batch_size: int = 96):
+def scan_vs_forward(model, pairs, device, repeats: int, batch_size: int = 96, clock=time.perf_counter):
     """Interleaved, order-rotated rounds of the two forward ways and the scan; returns ({name: times}, the median
     over rounds of scan time / the faster forward way of the same round)."""
     both = torch.cat([pairs.recipient_ids, pairs.donor_ids]).to(device)
@@ -83,7 +89,7 @@ def scan_vs_forward(model, pairs, device, repeats: int, batch_size: int = 96):
         for r in range(repeats):
             shift = r % len(names)
             for n in names[shift:] + names[:shift]:
-                times[n].append(timed(fns[n], device))
+                times[n].append(timed(fns[n], device, clock))
     ref = [min(a, b) for a, b in zip(times[names[0]], times[names[1]])]
     return times, statistics.median(s / f for s, f in zip(times[names[2]], ref))
 
@@ -98,12 +104,17 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--naive-heads", type=int, default=0, help="time the naive scan on this many heads (0: skip)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall: elapsed time; cpu (CPU device only): this process's CPU time, which at one thread "
+                         "leaves out the time other jobs hold the core")
     args = ap.parse_args()
+    if args.clock == "cpu" and args.device != "cpu":
+        ap.error("--clock cpu times the CPU; with --device cuda use the wall clock")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     tok = build_word_tokenizer()
     print(f"scan benchmark: device {device}, threads {torch.get_num_threads()}, {args.repeats} interleaved rounds, "
-          f"order rotated per round, batch_size {args.batch_size}")
+          f"order rotated per round, batch_size {args.batch_size}, clock {args.clock}")
     print(f"uptime before: {uptime()}")
     # A script's own folder comes first on sys.path, so `recurscope` is whatever is installed unless PYTHONPATH
     # points at a checkout: say which code is being timed.
@@ -121,7 +132,7 @@ def main():
         for length in args.lengths:
             pairs = build_pairs(tok, split="dev", n_sources=1, presentations=3, gap_tokens=24, **LENGTHS[length])
             T = pairs.recipient_ids.shape[1]
-            times, paired = scan_vs_forward(model, pairs, device, args.repeats, args.batch_size)
+            times, paired = scan_vs_forward(model, pairs, device, args.repeats, args.batch_size, CLOCKS[args.clock])
             names = list(times)
             ref = [min(a, b) for a, b in zip(times[names[0]], times[names[1]])]
             scan_t = times[names[2]]

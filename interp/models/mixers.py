@@ -36,6 +36,9 @@ class RecurrentMixer(nn.Module):
         super().__init__()
         self.backend = "auto"
         self.check_finite = False            # the model's debug flag (RecurrentLM.debug) sets it
+        # False when a caller needs only the outputs (the head scan's suffix rows): the kernel then skips the last
+        # state update and the layer cache carries state None.
+        self.keep_final_state = True
         self.hook_q = HookPoint()            # (B, T, H, K) after conv, activation and norm
         self.hook_k = HookPoint()            # (B, T, H, K)
         self.hook_v = HookPoint()            # (B, T, H, V)
@@ -72,17 +75,18 @@ class RecurrentMixer(nn.Module):
             # A patched write key must not move the erase: block the k x^T write and add u x^T instead.
             extra = (u, x if ws is None else x * ws[..., None].to(x.dtype))
             ws = torch.zeros(B, T, H, dtype=torch.float32, device=q.device)
-        run = lambda sl, init, cap=None: kernels.recurrence(  # noqa: E731
+        run = lambda sl, init, cap=None, final=True: kernels.recurrence(  # noqa: E731
             q[:, sl], k[:, sl], x[:, sl], g[:, sl], None if a is None else a[:, sl], scale=scale,
             initial_state=init, write_scale=None if ws is None else ws[:, sl],
             extra_write=None if extra is None else (extra[0][:, sl], extra[1][:, sl]),
-            capture=cap, backend=self.backend, check_finite=self.check_finite)
+            capture=cap, output_final_state=final, backend=self.backend, check_finite=self.check_finite)
         positions = None if state_positions is None else sorted({int(p) for p in state_positions})
         if positions is not None and any(p < 0 or p >= T for p in positions):
             raise ValueError(f"state_positions must lie in [0, {T - 1}] for a call of {T} tokens, got {positions}")
-        out = run(slice(0, T), init_state, positions or None)
         if not positions:
+            out = run(slice(0, T), init_state, final=self.keep_final_state)
             return out.o, out.final_state
+        out = run(slice(0, T), init_state, positions)
         states = out.states
         # The hook names the positions its (B, P, ...) input holds, so a patch finds its own step.
         self.hook_state.positions = tuple(positions)
