@@ -56,7 +56,9 @@ def test_reading_every_hook_point_equals_run_with_cache(kind):
             for name in order:
                 read[name] = model_nn.get(name).output.save()
             logits = model_nn.output.save()
-    assert _maxdiff(logits, model(tokens)) == 0.0
+    with torch.no_grad():   # the trace ran without autograd; the kernel's autograd path may round differently
+        plain = model(tokens)
+    assert _maxdiff(logits, plain) == 0.0
     for name in order:
         assert read[name].shape == cache[name].shape, name
         assert _maxdiff(read[name], cache[name]) < TOL, name

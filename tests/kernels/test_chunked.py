@@ -270,3 +270,26 @@ def test_pairwise_terms_pivoted_at_the_chunk_start_equal_the_blocked_pivots(monk
         moved = kernels.recurrence(*later, a, backend="chunked").o
         assert torch.equal(moved[:, :30], clean[:, :30]), family
         assert not torch.equal(moved[:, 30:], clean[:, 30:])
+
+
+@pytest.mark.parametrize("family_erase", [False, True])
+def test_gradients_stay_finite_when_a_chunk_spans_decay_whose_square_overflows(family_erase):
+    # About -0.8 per step: a 64-step chunk spans ~50 nats, inside the forward's start-pivot range (60) but e^{2x50}
+    # overflows float32, which the backward of y / e^{G} would need. (The QED training test caught NaN here.)
+    torch.manual_seed(11)
+    B, T, H, K, V = 1, 128, 2, 8, 6
+    q = torch.randn(B, T, H, K)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
+    x = torch.randn(B, T, H, V)
+    g = -0.6 - 0.4 * torch.rand(B, T, H, K)
+    a = torch.rand(B, T, H, K) * k if family_erase else None
+    leaves = [t.clone().requires_grad_() for t in (q, k, x, g, a) if t is not None]
+    out = kernels.recurrence(*leaves, backend="chunked")
+    (out.o.sum() + out.final_state.sum()).backward()
+    ref = [t.double().requires_grad_() for t in (q, k, x, g, a) if t is not None]
+    out_ref = kernels.recurrence(*ref, backend="reference")
+    (out_ref.o.sum() + out_ref.final_state.sum()).backward()
+    for mine, theirs in zip(leaves, ref):
+        assert torch.isfinite(mine.grad).all()
+        scale = theirs.grad.abs().max() + 1e-12
+        assert ((mine.grad.double() - theirs.grad).abs().max() / scale) < 1e-4
