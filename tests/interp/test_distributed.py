@@ -3,6 +3,7 @@ Ray), and on one shared local Ray cluster of 2 CPUs: --ray equals the single-pro
 killed mid-unit is replaced and its unit retried, a driver SIGKILLed mid-run resumes with every row exactly once.
 Without Ray, --ray says how to install it."""
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -105,6 +106,20 @@ def test_out_of_memory_names_the_unit_and_the_setting(ckpt):
     unit = dist.confirm_units(worker.pairs, ["state_swap"])[0]
     with pytest.raises(dist.UnitOutOfMemory, match=r"arm state_swap\) ran out of GPU memory .*--batch-size \(now 8\)"):
         worker.confirm(unit, [(0, 1)], None, 0, 8)
+
+
+def test_model_spec_makes_a_relative_checkpoint_path_absolute(ckpt, tmp_path, monkeypatch):
+    """Workers run in their own working directory: a relative path must reach them absolute (and still load
+    there), while a bundled name stays a name."""
+    monkeypatch.chdir(ckpt.parent)
+    spec = dist.ModelSpec(ckpt.name, dtype="float32")
+    assert spec.path == str(ckpt.resolve())
+    monkeypatch.chdir(tmp_path)                                   # a worker's directory: no `ckpt` here
+    shipped = pickle.loads(pickle.dumps(spec))
+    assert shipped == spec
+    model = shipped()
+    assert model.checkpoint_dir.resolve() == ckpt.resolve()
+    assert dist.ModelSpec("tiny-gla").path == "tiny-gla"
 
 
 def test_ray_missing_gives_the_install_command(ckpt, tmp_path, monkeypatch, capsys):
