@@ -122,6 +122,40 @@ def test_model_spec_makes_a_relative_checkpoint_path_absolute(ckpt, tmp_path, mo
     assert dist.ModelSpec("tiny-gla").path == "tiny-gla"
 
 
+def test_ray_driver_loads_on_the_cpu_and_workers_get_the_device(ckpt, tmp_path, monkeypatch):
+    """`run --ray --device cuda` (scan and confirm): the driver's own load is asked for the CPU, the workers' model
+    spec carries --device and the checkpoint's absolute path. No GPU or Ray needed: the device check, Ray and the
+    Ray runs are stood in for (the stand-ins compute in process, so the commands finish as they would)."""
+    from recurscope.interp import cli, loading
+
+    real_load = loading.load_model
+    driver_devices, specs = [], []
+
+    def driver_load(path, device="cpu", dtype=None, **kwargs):
+        driver_devices.append(str(device))
+        return real_load(path, device="cpu", dtype=dtype, **kwargs)
+
+    def scan_ray(spec, pairs, heads, run_dir=None, *, batch_size, **kwargs):
+        specs.append(spec)
+        return run_scan(real_load(spec.path), pairs, run_dir=run_dir, batch_size=batch_size, heads=heads), None
+
+    def confirm_ray(spec, pairs, heads, controls, run_dir=None, *, scan_heads, seed, batch_size, **kwargs):
+        specs.append(spec)
+        return run_confirm(real_load(spec.path), pairs, heads, run_dir=run_dir, scan_heads=scan_heads, seed=seed,
+                           batch_size=batch_size, n_resamples=100), None
+
+    monkeypatch.setattr(cli, "_check_device", lambda spec: None)
+    monkeypatch.setattr(dist, "require_ray", lambda: None)
+    monkeypatch.setattr(loading, "load_model", driver_load)
+    monkeypatch.setattr(dist, "run_scan_ray", scan_ray)
+    monkeypatch.setattr(dist, "run_confirm_ray", confirm_ray)
+    monkeypatch.chdir(ckpt.parent)
+    assert main(["run", ckpt.name, "--n-dev", "2", "--n-heldout", "2", "--pairs-per-source", "1", *SMALL,
+                 "--device", "cuda", "--out", str(tmp_path / "run"), "--ray"]) == 0
+    assert driver_devices == ["cpu", "cpu"]                       # scan's driver, confirm's driver
+    assert [(s.path, s.device, s.dtype) for s in specs] == [(str(ckpt.resolve()), "cuda", "float32")] * 2
+
+
 def test_ray_missing_gives_the_install_command(ckpt, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)                 # `import ray` now raises ImportError
     code = main(["scan", str(ckpt), "--n-sources", "2", "--out", str(tmp_path / "scan"), *SMALL, "--ray"])
