@@ -1,7 +1,8 @@
 """Scans and confirmations on Ray (interp.distributed): a unit's rows equal the whole-batch rows (in-process, no
-Ray), and on one shared local Ray cluster of 2 CPUs: --ray equals the single-process scan row for row, a worker
-killed mid-unit is replaced and its unit retried, a driver SIGKILLed mid-run resumes with every row exactly once.
-Without Ray, --ray says how to install it."""
+Ray), and on one shared local Ray cluster of 2 CPUs: scan --ray and confirm --ray equal the single-process scan and
+confirmation row for row, a worker killed mid-unit is replaced and its unit retried, a driver SIGKILLed mid-run
+resumes with every row exactly once. Without Ray, --ray says how to install it; under --ray the driver loads on the
+CPU and ships the checkpoint's absolute path (stand-ins, no GPU or Ray)."""
 import os
 import pickle
 import signal
@@ -192,6 +193,25 @@ def test_ray_scan_equals_single_process_scan(ckpt, ray_address, tmp_path):
     heads_local = pd.read_csv(tmp_path / "local" / "scan_heads.csv")
     heads_ray = pd.read_csv(tmp_path / "ray" / "scan_heads.csv")
     assert heads_local[["layer", "head"]].equals(heads_ray[["layer", "head"]])
+
+
+CONFIRM_VALUES = ["clean_margin", "margin", "donor_margin_shift", "target_margin_change", "correct"]
+
+
+@pytest.mark.slow
+def test_ray_confirm_equals_single_process_confirm(ckpt, ray_address, tmp_path):
+    args = [str(ckpt), "--pairs-per-source", "1", *SMALL]
+    assert main(["scan", *args, "--n-sources", "2", "--out", str(tmp_path / "scan")]) == 0
+    confirm = ["confirm", *args, "--n-sources", "3", "--from-scan", str(tmp_path / "scan")]
+    assert main([*confirm, "--out", str(tmp_path / "local")]) == 0
+    assert main([*confirm, "--out", str(tmp_path / "ray"), "--ray", ray_address, "--workers", "2"]) == 0
+    local = RunDir.open(tmp_path / "local").table("confirm_rows").read()
+    on_ray = pd.DataFrame(RowLog(tmp_path / "ray" / "confirm_rows.jsonl").rows())    # raw: duplicates show here
+    key = ["intervention", "row"]
+    assert not on_ray[key].duplicated().any() and len(on_ray) == len(local) == len(ARMS) * 3
+    _assert_same_rows(on_ray, local, key + ["source", "pair"], CONFIRM_VALUES)
+    summary = [pd.read_csv(tmp_path / d / "confirm_summary.csv") for d in ("local", "ray")]
+    _assert_same_rows(summary[1], summary[0], ["intervention", "metric"], ["estimate", "low", "high"])
 
 
 @dataclass(frozen=True)
