@@ -61,7 +61,10 @@ def _pair_args(p, split, choose_sources=True):
 def _load(args):
     from recurscope.interp.loading import load_model
 
-    model = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
+    # Under --ray the workers compute on --device; the driver only builds pairs, lists and checks heads, picks
+    # controls and hashes the checkpoint, so its copy stays on the CPU rather than taking GPU 0 beside actor 0.
+    device = "cpu" if getattr(args, "ray", None) else args.device
+    model = load_model(args.model, device=device, dtype=DTYPES[args.dtype])
     if model.tokenizer is None:
         raise UsageError(f"{args.model} has no tokenizer in its directory; recall pairs need one: save the model's "
                          "tokenizer.json beside config.json")

@@ -123,11 +123,19 @@ def connect(address: Optional[str] = None, *, num_cpus: Optional[int] = None, nu
 @dataclass(frozen=True)
 class ModelSpec:
     """A picklable recipe for the model every worker loads once: load_model(path, device, dtype). On a GPU node
-    Ray gives each actor one GPU, visible inside the actor as "cuda"."""
+    Ray gives each actor one GPU, visible inside the actor as "cuda". A path that is a local directory here is made
+    absolute, since workers run in their own working directory; a bundled name (no such directory) stays a name,
+    for each worker to find in its own installation."""
 
     path: str
     device: str = "cpu"
     dtype: Optional[str] = None          # a torch dtype name: "float32", "bfloat16", ...
+
+    def __post_init__(self):
+        # The same precedence as loading.resolve_checkpoint: a local directory wins over a bundled name.
+        local = Path(self.path).expanduser()
+        if local.is_dir():
+            object.__setattr__(self, "path", str(local.resolve()))
 
     @property
     def uses_gpu(self) -> bool:

@@ -1,8 +1,10 @@
 """Scans and confirmations on Ray (interp.distributed): a unit's rows equal the whole-batch rows (in-process, no
-Ray), and on one shared local Ray cluster of 2 CPUs: --ray equals the single-process scan row for row, a worker
-killed mid-unit is replaced and its unit retried, a driver SIGKILLed mid-run resumes with every row exactly once.
-Without Ray, --ray says how to install it."""
+Ray), and on one shared local Ray cluster of 2 CPUs: scan --ray and confirm --ray equal the single-process scan and
+confirmation row for row, a worker killed mid-unit is replaced and its unit retried, a driver SIGKILLed mid-run
+resumes with every row exactly once. Without Ray, --ray says how to install it; under --ray the driver loads on the
+CPU and ships the checkpoint's absolute path (stand-ins, no GPU or Ray)."""
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -107,6 +109,54 @@ def test_out_of_memory_names_the_unit_and_the_setting(ckpt):
         worker.confirm(unit, [(0, 1)], None, 0, 8)
 
 
+def test_model_spec_makes_a_relative_checkpoint_path_absolute(ckpt, tmp_path, monkeypatch):
+    """Workers run in their own working directory: a relative path must reach them absolute (and still load
+    there), while a bundled name stays a name."""
+    monkeypatch.chdir(ckpt.parent)
+    spec = dist.ModelSpec(ckpt.name, dtype="float32")
+    assert spec.path == str(ckpt.resolve())
+    monkeypatch.chdir(tmp_path)                                   # a worker's directory: no `ckpt` here
+    shipped = pickle.loads(pickle.dumps(spec))
+    assert shipped == spec
+    model = shipped()
+    assert model.checkpoint_dir.resolve() == ckpt.resolve()
+    assert dist.ModelSpec("tiny-gla").path == "tiny-gla"
+
+
+def test_ray_driver_loads_on_the_cpu_and_workers_get_the_device(ckpt, tmp_path, monkeypatch):
+    """`run --ray --device cuda` (scan and confirm): the driver's own load is asked for the CPU, the workers' model
+    spec carries --device and the checkpoint's absolute path. No GPU or Ray needed: the device check, Ray and the
+    Ray runs are stood in for (the stand-ins compute in process, so the commands finish as they would)."""
+    from recurscope.interp import cli, loading
+
+    real_load = loading.load_model
+    driver_devices, specs = [], []
+
+    def driver_load(path, device="cpu", dtype=None, **kwargs):
+        driver_devices.append(str(device))
+        return real_load(path, device="cpu", dtype=dtype, **kwargs)
+
+    def scan_ray(spec, pairs, heads, run_dir=None, *, batch_size, **kwargs):
+        specs.append(spec)
+        return run_scan(real_load(spec.path), pairs, run_dir=run_dir, batch_size=batch_size, heads=heads), None
+
+    def confirm_ray(spec, pairs, heads, controls, run_dir=None, *, scan_heads, seed, batch_size, **kwargs):
+        specs.append(spec)
+        return run_confirm(real_load(spec.path), pairs, heads, run_dir=run_dir, scan_heads=scan_heads, seed=seed,
+                           batch_size=batch_size, n_resamples=100), None
+
+    monkeypatch.setattr(cli, "_check_device", lambda spec: None)
+    monkeypatch.setattr(dist, "require_ray", lambda: None)
+    monkeypatch.setattr(loading, "load_model", driver_load)
+    monkeypatch.setattr(dist, "run_scan_ray", scan_ray)
+    monkeypatch.setattr(dist, "run_confirm_ray", confirm_ray)
+    monkeypatch.chdir(ckpt.parent)
+    assert main(["run", ckpt.name, "--n-dev", "2", "--n-heldout", "2", "--pairs-per-source", "1", *SMALL,
+                 "--device", "cuda", "--out", str(tmp_path / "run"), "--ray"]) == 0
+    assert driver_devices == ["cpu", "cpu"]                       # scan's driver, confirm's driver
+    assert [(s.path, s.device, s.dtype) for s in specs] == [(str(ckpt.resolve()), "cuda", "float32")] * 2
+
+
 def test_ray_missing_gives_the_install_command(ckpt, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)                 # `import ray` now raises ImportError
     code = main(["scan", str(ckpt), "--n-sources", "2", "--out", str(tmp_path / "scan"), *SMALL, "--ray"])
@@ -143,6 +193,25 @@ def test_ray_scan_equals_single_process_scan(ckpt, ray_address, tmp_path):
     heads_local = pd.read_csv(tmp_path / "local" / "scan_heads.csv")
     heads_ray = pd.read_csv(tmp_path / "ray" / "scan_heads.csv")
     assert heads_local[["layer", "head"]].equals(heads_ray[["layer", "head"]])
+
+
+CONFIRM_VALUES = ["clean_margin", "margin", "donor_margin_shift", "target_margin_change", "correct"]
+
+
+@pytest.mark.slow
+def test_ray_confirm_equals_single_process_confirm(ckpt, ray_address, tmp_path):
+    args = [str(ckpt), "--pairs-per-source", "1", *SMALL]
+    assert main(["scan", *args, "--n-sources", "2", "--out", str(tmp_path / "scan")]) == 0
+    confirm = ["confirm", *args, "--n-sources", "3", "--from-scan", str(tmp_path / "scan")]
+    assert main([*confirm, "--out", str(tmp_path / "local")]) == 0
+    assert main([*confirm, "--out", str(tmp_path / "ray"), "--ray", ray_address, "--workers", "2"]) == 0
+    local = RunDir.open(tmp_path / "local").table("confirm_rows").read()
+    on_ray = pd.DataFrame(RowLog(tmp_path / "ray" / "confirm_rows.jsonl").rows())    # raw: duplicates show here
+    key = ["intervention", "row"]
+    assert not on_ray[key].duplicated().any() and len(on_ray) == len(local) == len(ARMS) * 3
+    _assert_same_rows(on_ray, local, key + ["source", "pair"], CONFIRM_VALUES)
+    summary = [pd.read_csv(tmp_path / d / "confirm_summary.csv") for d in ("local", "ray")]
+    _assert_same_rows(summary[1], summary[0], ["intervention", "metric"], ["estimate", "low", "high"])
 
 
 @dataclass(frozen=True)
