@@ -258,6 +258,16 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
             return logits, self._from_hf_cache(hf_cache, offset + T)
         return logits
 
+    def unembed(self, resid: torch.Tensor) -> torch.Tensor:
+        """Logits of residual-stream vectors (..., D): the text model's final norm, then the LM head. (forward
+        applies only the LM head: transformers' text model returns its hidden states already normed.)"""
+        return self.hf.lm_head(self.text_model[0].norm(resid))
+
+    @property
+    def unembed_weight(self) -> torch.Tensor:
+        """(vocab, D): the LM head's weight, which `unembed` applies after the final norm."""
+        return self.hf.lm_head.weight
+
     def run_with_cache(self, *args, state_positions: Optional[Sequence[int]] = None, **kwargs):
         if state_positions is not None:
             kwargs["state_positions"] = state_positions

@@ -3,15 +3,17 @@ save_pretrained: parity with transformers' torch path, stepping, state patches a
 cache, write patches that keep the erase, the interventions, bad input and the CLI's main job."""
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from recurscope import kernels
 from recurscope.hooks.patches import ReadoutReplace, StateReplace, WriteReplace, WriteScale, run_with_patches
+from recurscope.interp import interventions as iv
 from recurscope.interp.bridge import TransformersBridge
 from recurscope.interp.bridge.torch_path import torch_reference_path
-from recurscope.interp.data import build_word_tokenizer, save_word_tokenizer
+from recurscope.interp.data import build_pairs, build_word_tokenizer, save_word_tokenizer
 from recurscope.interp.loading import load_model
 
 LAYOUTS = ("qwen3_5_dense", "qwen3_5_moe", "qwen3_5_multimodal")
@@ -195,7 +197,6 @@ def test_interventions_run_through_the_protocol(checkpoint):
     transformers' cache, and transformers' own suffix run."""
     from transformers import DynamicCache
 
-    from recurscope.interp.data import build_pairs
     from recurscope.interp.interventions import state_swap, write_block
 
     _, path, cls = checkpoint
@@ -219,6 +220,65 @@ def test_interventions_run_through_the_protocol(checkpoint):
             at = logits[0, int(pairs.query_pos[i]) - b - 1]
             expect = at[pairs.candidate_ids[i]]
             torch.testing.assert_close(result.logits[i], expect, rtol=0, atol=1e-4)
+
+
+# ---- the final norm and unembedding (the logit lens, the corrector) -----------------------------------------------
+def test_unembed_of_the_last_residual_is_transformers_own_logits(checkpoint):
+    """unembed (the final norm, then the LM head) of the residual leaving the last block == transformers' own logits:
+    the norm is applied once, to what the last block returns."""
+    _, path, cls = checkpoint
+    model, ref = load_model(path), _reference(path, cls)
+    tokens = _tokens(model.cfg.vocab_size, seed=9)
+    last = f"blocks.{model.cfg.num_hidden_layers - 1}.hook_resid_post"
+    with torch.no_grad(), torch_reference_path():
+        expected = ref(input_ids=tokens).logits
+        _, cache = model.run_with_cache(tokens, names_filter=last)
+        got = model.unembed(cache[last])
+        head_only = model.hf.lm_head(cache[last])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert float((head_only - expected).abs().max()) > 1e-3   # the final norm matters in this comparison
+    assert model.unembed_weight.shape == (model.cfg.vocab_size, cache[last].shape[-1])
+
+
+def test_lens_after_the_last_layer_is_the_model_itself(checkpoint):
+    from recurscope.interp.protocols import lens
+
+    _, path, _ = checkpoint
+    model = load_model(path)
+    pairs = build_pairs(model.tokenizer, split="heldout", n_sources=3, n_facts=2, presentations=2, filler_tokens=8)
+    rows = lens.lens_rows(model, pairs)
+    L = model.cfg.num_hidden_layers
+    last = rows[(rows.layer == L - 1) & (rows.side == "after")]
+    np.testing.assert_array_equal(last["correct"], last["final_correct"])
+    assert len(last) == int(pairs.is_target.sum())
+    for layer in range(L - 1):   # before layer l + 1 is after layer l: the same residual
+        before = rows[(rows.layer == layer + 1) & (rows.side == "before")]["correct"].to_numpy()
+        np.testing.assert_array_equal(before, rows[(rows.layer == layer) & (rows.side == "after")]["correct"])
+
+
+def test_corrected_logits_equal_the_hooked_forward(checkpoint):
+    """The corrector's shortcut (delta added to the last residual at the query position, then unembed) == a real
+    forward with delta added there by a hook."""
+    from recurscope.interp.protocols import corrector
+
+    _, path, _ = checkpoint
+    model = load_model(path)
+    p = build_pairs(model.tokenizer, split="heldout", n_sources=3, n_facts=2, presentations=2, filler_tokens=8)
+    feats = corrector.collect_features(model, p, [(1, 1)])
+    delta = torch.randn(feats.resid.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    fast = corrector.corrected_logits(model, p, feats.resid, delta)
+    at = torch.arange(len(p))
+
+    def add(resid, hook):
+        out = resid.clone()
+        out[at, p.query_pos] += delta.to(out.dtype)
+        return out
+    with torch.no_grad(), model.hooks(fwd_hooks=[(f"blocks.{model.cfg.num_hidden_layers - 1}.hook_resid_post", add)]):
+        logits = model(p.recipient_ids)
+    torch.testing.assert_close(fast, iv.candidate_logits(logits[at, p.query_pos], p.candidate_ids), atol=1e-4,
+                               rtol=1e-4)
+    torch.testing.assert_close(corrector.corrected_logits(model, p, feats.resid, 0 * delta), feats.clean, atol=1e-4,
+                               rtol=1e-4)
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------------
