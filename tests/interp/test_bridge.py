@@ -281,6 +281,21 @@ def test_corrected_logits_equal_the_hooked_forward(checkpoint):
                                rtol=1e-4)
 
 
+def test_conv_tail_spans_reach_as_far_as_the_conv_transformers_runs(checkpoint):
+    """write_block_conv_tail's spans widen each fact span by the reach of the conv1d transformers runs (its kernel
+    minus 1), as on a native model; and pairs are bounded by the attention layers' max_position_embeddings."""
+    from recurscope.interp.protocols._common import max_length
+
+    _, path, _ = checkpoint
+    model = load_model(path)
+    kernel = model.blocks[model.recurrent_layers[0]].mixer.conv1d.weight.shape[-1]
+    pairs = build_pairs(model.tokenizer, split="heldout", n_sources=2, n_facts=2, presentations=2, filler_tokens=8)
+    fact, wide = iv._spans(pairs, "fact"), iv.spans_with_conv_tail(model, pairs)
+    assert kernel > 1 and torch.equal(wide[..., 0], fact[..., 0])
+    assert torch.equal(wide[..., 1], torch.minimum(fact[..., 1] + kernel - 1, pairs.query_start[:, None]))
+    assert max_length(model) == model.hf.config.get_text_config(decoder=True).max_position_embeddings
+
+
 # ---- bad input ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):

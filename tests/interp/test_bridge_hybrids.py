@@ -10,7 +10,8 @@ cached heads refused, the refusal of a transformers hybrid the bridge does not k
 import pytest
 import torch
 from test_bridge import (  # noqa: F401  (collected here with this module's checkpoint fixture)
-    _randomise, test_corrected_logits_equal_the_hooked_forward, test_interventions_run_through_the_protocol,
+    _randomise, test_conv_tail_spans_reach_as_far_as_the_conv_transformers_runs,
+    test_corrected_logits_equal_the_hooked_forward, test_interventions_run_through_the_protocol,
     test_lens_after_the_last_layer_is_the_model_itself, test_loads_as_a_bridge_with_the_project_hooks,
     test_parity_with_transformers_torch_path_hooks_idle, test_state_patch_equals_a_hand_edit_of_the_transformers_cache,
     test_stepping_equals_the_full_run, test_unembed_of_the_last_residual_is_transformers_own_logits,
