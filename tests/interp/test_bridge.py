@@ -1,6 +1,9 @@
 """The transformers bridge on tiny random checkpoints built from transformers' own config classes and saved with
-save_pretrained: parity with transformers' torch path, stepping, state patches against a hand edit of transformers'
-cache, write patches that keep the erase, the interventions, bad input and the CLI's main job."""
+save_pretrained: parity with transformers' torch path, stepping, state patches and per-component cache swaps
+(recurrent state, conv tails, KV) against hand edits of transformers' cache, hook_state against transformers' own
+state, write patches that keep the erase, the interventions, the final norm and unembedding (logit lens, corrector),
+the conv reach of the widened write block, the hook tables of docs/hooks.md, bad input, and the CLI (scan, confirm,
+run, patch). test_bridge_hybrids.py runs the per-layout tests again on Qwen3-Next, OLMo-hybrid and Kimi-Linear."""
 import json
 
 import numpy as np
@@ -146,6 +149,76 @@ def test_state_patch_equals_a_hand_edit_of_the_transformers_cache(checkpoint):
     torch.testing.assert_close(patched[:, :p], clean[:, :p], rtol=0, atol=0)
     change = (patched - clean).abs().amax(-1)                # (B, T)
     assert bool((change[:, p:] > 1e-4).all()), change
+
+
+def _hand_swapped_suffix(ref, recipient, donor, b, parts):
+    """transformers' own prefix runs of both rows to b, the donor's `parts` copied into the recipient's cache by hand
+    (recurrent_states, conv_states, the attention layers' keys/values), then transformers' own suffix run."""
+    from transformers import DynamicCache
+
+    caches = []
+    for ids in (recipient, donor):
+        c = DynamicCache(config=ref.config.get_text_config(decoder=True))
+        ref(input_ids=ids[:, :b], cache=c, use_cache=True)
+        caches.append(c)
+    rec, don = caches
+    for mine, theirs in zip(rec.layers, don.layers):
+        if hasattr(mine, "recurrent_states"):
+            if "state" in parts:
+                mine.recurrent_states[0] = theirs.recurrent_states[0].clone()
+            if "conv" in parts:
+                mine.conv_states[0] = theirs.conv_states[0].clone()
+        elif "kv" in parts:
+            mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
+    return ref(input_ids=recipient[:, b:], cache=rec, use_cache=True).logits
+
+
+def test_component_swaps_equal_the_same_swaps_in_transformers_cache(checkpoint):
+    """swap_from(donor, parts) at a boundary, then the suffix == the same parts swapped by hand in transformers'
+    cache and transformers' own suffix run, for the recurrent states, the conv tails, the KV and all three; each
+    part changes the suffix."""
+    _, path, cls = checkpoint
+    model = load_model(path)
+    ref = cls.from_pretrained(str(path), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(11)
+    recipient = torch.randint(4, model.cfg.vocab_size, (2, 17), generator=g)
+    donor = torch.randint(4, model.cfg.vocab_size, (2, 17), generator=g)
+    b = 10
+    with torch.no_grad():
+        rec_cache, don_cache = model.run_prefix(recipient[:, :b]), model.run_prefix(donor[:, :b])
+        clean, _ = model.run_suffix(recipient[:, b:], rec_cache)
+        for parts in (("state",), ("conv",), ("kv",), ("state", "conv", "kv")):
+            got, _ = model.run_suffix(recipient[:, b:], rec_cache.swap_from(don_cache, parts=parts))
+            with torch_reference_path():
+                expected = _hand_swapped_suffix(ref, recipient, donor, b, parts)
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5, msg=lambda m: f"{parts}: {m}")
+            assert float((got - clean).abs().max()) > 1e-3, parts
+
+
+def test_hook_state_at_requested_positions_is_transformers_own_state(checkpoint):
+    """hook_state captured at several positions in one run == the recurrent state transformers' own torch path keeps
+    in its cache (recurrent_states, (B, H, K, V): the project's layout as it is) after a prefix run to each
+    position, on every linear-attention layer."""
+    from transformers import DynamicCache
+
+    _, path, cls = checkpoint
+    model, ref = load_model(path), _reference(path, cls)
+    tokens = _tokens(model.cfg.vocab_size, seed=13)
+    positions = [0, 6, 13, tokens.shape[1] - 1]
+    names = {l: f"blocks.{l}.mixer.hook_state" for l in model.recurrent_layers}
+    with torch.no_grad():
+        _, got = model.run_with_cache(tokens, state_positions=positions, names_filter=lambda n: n in names.values())
+        with torch_reference_path():
+            for j, p in enumerate(positions):
+                theirs = DynamicCache(config=ref.config.get_text_config(decoder=True))
+                ref(input_ids=tokens[:, :p + 1], cache=theirs, use_cache=True)
+                for layer, name in names.items():
+                    expected = theirs.layers[layer].recurrent_states[0]
+                    assert got[name].shape == (2, len(positions), *expected.shape[1:])
+                    torch.testing.assert_close(got[name][:, j].to(expected.dtype), expected, rtol=0, atol=1e-5,
+                                               msg=lambda m: f"layer {layer}, position {p}: {m}")
+    first = got[names[model.recurrent_layers[0]]]
+    assert float((first[:, 1] - first[:, 2]).abs().max()) > 1e-3   # the positions hold different states
 
 
 def _layer_inputs(model, tokens, layer):
@@ -351,6 +424,48 @@ def test_recurscope_run_completes_on_a_tiny_qwen35(dense, tmp_path):
     assert main(args) == 0
     report = (out / "report.md").read_text()
     assert "Head selection" in report and "Confirmation on held-out sources" in report
+
+
+def test_recurscope_scan_then_confirm_from_the_scan_on_a_tiny_qwen35(dense, tmp_path):
+    """`recurscope scan` then `recurscope confirm --from-scan` as two commands: the scan rows cover every
+    (target pair, recurrent head) once and no attention layer; the confirmation runs every arm on every held-out
+    target pair, on the scan's winner, and its all-readouts restore gives the clean margin by construction."""
+    import pandas as pd
+
+    from recurscope.interp.cli import main
+    from recurscope.interp.confirm import ARMS
+    from recurscope.interp.results import RunDir
+
+    small = ["--n-facts", "2", "--presentations", "2", "--filler", "12", "--batch-size", "8", "--n-sources", "2"]
+    scan_dir, confirm_dir = tmp_path / "scan", tmp_path / "confirm"
+    assert main(["scan", str(dense), *small, "--out", str(scan_dir)]) == 0
+    manifest = json.loads((scan_dir / "manifest.json").read_text())
+    assert manifest["kind"] == "scan" and manifest["split"] == "dev" and manifest["sources"] == [0, 1]
+    rows = RunDir.open(scan_dir).table("scan_rows").read()
+    heads = [(l, h) for l in range(3) for h in range(2)]   # layers 0-2 are GDN, layer 3 attention
+    keys = list(zip(rows["source"], rows["pair"], rows["layer"], rows["head"]))
+    assert len(keys) == len(set(keys)) == 2 * 4 * len(heads)      # 2 sources x 4 pairs per source x 6 heads
+    assert set(zip(rows["layer"], rows["head"])) == set(heads)
+    table = pd.read_csv(scan_dir / "scan_heads.csv")
+    assert sorted(zip(table["layer"], table["head"])) == heads
+    winner = [int(table.iloc[0]["layer"]), int(table.iloc[0]["head"])]
+
+    assert main(["confirm", str(dense), "--from-scan", str(scan_dir), *small, "--out", str(confirm_dir)]) == 0
+    manifest = json.loads((confirm_dir / "manifest.json").read_text())
+    assert manifest["kind"] == "confirm" and manifest["split"] == "heldout" and manifest["args"]["heads"] == [winner]
+    rows = RunDir.open(confirm_dir).table("confirm_rows").read()
+    assert set(rows["intervention"]) == set(ARMS)
+    per_arm = rows.groupby("intervention").size()
+    assert (per_arm == 2 * 4).all(), per_arm                       # every held-out target pair, once per arm
+    label = f"L{winner[0]}H{winner[1]}"
+    control = rows["intervention"].str.startswith("control_head")
+    assert set(rows.loc[~control, "heads"]) == {label}
+    assert len(set(rows.loc[control, "heads"])) == 1 and label not in set(rows.loc[control, "heads"])
+    restore = rows[rows["intervention"] == "output_restore"]
+    np.testing.assert_allclose(restore["margin"], restore["clean_margin"], rtol=0, atol=1e-4)
+    summary = pd.read_csv(confirm_dir / "confirm_summary.csv")
+    assert set(summary["intervention"]) == set(ARMS)
+    assert (scan_dir / "figures" / "scan_heatmap.png").is_file() and (confirm_dir / "figures" / "effects.png").is_file()
 
 
 def test_recurscope_patch_runs_the_five_interventions_on_a_tiny_qwen35(dense, capsys):
