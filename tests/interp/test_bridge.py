@@ -5,6 +5,8 @@ state, write patches that keep the erase, the interventions, the final norm and 
 the conv reach of the widened write block, the hook tables of docs/hooks.md, bad input, and the CLI (scan, confirm,
 run, patch). test_bridge_hybrids.py runs the per-layout tests again on Qwen3-Next, OLMo-hybrid and Kimi-Linear."""
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from recurscope.interp.bridge.torch_path import torch_reference_path
 from recurscope.interp.data import build_pairs, build_word_tokenizer, save_word_tokenizer
 from recurscope.interp.loading import load_model
 
+ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = ("qwen3_5_dense", "qwen3_5_moe", "qwen3_5_multimodal")
 GDN = dict(linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16,
            linear_conv_kernel_dim=4)
@@ -367,6 +370,63 @@ def test_conv_tail_spans_reach_as_far_as_the_conv_transformers_runs(checkpoint):
     assert kernel > 1 and torch.equal(wide[..., 0], fact[..., 0])
     assert torch.equal(wide[..., 1], torch.minimum(fact[..., 1] + kernel - 1, pairs.query_start[:, None]))
     assert max_length(model) == model.hf.config.get_text_config(decoder=True).max_position_embeddings
+
+
+# ---- the bridge's hook tables in docs/hooks.md --------------------------------------------------------------------
+_HOOK_TOKEN = re.compile(r"`((?:blocks\.\{l\}\.)?(?:mixer\.)?hook_\w+)`")
+
+
+def _documented_hooks(layout: str) -> set:
+    """{(kind, name)} of the bridge's tables in docs/hooks.md, kind "model", "block" (every layer), "recurrent" or
+    "attention" (a row marked "(attention)"); names as blocks.{l}.[mixer.]hook_x. The Qwen3.5 table serves every
+    layout, the second table adds the rows of Qwen3-Next, OLMo-hybrid and Kimi-Linear (their other rows read as in
+    the first)."""
+    text = (ROOT / "docs" / "hooks.md").read_text().split("## On transformers checkpoints (the bridge)", 1)[1]
+    qwen, others = text.split("### Qwen3-Next, OLMo-hybrid and Kimi-Linear", 1)
+    tables = [qwen] if layout.startswith("qwen3_5") else [qwen, others]
+    found = set()
+    for table in tables:
+        for line in table.splitlines():
+            if not line.startswith("| `"):
+                continue
+            cell = line.split("|")[1]
+            context = "blocks.{l}"
+            for token in _HOOK_TOKEN.findall(cell):
+                if token == "hook_embed":
+                    found.add(("model", token))
+                    continue
+                if token.startswith("mixer."):
+                    token = "blocks.{l}." + token
+                elif not token.startswith("blocks."):   # a bare hook_x continues the cell's first name
+                    token = f"{context}.{token}"
+                context = token.rsplit(".", 1)[0]
+                kind = ("attention" if "(attention)" in cell else "recurrent") if ".mixer." in token else "block"
+                found.add((kind, token))
+    return found
+
+
+def test_the_bridge_hook_tables_of_the_docs_are_the_models_hook_points(checkpoint):
+    layout, path, _ = checkpoint
+    model = load_model(path)
+    documented = _documented_hooks(layout)
+    actual = set()
+    for name in model.hook_dict:
+        m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+        if m is None:
+            actual.add(("model", name))
+            continue
+        layer, rest = int(m.group(1)), m.group(2)
+        kind = ("recurrent" if layer in model.recurrent_layers else "attention") if rest.startswith("mixer.") \
+            else "block"
+        actual.add((kind, "blocks.{l}." + rest))
+    assert len(documented) >= 20
+    assert documented - actual == set(), "docs/hooks.md names hooks this model lacks"
+    assert actual - documented == set(), "this model has hooks docs/hooks.md does not list"
+    # and each documented name is there on every layer of its kind
+    layers = {"block": range(model.cfg.num_hidden_layers), "recurrent": model.recurrent_layers,
+              "attention": model.attention_layers}
+    for kind, name in documented - {("model", "hook_embed")}:
+        assert all(name.format(l=l) in model.hook_dict for l in layers[kind]), name
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ transformers' own config classes and saved with save_pretrained.
 The per-layout checks are test_bridge.py's own (parity with transformers' torch path with idle hooks, stepping,
 the state patch against a hand edit of transformers' cache, write patches that keep the erase, the interventions);
 importing them here makes pytest collect them once more, with this module's `checkpoint` fixture over these three
-families (among them the per-component cache swaps and the hook_state captures).
+families (among them the per-component cache swaps, the hook_state captures and the hook tables of docs/hooks.md).
 Added here: single-token steps against transformers' own decode, per-head K/V swaps past the cached heads refused,
 the refusal of a transformers hybrid the bridge does not know, and one CLI smoke."""
 import pytest
@@ -13,7 +13,7 @@ from test_bridge import (  # noqa: F401  (collected here with this module's chec
     _randomise, test_component_swaps_equal_the_same_swaps_in_transformers_cache,
     test_conv_tail_spans_reach_as_far_as_the_conv_transformers_runs,
     test_corrected_logits_equal_the_hooked_forward, test_hook_state_at_requested_positions_is_transformers_own_state,
-    test_interventions_run_through_the_protocol,
+    test_interventions_run_through_the_protocol, test_the_bridge_hook_tables_of_the_docs_are_the_models_hook_points,
     test_lens_after_the_last_layer_is_the_model_itself, test_loads_as_a_bridge_with_the_project_hooks,
     test_parity_with_transformers_torch_path_hooks_idle, test_state_patch_equals_a_hand_edit_of_the_transformers_cache,
     test_stepping_equals_the_full_run, test_unembed_of_the_last_residual_is_transformers_own_logits,
