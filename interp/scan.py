@@ -99,7 +99,7 @@ def _rows_of(lc: LayerCache, row: int, count: int) -> LayerCache:
 def _query_logits(model, resid: torch.Tensor, qp: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     """Candidate logits at each row's query position only (the LM head runs on one position per row)."""
     h = resid[torch.arange(resid.shape[0], device=resid.device), qp.to(resid.device)]
-    return candidate_logits(model.lm_head(model.norm(h)), cand)
+    return candidate_logits(model.unembed(h), cand)
 
 
 @contextmanager

@@ -36,6 +36,9 @@ class BridgeConfig:
     num_hidden_layers: int
     hf_config: object
     family_spec: object
+    conv_size: int                  # the short convolution's kernel (write_block_conv_tail widens spans by it - 1)
+    max_position_embeddings: Optional[int] = None   # pairs longer than this are refused (the attention layers)
+    use_short_conv: bool = True     # every bridged linear-attention layer convolves q, k, v
 
     @property
     def state_heads(self) -> int:
@@ -133,7 +136,8 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
         self.hook_embed = HookPoint()
         text.embed_tokens.register_forward_hook(lambda module, args, out: self.hook_embed(out))
         self.cfg = BridgeConfig(family.spec.name, int(text_cfg.vocab_size), int(text_cfg.num_hidden_layers),
-                                text_cfg, family.spec)
+                                text_cfg, family.spec, conv_size=int(text_cfg.linear_conv_kernel_dim),
+                                max_position_embeddings=getattr(text_cfg, "max_position_embeddings", None))
         self.tokenizer = tokenizer
         self.name_or_path: Optional[str] = None
         self.checkpoint_dir = None
@@ -257,6 +261,16 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
         if use_cache:
             return logits, self._from_hf_cache(hf_cache, offset + T)
         return logits
+
+    def unembed(self, resid: torch.Tensor) -> torch.Tensor:
+        """Logits of residual-stream vectors (..., D): the text model's final norm, then the LM head. (forward
+        applies only the LM head: transformers' text model returns its hidden states already normed.)"""
+        return self.hf.lm_head(self.text_model[0].norm(resid))
+
+    @property
+    def unembed_weight(self) -> torch.Tensor:
+        """(vocab, D): the LM head's weight, which `unembed` applies after the final norm."""
+        return self.hf.lm_head.weight
 
     def run_with_cache(self, *args, state_positions: Optional[Sequence[int]] = None, **kwargs):
         if state_positions is not None:

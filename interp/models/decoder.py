@@ -151,10 +151,19 @@ class RecurrentLM(ProtocolMethods, HookedRootModule):
             new_layers.append(new_lc)
         if logit_positions is not None:
             resid = at_positions(resid, logit_positions)
-        logits = self.lm_head(self.norm(resid))
+        logits = self.unembed(resid)
         if use_cache:
             return logits, RecurrentCache(new_layers, offset + tokens.shape[1])
         return logits
+
+    def unembed(self, resid: torch.Tensor) -> torch.Tensor:
+        """Logits of residual-stream vectors (..., D): the final norm, then the LM head, as after the last block."""
+        return self.lm_head(self.norm(resid))
+
+    @property
+    def unembed_weight(self) -> torch.Tensor:
+        """(vocab, D): the LM head's weight, which `unembed` applies after the final norm."""
+        return self.lm_head.weight
 
     def run_with_cache(self, *args, state_positions: Optional[Sequence[int]] = None, **kwargs):
         """TransformerLens's run_with_cache, plus `state_positions` for `hook_state` (no other state is kept)."""

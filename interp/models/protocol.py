@@ -6,6 +6,8 @@ Both the native `RecurrentLM` (fla format) and the `TransformersBridge` (transfo
   conv tails and attention K/V);
 - `run_suffix(tokens, cache, hooks)` -> (logits, the cache after them), from an edited cache, with hooks;
 - `heads()`, the (layer, head) inventory of recurrent heads, and `check_head`;
+- `unembed(resid)`, the final norm then the LM head on residual-stream vectors (the logit lens, the corrector), and
+  `unembed_weight`, that LM head's (vocab, D) weight;
 - `tokenizer`; plus `cfg.vocab_size`, `cfg.state_shape()`, `n_state_heads`, `recurrent_layers`, `attention_layers`,
   `family` (its FamilySpec) and TransformerLens's `hooks()` / `hook_dict` with recurscope's hook names.
 """
@@ -43,6 +45,11 @@ class RecurrentModel(Protocol):
     def heads(self) -> list[tuple[int, int]]: ...
 
     def check_head(self, layer: int, head: int) -> None: ...
+
+    def unembed(self, resid: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    def unembed_weight(self) -> torch.Tensor: ...
 
 
 class ProtocolMethods:

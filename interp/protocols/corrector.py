@@ -89,20 +89,13 @@ class Features:
     clean: torch.Tensor
 
 
-def _unembedding(model) -> torch.Tensor:
-    if not (hasattr(model, "lm_head") and hasattr(model, "norm") and hasattr(model, "blocks")):
-        raise ValueError("the corrector needs a RecurrentLM (its final norm and lm_head apply the correction); "
-                         f"got {type(model).__name__}")
-    return model.lm_head.weight.detach().double().cpu()
-
-
 def collect_features(model, pairs, heads: Sequence[tuple], *, batch_size: int = 16) -> Features:
     """One clean forward per chunk: the readout (hook_head_out) of each head at query_pos, the residual leaving the
     last block there, and the clean candidate logits."""
     iv.check_pairs(model, pairs)
-    W_U = _unembedding(model)
+    W_U = model.unembed_weight.detach().double().cpu()
     device = iv.model_device(model)
-    last = hook_name("hook_resid_post", len(model.blocks) - 1)
+    last = hook_name("hook_resid_post", model.cfg.num_hidden_layers - 1)
     names = sorted({hook_name("hook_head_out", l) for l, _ in heads} | {last})
     n = len(pairs)
     readout = {tuple(h): [] for h in heads}
@@ -131,7 +124,7 @@ def corrected_logits(model, pairs, resid: torch.Tensor, delta: torch.Tensor) -> 
     with torch.no_grad():
         p = next(model.parameters())
         x = (resid + delta).to(device=p.device, dtype=p.dtype)
-        full = model.lm_head(model.norm(x[:, None]))[:, 0]
+        full = model.unembed(x)
     return iv.candidate_logits(full, pairs.candidate_ids)
 
 

@@ -52,7 +52,7 @@ def lens_rows(model, pairs, *, batch_size: int = 16, task: str = "retention") ->
             stale = pairs.stale_answer_index[rows]
             for layer in range(L):
                 for side, point in (("before", "hook_resid_pre"), ("after", "hook_resid_post")):
-                    z = iv.candidate_logits(model.lm_head(model.norm(kept[hook_name(point, layer)])),
+                    z = iv.candidate_logits(model.unembed(kept[hook_name(point, layer)]),
                                             pairs.candidate_ids[rows])
                     arg = z.argmax(1)
                     for j, i in enumerate(rows.tolist()):

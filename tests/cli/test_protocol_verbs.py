@@ -1,5 +1,6 @@
-"""A smoke run of every protocol verb on a bundled checkpoint with tiny sizes: each writes its manifest, per-source
-table, summary, figure (PNG and SVG) and report section."""
+"""A smoke run of every protocol verb on two bundled checkpoints with tiny sizes, a native one (tiny-gla) and a
+transformers-format one through the bridge (tiny-qwen35): each writes its manifest, per-source table, summary, figure
+(PNG and SVG) and report section."""
 import json
 
 import pandas as pd
@@ -27,14 +28,15 @@ OWN_ARGS = {"gate": ["--n-sources", "2", "--fillers", "8", "16", "--resamples", 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-gla", "tiny-qwen35"])
 @pytest.mark.parametrize("verb", VERBS)
-def test_verb_smoke(verb, tmp_path, capsys):
+def test_verb_smoke(verb, model, tmp_path, capsys):
     out = tmp_path / verb
-    head = [] if verb in ("heads", "lens", "gate") else ["--head", "0", "1"]
+    head = [] if verb in ("heads", "lens", "gate") else ["--head", "0", "1"]   # L0H1: recurrent on both models
     dev = ["--n-dev", "2"] if verb == "heads" else []
-    assert main([verb, "tiny-gla", *OWN_ARGS.get(verb, TINY), *head, *dev, "--out", str(out)]) == 0
+    assert main([verb, model, *OWN_ARGS.get(verb, TINY), *head, *dev, "--out", str(out)]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["kind"] == verb and manifest["model_name"] == "tiny-gla"
+    assert manifest["kind"] == verb and manifest["model_name"] == model
     summary = pd.read_csv(out / f"{verb}_summary.csv")
     assert {"estimate", "low", "high"} <= set(summary.columns) and len(summary)
     assert len(pd.read_csv(out / f"{verb}_sources.csv"))

@@ -1,19 +1,27 @@
 """The transformers bridge on tiny random checkpoints built from transformers' own config classes and saved with
-save_pretrained: parity with transformers' torch path, stepping, state patches against a hand edit of transformers'
-cache, write patches that keep the erase, the interventions, bad input and the CLI's main job."""
+save_pretrained: parity with transformers' torch path, stepping, state patches and per-component cache swaps
+(recurrent state, conv tails, KV) against hand edits of transformers' cache, hook_state against transformers' own
+state, write patches that keep the erase, the interventions, the final norm and unembedding (logit lens, corrector),
+the conv reach of the widened write block, the hook tables of docs/hooks.md, bad input, and the CLI (scan, confirm,
+run, patch). test_bridge_hybrids.py runs the per-layout tests again on Qwen3-Next, OLMo-hybrid and Kimi-Linear."""
 import json
+import re
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from recurscope import kernels
 from recurscope.hooks.patches import ReadoutReplace, StateReplace, WriteReplace, WriteScale, run_with_patches
+from recurscope.interp import interventions as iv
 from recurscope.interp.bridge import TransformersBridge
 from recurscope.interp.bridge.torch_path import torch_reference_path
-from recurscope.interp.data import build_word_tokenizer, save_word_tokenizer
+from recurscope.interp.data import build_pairs, build_word_tokenizer, save_word_tokenizer
 from recurscope.interp.loading import load_model
 
+ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = ("qwen3_5_dense", "qwen3_5_moe", "qwen3_5_multimodal")
 GDN = dict(linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16,
            linear_conv_kernel_dim=4)
@@ -146,6 +154,76 @@ def test_state_patch_equals_a_hand_edit_of_the_transformers_cache(checkpoint):
     assert bool((change[:, p:] > 1e-4).all()), change
 
 
+def _hand_swapped_suffix(ref, recipient, donor, b, parts):
+    """transformers' own prefix runs of both rows to b, the donor's `parts` copied into the recipient's cache by hand
+    (recurrent_states, conv_states, the attention layers' keys/values), then transformers' own suffix run."""
+    from transformers import DynamicCache
+
+    caches = []
+    for ids in (recipient, donor):
+        c = DynamicCache(config=ref.config.get_text_config(decoder=True))
+        ref(input_ids=ids[:, :b], cache=c, use_cache=True)
+        caches.append(c)
+    rec, don = caches
+    for mine, theirs in zip(rec.layers, don.layers):
+        if hasattr(mine, "recurrent_states"):
+            if "state" in parts:
+                mine.recurrent_states[0] = theirs.recurrent_states[0].clone()
+            if "conv" in parts:
+                mine.conv_states[0] = theirs.conv_states[0].clone()
+        elif "kv" in parts:
+            mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
+    return ref(input_ids=recipient[:, b:], cache=rec, use_cache=True).logits
+
+
+def test_component_swaps_equal_the_same_swaps_in_transformers_cache(checkpoint):
+    """swap_from(donor, parts) at a boundary, then the suffix == the same parts swapped by hand in transformers'
+    cache and transformers' own suffix run, for the recurrent states, the conv tails, the KV and all three; each
+    part changes the suffix."""
+    _, path, cls = checkpoint
+    model = load_model(path)
+    ref = cls.from_pretrained(str(path), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(11)
+    recipient = torch.randint(4, model.cfg.vocab_size, (2, 17), generator=g)
+    donor = torch.randint(4, model.cfg.vocab_size, (2, 17), generator=g)
+    b = 10
+    with torch.no_grad():
+        rec_cache, don_cache = model.run_prefix(recipient[:, :b]), model.run_prefix(donor[:, :b])
+        clean, _ = model.run_suffix(recipient[:, b:], rec_cache)
+        for parts in (("state",), ("conv",), ("kv",), ("state", "conv", "kv")):
+            got, _ = model.run_suffix(recipient[:, b:], rec_cache.swap_from(don_cache, parts=parts))
+            with torch_reference_path():
+                expected = _hand_swapped_suffix(ref, recipient, donor, b, parts)
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5, msg=lambda m: f"{parts}: {m}")
+            assert float((got - clean).abs().max()) > 1e-3, parts
+
+
+def test_hook_state_at_requested_positions_is_transformers_own_state(checkpoint):
+    """hook_state captured at several positions in one run == the recurrent state transformers' own torch path keeps
+    in its cache (recurrent_states, (B, H, K, V): the project's layout as it is) after a prefix run to each
+    position, on every linear-attention layer."""
+    from transformers import DynamicCache
+
+    _, path, cls = checkpoint
+    model, ref = load_model(path), _reference(path, cls)
+    tokens = _tokens(model.cfg.vocab_size, seed=13)
+    positions = [0, 6, 13, tokens.shape[1] - 1]
+    names = {l: f"blocks.{l}.mixer.hook_state" for l in model.recurrent_layers}
+    with torch.no_grad():
+        _, got = model.run_with_cache(tokens, state_positions=positions, names_filter=lambda n: n in names.values())
+        with torch_reference_path():
+            for j, p in enumerate(positions):
+                theirs = DynamicCache(config=ref.config.get_text_config(decoder=True))
+                ref(input_ids=tokens[:, :p + 1], cache=theirs, use_cache=True)
+                for layer, name in names.items():
+                    expected = theirs.layers[layer].recurrent_states[0]
+                    assert got[name].shape == (2, len(positions), *expected.shape[1:])
+                    torch.testing.assert_close(got[name][:, j].to(expected.dtype), expected, rtol=0, atol=1e-5,
+                                               msg=lambda m: f"layer {layer}, position {p}: {m}")
+    first = got[names[model.recurrent_layers[0]]]
+    assert float((first[:, 1] - first[:, 2]).abs().max()) > 1e-3   # the positions hold different states
+
+
 def _layer_inputs(model, tokens, layer):
     names = [f"blocks.{layer}.mixer.{p}" for p in ("hook_q", "hook_k", "hook_write_value", "hook_decay",
                                                    "hook_erase", "hook_write_key", "hook_head_out")]
@@ -195,7 +273,6 @@ def test_interventions_run_through_the_protocol(checkpoint):
     transformers' cache, and transformers' own suffix run."""
     from transformers import DynamicCache
 
-    from recurscope.interp.data import build_pairs
     from recurscope.interp.interventions import state_swap, write_block
 
     _, path, cls = checkpoint
@@ -219,6 +296,137 @@ def test_interventions_run_through_the_protocol(checkpoint):
             at = logits[0, int(pairs.query_pos[i]) - b - 1]
             expect = at[pairs.candidate_ids[i]]
             torch.testing.assert_close(result.logits[i], expect, rtol=0, atol=1e-4)
+
+
+# ---- the final norm and unembedding (the logit lens, the corrector) -----------------------------------------------
+def test_unembed_of_the_last_residual_is_transformers_own_logits(checkpoint):
+    """unembed (the final norm, then the LM head) of the residual leaving the last block == transformers' own logits:
+    the norm is applied once, to what the last block returns."""
+    _, path, cls = checkpoint
+    model, ref = load_model(path), _reference(path, cls)
+    tokens = _tokens(model.cfg.vocab_size, seed=9)
+    last = f"blocks.{model.cfg.num_hidden_layers - 1}.hook_resid_post"
+    with torch.no_grad(), torch_reference_path():
+        expected = ref(input_ids=tokens).logits
+        _, cache = model.run_with_cache(tokens, names_filter=last)
+        got = model.unembed(cache[last])
+        head_only = model.hf.lm_head(cache[last])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert float((head_only - expected).abs().max()) > 1e-3   # the final norm matters in this comparison
+    assert model.unembed_weight.shape == (model.cfg.vocab_size, cache[last].shape[-1])
+
+
+def test_lens_after_the_last_layer_is_the_model_itself(checkpoint):
+    from recurscope.interp.protocols import lens
+
+    _, path, _ = checkpoint
+    model = load_model(path)
+    pairs = build_pairs(model.tokenizer, split="heldout", n_sources=3, n_facts=2, presentations=2, filler_tokens=8)
+    rows = lens.lens_rows(model, pairs)
+    L = model.cfg.num_hidden_layers
+    last = rows[(rows.layer == L - 1) & (rows.side == "after")]
+    np.testing.assert_array_equal(last["correct"], last["final_correct"])
+    assert len(last) == int(pairs.is_target.sum())
+    for layer in range(L - 1):   # before layer l + 1 is after layer l: the same residual
+        before = rows[(rows.layer == layer + 1) & (rows.side == "before")]["correct"].to_numpy()
+        np.testing.assert_array_equal(before, rows[(rows.layer == layer) & (rows.side == "after")]["correct"])
+
+
+def test_corrected_logits_equal_the_hooked_forward(checkpoint):
+    """The corrector's shortcut (delta added to the last residual at the query position, then unembed) == a real
+    forward with delta added there by a hook."""
+    from recurscope.interp.protocols import corrector
+
+    _, path, _ = checkpoint
+    model = load_model(path)
+    p = build_pairs(model.tokenizer, split="heldout", n_sources=3, n_facts=2, presentations=2, filler_tokens=8)
+    feats = corrector.collect_features(model, p, [(1, 1)])
+    delta = torch.randn(feats.resid.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    fast = corrector.corrected_logits(model, p, feats.resid, delta)
+    at = torch.arange(len(p))
+
+    def add(resid, hook):
+        out = resid.clone()
+        out[at, p.query_pos] += delta.to(out.dtype)
+        return out
+    with torch.no_grad(), model.hooks(fwd_hooks=[(f"blocks.{model.cfg.num_hidden_layers - 1}.hook_resid_post", add)]):
+        logits = model(p.recipient_ids)
+    torch.testing.assert_close(fast, iv.candidate_logits(logits[at, p.query_pos], p.candidate_ids), atol=1e-4,
+                               rtol=1e-4)
+    torch.testing.assert_close(corrector.corrected_logits(model, p, feats.resid, 0 * delta), feats.clean, atol=1e-4,
+                               rtol=1e-4)
+
+
+def test_conv_tail_spans_reach_as_far_as_the_conv_transformers_runs(checkpoint):
+    """write_block_conv_tail's spans widen each fact span by the reach of the conv1d transformers runs (its kernel
+    minus 1), as on a native model; and pairs are bounded by the attention layers' max_position_embeddings."""
+    from recurscope.interp.protocols._common import max_length
+
+    _, path, _ = checkpoint
+    model = load_model(path)
+    kernel = model.blocks[model.recurrent_layers[0]].mixer.conv1d.weight.shape[-1]
+    pairs = build_pairs(model.tokenizer, split="heldout", n_sources=2, n_facts=2, presentations=2, filler_tokens=8)
+    fact, wide = iv._spans(pairs, "fact"), iv.spans_with_conv_tail(model, pairs)
+    assert kernel > 1 and torch.equal(wide[..., 0], fact[..., 0])
+    assert torch.equal(wide[..., 1], torch.minimum(fact[..., 1] + kernel - 1, pairs.query_start[:, None]))
+    assert max_length(model) == model.hf.config.get_text_config(decoder=True).max_position_embeddings
+
+
+# ---- the bridge's hook tables in docs/hooks.md --------------------------------------------------------------------
+_HOOK_TOKEN = re.compile(r"`((?:blocks\.\{l\}\.)?(?:mixer\.)?hook_\w+)`")
+
+
+def _documented_hooks(layout: str) -> set:
+    """{(kind, name)} of the bridge's tables in docs/hooks.md, kind "model", "block" (every layer), "recurrent" or
+    "attention" (a row marked "(attention)"); names as blocks.{l}.[mixer.]hook_x. The Qwen3.5 table serves every
+    layout, the second table adds the rows of Qwen3-Next, OLMo-hybrid and Kimi-Linear (their other rows read as in
+    the first)."""
+    text = (ROOT / "docs" / "hooks.md").read_text().split("## On transformers checkpoints (the bridge)", 1)[1]
+    qwen, others = text.split("### Qwen3-Next, OLMo-hybrid and Kimi-Linear", 1)
+    tables = [qwen] if layout.startswith("qwen3_5") else [qwen, others]
+    found = set()
+    for table in tables:
+        for line in table.splitlines():
+            if not line.startswith("| `"):
+                continue
+            cell = line.split("|")[1]
+            context = "blocks.{l}"
+            for token in _HOOK_TOKEN.findall(cell):
+                if token == "hook_embed":
+                    found.add(("model", token))
+                    continue
+                if token.startswith("mixer."):
+                    token = "blocks.{l}." + token
+                elif not token.startswith("blocks."):   # a bare hook_x continues the cell's first name
+                    token = f"{context}.{token}"
+                context = token.rsplit(".", 1)[0]
+                kind = ("attention" if "(attention)" in cell else "recurrent") if ".mixer." in token else "block"
+                found.add((kind, token))
+    return found
+
+
+def test_the_bridge_hook_tables_of_the_docs_are_the_models_hook_points(checkpoint):
+    layout, path, _ = checkpoint
+    model = load_model(path)
+    documented = _documented_hooks(layout)
+    actual = set()
+    for name in model.hook_dict:
+        m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+        if m is None:
+            actual.add(("model", name))
+            continue
+        layer, rest = int(m.group(1)), m.group(2)
+        kind = ("recurrent" if layer in model.recurrent_layers else "attention") if rest.startswith("mixer.") \
+            else "block"
+        actual.add((kind, "blocks.{l}." + rest))
+    assert len(documented) >= 20
+    assert documented - actual == set(), "docs/hooks.md names hooks this model lacks"
+    assert actual - documented == set(), "this model has hooks docs/hooks.md does not list"
+    # and each documented name is there on every layer of its kind
+    layers = {"block": range(model.cfg.num_hidden_layers), "recurrent": model.recurrent_layers,
+              "attention": model.attention_layers}
+    for kind, name in documented - {("model", "hook_embed")}:
+        assert all(name.format(l=l) in model.hook_dict for l in layers[kind]), name
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------------
@@ -276,6 +484,48 @@ def test_recurscope_run_completes_on_a_tiny_qwen35(dense, tmp_path):
     assert main(args) == 0
     report = (out / "report.md").read_text()
     assert "Head selection" in report and "Confirmation on held-out sources" in report
+
+
+def test_recurscope_scan_then_confirm_from_the_scan_on_a_tiny_qwen35(dense, tmp_path):
+    """`recurscope scan` then `recurscope confirm --from-scan` as two commands: the scan rows cover every
+    (target pair, recurrent head) once and no attention layer; the confirmation runs every arm on every held-out
+    target pair, on the scan's winner, and its all-readouts restore gives the clean margin by construction."""
+    import pandas as pd
+
+    from recurscope.interp.cli import main
+    from recurscope.interp.confirm import ARMS
+    from recurscope.interp.results import RunDir
+
+    small = ["--n-facts", "2", "--presentations", "2", "--filler", "12", "--batch-size", "8", "--n-sources", "2"]
+    scan_dir, confirm_dir = tmp_path / "scan", tmp_path / "confirm"
+    assert main(["scan", str(dense), *small, "--out", str(scan_dir)]) == 0
+    manifest = json.loads((scan_dir / "manifest.json").read_text())
+    assert manifest["kind"] == "scan" and manifest["split"] == "dev" and manifest["sources"] == [0, 1]
+    rows = RunDir.open(scan_dir).table("scan_rows").read()
+    heads = [(l, h) for l in range(3) for h in range(2)]   # layers 0-2 are GDN, layer 3 attention
+    keys = list(zip(rows["source"], rows["pair"], rows["layer"], rows["head"]))
+    assert len(keys) == len(set(keys)) == 2 * 4 * len(heads)      # 2 sources x 4 pairs per source x 6 heads
+    assert set(zip(rows["layer"], rows["head"])) == set(heads)
+    table = pd.read_csv(scan_dir / "scan_heads.csv")
+    assert sorted(zip(table["layer"], table["head"])) == heads
+    winner = [int(table.iloc[0]["layer"]), int(table.iloc[0]["head"])]
+
+    assert main(["confirm", str(dense), "--from-scan", str(scan_dir), *small, "--out", str(confirm_dir)]) == 0
+    manifest = json.loads((confirm_dir / "manifest.json").read_text())
+    assert manifest["kind"] == "confirm" and manifest["split"] == "heldout" and manifest["args"]["heads"] == [winner]
+    rows = RunDir.open(confirm_dir).table("confirm_rows").read()
+    assert set(rows["intervention"]) == set(ARMS)
+    per_arm = rows.groupby("intervention").size()
+    assert (per_arm == 2 * 4).all(), per_arm                       # every held-out target pair, once per arm
+    label = f"L{winner[0]}H{winner[1]}"
+    control = rows["intervention"].str.startswith("control_head")
+    assert set(rows.loc[~control, "heads"]) == {label}
+    assert len(set(rows.loc[control, "heads"])) == 1 and label not in set(rows.loc[control, "heads"])
+    restore = rows[rows["intervention"] == "output_restore"]
+    np.testing.assert_allclose(restore["margin"], restore["clean_margin"], rtol=0, atol=1e-4)
+    summary = pd.read_csv(confirm_dir / "confirm_summary.csv")
+    assert set(summary["intervention"]) == set(ARMS)
+    assert (scan_dir / "figures" / "scan_heatmap.png").is_file() and (confirm_dir / "figures" / "effects.png").is_file()
 
 
 def test_recurscope_patch_runs_the_five_interventions_on_a_tiny_qwen35(dense, capsys):

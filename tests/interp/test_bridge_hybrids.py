@@ -4,15 +4,20 @@ transformers' own config classes and saved with save_pretrained.
 The per-layout checks are test_bridge.py's own (parity with transformers' torch path with idle hooks, stepping,
 the state patch against a hand edit of transformers' cache, write patches that keep the erase, the interventions);
 importing them here makes pytest collect them once more, with this module's `checkpoint` fixture over these three
-families. Added here: per-component cache swaps (recurrent state, conv tails, KV) against the same swaps done by
-hand in transformers' cache, single-token steps against transformers' own decode, per-head K/V swaps past the
-cached heads refused, the refusal of a transformers hybrid the bridge does not know, and one CLI smoke."""
+families (among them the per-component cache swaps, the hook_state captures and the hook tables of docs/hooks.md).
+Added here: single-token steps against transformers' own decode, per-head K/V swaps past the cached heads refused,
+the refusal of a transformers hybrid the bridge does not know, and one CLI smoke."""
 import pytest
 import torch
 from test_bridge import (  # noqa: F401  (collected here with this module's checkpoint fixture)
-    _randomise, test_interventions_run_through_the_protocol, test_loads_as_a_bridge_with_the_project_hooks,
+    _randomise, test_component_swaps_equal_the_same_swaps_in_transformers_cache,
+    test_conv_tail_spans_reach_as_far_as_the_conv_transformers_runs,
+    test_corrected_logits_equal_the_hooked_forward, test_hook_state_at_requested_positions_is_transformers_own_state,
+    test_interventions_run_through_the_protocol, test_the_bridge_hook_tables_of_the_docs_are_the_models_hook_points,
+    test_lens_after_the_last_layer_is_the_model_itself, test_loads_as_a_bridge_with_the_project_hooks,
     test_parity_with_transformers_torch_path_hooks_idle, test_state_patch_equals_a_hand_edit_of_the_transformers_cache,
-    test_stepping_equals_the_full_run, test_write_patches_keep_the_erase,
+    test_stepping_equals_the_full_run, test_unembed_of_the_last_residual_is_transformers_own_logits,
+    test_write_patches_keep_the_erase,
 )
 
 from recurscope.interp.bridge.torch_path import torch_reference_path
@@ -73,50 +78,6 @@ def test_loads_the_family_of_config_json(checkpoint):
     assert model.blocks[3].norm_layout == ("post" if layout == "olmo_hybrid" else "pre")
     if layout == "olmo_hybrid":
         assert model.text_model[0].rotary_emb is None
-
-
-def _hand_swapped_suffix(ref, recipient, donor, b, parts):
-    """transformers' own prefix runs of both rows to b, the donor's `parts` copied into the recipient's cache by hand
-    (recurrent_states, conv_states, the attention layers' keys/values), then transformers' own suffix run."""
-    from transformers import DynamicCache
-
-    caches = []
-    for ids in (recipient, donor):
-        c = DynamicCache(config=ref.config.get_text_config(decoder=True))
-        ref(input_ids=ids[:, :b], cache=c, use_cache=True)
-        caches.append(c)
-    rec, don = caches
-    for mine, theirs in zip(rec.layers, don.layers):
-        if hasattr(mine, "recurrent_states"):
-            if "state" in parts:
-                mine.recurrent_states[0] = theirs.recurrent_states[0].clone()
-            if "conv" in parts:
-                mine.conv_states[0] = theirs.conv_states[0].clone()
-        elif "kv" in parts:
-            mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
-    return ref(input_ids=recipient[:, b:], cache=rec, use_cache=True).logits
-
-
-def test_component_swaps_equal_the_same_swaps_in_transformers_cache(checkpoint):
-    """swap_from(donor, parts) at a boundary, then the suffix == the same parts swapped by hand in transformers'
-    cache and transformers' own suffix run, for the recurrent states, the conv tails, the KV and all three; each
-    part changes the suffix."""
-    _, path, cls = checkpoint
-    model = load_model(path)
-    ref = cls.from_pretrained(str(path), dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(11)
-    recipient = torch.randint(4, model.cfg.vocab_size, (2, 17), generator=g)
-    donor = torch.randint(4, model.cfg.vocab_size, (2, 17), generator=g)
-    b = 10
-    with torch.no_grad():
-        rec_cache, don_cache = model.run_prefix(recipient[:, :b]), model.run_prefix(donor[:, :b])
-        clean, _ = model.run_suffix(recipient[:, b:], rec_cache)
-        for parts in (("state",), ("conv",), ("kv",), ("state", "conv", "kv")):
-            got, _ = model.run_suffix(recipient[:, b:], rec_cache.swap_from(don_cache, parts=parts))
-            with torch_reference_path():
-                expected = _hand_swapped_suffix(ref, recipient, donor, b, parts)
-            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5, msg=lambda m: f"{parts}: {m}")
-            assert float((got - clean).abs().max()) > 1e-3, parts
 
 
 def test_single_token_steps_equal_transformers_own_decode(checkpoint):
