@@ -13,6 +13,7 @@ their controls come from `interventions.REGISTRY`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,27 +79,32 @@ def confirm_arm(model, pairs, heads: Sequence, arm: str, *, scan_heads: Optional
 
 def run_confirm(model, pairs, heads: Sequence, run_dir=None, *, scan_heads: Optional[pd.DataFrame] = None,
                 seed: int = 0, batch_size: int = 16, arms: Sequence[str] = ARMS,
-                progress: Optional[Callable[[str], None]] = None, n_resamples: int = 9999) -> ConfirmResult:
+                progress: Optional[Callable[[str], None]] = None, n_resamples: int = 9999,
+                share_runs: bool = True) -> ConfirmResult:
     """Runs every arm jointly on `heads` over the held-out `pairs`; rows are appended per arm, so an interrupted
     run resumes at the first arm whose rows are incomplete (an arm a distributed run left half done is rerun and
-    only its missing rows are written)."""
+    only its missing rows are written).
+
+    share_runs: the arms share their unpatched runs (clean logits, prefix caches; interventions.reuse_clean_runs),
+    which leaves every row as it is and saves most of the forwards; False runs each arm from scratch."""
     entries = [iv.named_intervention(arm) for arm in arms]
     heads = iv.normalise_heads(model, heads)
     controls = iv.choose_control_heads(model, heads, scan=scan_heads)
     log = None if run_dir is None else run_dir.table(CONFIRM_TABLE, key=list(CONFIRM_KEY))
     done = set() if log is None else log.done_keys()
     frames = []
-    for entry in entries:
-        arm = entry.name
-        missing = [i for i in range(len(pairs)) if (arm, i) not in done]
-        if not missing:
-            continue
-        if progress:
-            progress(arm)
-        frame = confirm_arm(model, pairs, heads, arm, scan_heads=scan_heads, seed=seed, batch_size=batch_size)
-        if log is not None:
-            log.append(frame[frame["row"].isin(missing)].to_dict("records"))
-        frames.append(frame)
+    with iv.reuse_clean_runs(model) if share_runs else contextlib.nullcontext():
+        for entry in entries:
+            arm = entry.name
+            missing = [i for i in range(len(pairs)) if (arm, i) not in done]
+            if not missing:
+                continue
+            if progress:
+                progress(arm)
+            frame = confirm_arm(model, pairs, heads, arm, scan_heads=scan_heads, seed=seed, batch_size=batch_size)
+            if log is not None:
+                log.append(frame[frame["row"].isin(missing)].to_dict("records"))
+            frames.append(frame)
     rows = log.read() if log is not None else pd.concat(frames, ignore_index=True)
     summary = summarise_confirm(rows, n_resamples=n_resamples, seed=seed)
     if run_dir is not None:

@@ -34,7 +34,7 @@ __all__ = [
     "InterventionResult", "INTERVENTIONS", "INTERVENTION_NAMES", "NamedIntervention", "REGISTRY",
     "RANDOM_UPDATE_KINDS", "controls_of", "named_intervention", "normalise_heads", "check_pairs",
     "clean_run", "write_block", "donor_write", "state_swap", "output_patch", "output_restore", "random_update",
-    "random_write", "RANDOM_WRITE_VARIANTS", "spans_with_conv_tail", "choose_control_heads", "control_head", "candidate_logits", "model_device", "prefix_caches",
+    "random_write", "RANDOM_WRITE_VARIANTS", "spans_with_conv_tail", "choose_control_heads", "control_head", "candidate_logits", "model_device", "prefix_caches", "reuse_clean_runs",
 ]
 
 
@@ -219,13 +219,84 @@ def _forward_for_hooks(model, tokens: torch.Tensor) -> None:
     model(tokens, logit_positions=torch.empty(tokens.shape[0], 0, dtype=torch.long, device=tokens.device))
 
 
+class _CleanRunMemo:
+    """Unpatched runs that consecutive interventions on the same pairs repeat chunk for chunk: the recipient's clean
+    candidate logits of the write interventions, and the recipient and donor prefix caches of the query-time ones.
+    A confirmation runs 14 arms over the same chunks, so keeping them saves most of its forwards. Entries are kept
+    until `max_bytes` is reached and then no more are added (arms walk the chunks in the same order, so a full memo
+    keeps serving its first chunks, where an evicting one would serve none)."""
+
+    def __init__(self, model, max_bytes: int):
+        self.model, self.max_bytes, self.used = model, int(max_bytes), 0
+        self.entries: dict = {}
+        self.hits = self.misses = 0
+
+    def get(self, model, pairs, key, compute: Callable, nbytes: Callable):
+        if model is not self.model:
+            return compute()
+        full_key = (id(pairs),) + key
+        hit = self.entries.get(full_key)
+        if hit is not None and hit[0] is pairs:       # the same PairBatch object, not a new one at a reused id
+            self.hits += 1
+            return hit[1]
+        self.misses += 1
+        value = compute()
+        size = nbytes(value)
+        if self.used + size <= self.max_bytes:
+            self.entries[full_key] = (pairs, value)
+            self.used += size
+        return value
+
+
+_MEMO: Optional[_CleanRunMemo] = None
+
+
+class reuse_clean_runs:
+    """Context manager: inside it, interventions on `model` share their unpatched runs (see _CleanRunMemo), up to
+    `max_bytes` of kept tensors. Results are the same as without it (tested arm by arm); hooks a caller adds around
+    an intervention must not change the unpatched runs while it is active (run_confirm adds none)."""
+
+    def __init__(self, model, max_bytes: int = 1 << 30):
+        self.memo = _CleanRunMemo(model, max_bytes)
+
+    def __enter__(self) -> _CleanRunMemo:
+        global _MEMO
+        if _MEMO is not None and _MEMO.model is self.memo.model:
+            self.memo = _MEMO                      # nested on the same model: keep sharing the outer memo
+        self._outer, _MEMO = _MEMO, self.memo
+        return self.memo
+
+    def __exit__(self, *exc) -> None:
+        global _MEMO
+        _MEMO = self._outer
+
+
+def _cache_bytes(cache: RecurrentCache) -> int:
+    return sum(t.numel() * t.element_size() for lc in cache.layers
+               for t in (lc.state, lc.keys, lc.values, *lc.conv.values()) if t is not None)
+
+
+def _shallow(cache: RecurrentCache) -> RecurrentCache:
+    """New cache and layer objects over the same tensors: an edit that reassigns a layer's tensor (set_head_state)
+    cannot reach the memo's copy."""
+    from recurscope.interp.models.cache import LayerCache
+    return RecurrentCache([LayerCache(lc.kind, lc.state, dict(lc.conv), lc.keys, lc.values) for lc in cache.layers],
+                          cache.seen_tokens)
+
+
 def prefix_caches(model, pairs, rows: torch.Tensor, b: int, device) -> tuple[RecurrentCache, RecurrentCache]:
     """Recipient and donor caches after the prefix [0, b], from one batched forward."""
-    rec = pairs.recipient_ids[rows, :b + 1]
-    don = pairs.donor_ids[rows, :b + 1]
-    cache = model.run_prefix(torch.cat([rec, don]).to(device))
-    n = len(rows)
-    return cache.select(torch.arange(n)), cache.select(torch.arange(n, 2 * n))
+    def compute():
+        rec = pairs.recipient_ids[rows, :b + 1]
+        don = pairs.donor_ids[rows, :b + 1]
+        cache = model.run_prefix(torch.cat([rec, don]).to(device))
+        n = len(rows)
+        return cache.select(torch.arange(n)), cache.select(torch.arange(n, 2 * n))
+    if _MEMO is None:
+        return compute()
+    R, D = _MEMO.get(model, pairs, ("prefix", tuple(rows.tolist()), int(b), str(device)), compute,
+                     lambda rd: _cache_bytes(rd[0]) + _cache_bytes(rd[1]))
+    return _shallow(R), _shallow(D)
 
 
 def _swap_states(recipient: RecurrentCache, donor: RecurrentCache, heads: Sequence[Head]) -> RecurrentCache:
@@ -291,8 +362,11 @@ def _write_intervention(name, model, pairs, heads, spans, batch_size, return_ful
             rec = pairs.recipient_ids[rows].to(device)
             qp = pairs.query_pos[rows].to(device)
             cand = pairs.candidate_ids[rows]
-            clean = model(rec, logit_positions=qp)        # logits at the answer position only
-            _store(parts, "clean", rows, candidate_logits(clean, cand))
+            def clean_logits():
+                return candidate_logits(model(rec, logit_positions=qp), cand)   # logits at the answer position only
+            clean = clean_logits() if _MEMO is None else _MEMO.get(
+                model, pairs, ("clean", tuple(rows.tolist()), str(device)), clean_logits, lambda t: t.numel() * 4)
+            _store(parts, "clean", rows, clean)
             pos_mask = _span_mask(span_t[rows], T)
             with model.hooks(fwd_hooks=patch_hooks(model, make_patches(rows, pos_mask, device))):
                 last = model(rec, logit_positions=qp)
