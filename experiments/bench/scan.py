@@ -1,5 +1,5 @@
 """Times the head-selection scan against one clean plus one donor forward, interleaved and order-rotated, on
-GLA-340M- and GDN-340M-shaped models with random weights, at two sequence lengths.
+GLA-340M-, GDN-340M- and GDN-hybrid-340M-shaped models with random weights, at two sequence lengths.
 
 Per (shape, length) each round runs, in an order rotated by one place per round:
     clean + donor forward, batched    model(recipient and donor as one 2-row batch), full logits
@@ -12,13 +12,16 @@ a shared machine inflate every figure. --naive-heads N also times one full patch
 
 Shapes (fla's configs): GLA-340M: 24 layers, hidden 1024, 4 heads, expand_k 0.5, expand_v 1 (state 128 x 256 per
 head); GDN-340M: 24 layers, hidden 1024, 4 heads, head_dim 256, expand_v 1 (state 256 x 256). 96 heads each.
+GDN-hybrid-340M (`gdn_hybrid`, the family of the bundled tiny-gdn-hybrid): GDN-340M with every 4th layer (3, 7, ...,
+23) full softmax attention, 3:1 as Qwen3.5, 8 query and 2 KV heads of 128 with RoPE (fla's `attn` option); 18
+recurrent layers, so 72 scanned heads.
 Pairs: word-tokenizer recall pairs with a 7-token query; 4 facts and 256 filler tokens give 611 tokens, 2 facts
 and 126 filler tokens 307. Targets: scan <= 1.5x clean + donor at 611 tokens, <= 2x at 307.
 
 --clock cpu (CPU only) times by this process's CPU time: at one thread the time other jobs hold the core then
 does not count (cache and memory-bandwidth contention still does).
 
-Usage:  python experiments/bench/scan.py [--shapes gla gdn] [--lengths 611 307] [--repeats 3] [--threads 1]
+Usage:  python experiments/bench/scan.py [--shapes gla gdn gdn_hybrid] [--lengths 611 307] [--repeats 3] [--threads 1]
                                          [--layers 24] [--naive-heads 0] [--device cpu|cuda] [--clock wall|cpu]
 """
 from __future__ import annotations
@@ -44,6 +47,8 @@ SHAPES = {
     "gdn": dict(model_type="gated_deltanet", vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_heads=4,
                 head_dim=256, expand_v=1.0, hidden_ratio=4, tie_word_embeddings=False),
 }
+# GDN-340M with fla's hybrid attention on every 4th layer (layer_types 3:1, as Qwen3.5 and tiny-gdn-hybrid's family).
+SHAPES["gdn_hybrid"] = dict(SHAPES["gdn"], attn={"layers": [3, 7, 11, 15, 19, 23], "num_heads": 8, "num_kv_heads": 2})
 LENGTHS = {611: dict(n_facts=4, filler_tokens=256), 307: dict(n_facts=2, filler_tokens=126)}
 TARGETS = {611: 1.5, 307: 2.0}
 
@@ -96,7 +101,7 @@ def scan_vs_forward(model, pairs, device, repeats: int, batch_size: int = 96, cl
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="*", default=["gla", "gdn"], choices=sorted(SHAPES))
+    ap.add_argument("--shapes", nargs="*", default=["gla", "gdn", "gdn_hybrid"], choices=sorted(SHAPES))
     ap.add_argument("--lengths", type=int, nargs="*", default=[611, 307], choices=sorted(LENGTHS))
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per (shape, length)")
     ap.add_argument("--batch-size", type=int, default=96, help="(pair, head) rows per suffix batch")
@@ -123,12 +128,15 @@ def main():
     verdicts = []
     for shape in args.shapes:
         torch.manual_seed(0)
-        cfg = ModelConfig.from_dict({**SHAPES[shape], "num_hidden_layers": args.layers})
+        raw = {**SHAPES[shape], "num_hidden_layers": args.layers}
+        if raw.get("attn"):   # keep the 3:1 layout when --layers shortens the model
+            raw["attn"] = dict(raw["attn"], layers=[l for l in range(3, args.layers, 4)])
+        cfg = ModelConfig.from_dict(raw)
         model = RecurrentLM(cfg).eval().to(device)
         heads = all_heads(model)
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"\n{shape.upper()}-340M shape: {args.layers} layers, {len(heads)} heads, state {cfg.state_shape()}, "
-              f"{n_params / 1e6:.1f}M params")
+        print(f"\n{shape.upper()}-340M shape: {args.layers} layers ({len(model.attention_layers)} attention), "
+              f"{len(heads)} heads, state {cfg.state_shape()}, {n_params / 1e6:.1f}M params")
         for length in args.lengths:
             pairs = build_pairs(tok, split="dev", n_sources=1, presentations=3, gap_tokens=24, **LENGTHS[length])
             T = pairs.recipient_ids.shape[1]
