@@ -92,7 +92,7 @@ class BridgedDeltaRule(RecurrentMixer):
         a = self.hook_erase(b * k)
         o, S = self._recur(q, k, b * v, g, a, None if init is None else init.to(acc), self.state_positions,
                            self.head_k_dim ** -0.5)
-        if cache is not None:
+        if cache is not None and S is not None:   # None when keep_final_state is off (the scan's suffix rows)
             keep = self.state_dtype or (init.dtype if init is not None else S.dtype)
             cache.update_recurrent_state(S.to(keep), self.layer_idx)
         o = self.hook_head_out(o.to(hidden_states.dtype))

@@ -151,10 +151,21 @@ class RecurrentLM(ProtocolMethods, HookedRootModule):
             new_layers.append(new_lc)
         if logit_positions is not None:
             resid = at_positions(resid, logit_positions)
-        logits = self.lm_head(self.norm(resid))
+        logits = self.unembed(resid)
         if use_cache:
             return logits, RecurrentCache(new_layers, offset + tokens.shape[1])
         return logits
+
+    # ---- layer by layer (the protocol's embed_suffix / run_layer / unembed) ----
+    def embed_suffix(self, tokens: torch.Tensor, cache: RecurrentCache):
+        """The residual entering layer 0, and the context every layer needs: the cache's length (rotary offset)."""
+        return self.hook_embed(self.embed(tokens)), cache.seen_tokens
+
+    def run_layer(self, layer: int, resid: torch.Tensor, layer_cache, context) -> torch.Tensor:
+        return self.blocks[layer](resid, layer_cache, offset=context)[0]
+
+    def unembed(self, resid: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(resid))
 
     def run_with_cache(self, *args, state_positions: Optional[Sequence[int]] = None, **kwargs):
         """TransformerLens's run_with_cache, plus `state_positions` for `hook_state` (no other state is kept)."""

@@ -2,7 +2,8 @@
 transformers' own config classes and saved with save_pretrained.
 
 The per-layout checks are test_bridge.py's own (parity with transformers' torch path with idle hooks, stepping,
-the state patch against a hand edit of transformers' cache, write patches that keep the erase, the interventions);
+the state patch against a hand edit of transformers' cache, write patches that keep the erase, the interventions,
+the head scan against one full patched forward per head);
 importing them here makes pytest collect them once more, with this module's `checkpoint` fixture over these three
 families. Added here: per-component cache swaps (recurrent state, conv tails, KV) against the same swaps done by
 hand in transformers' cache, single-token steps against transformers' own decode, per-head K/V swaps past the
@@ -11,8 +12,9 @@ import pytest
 import torch
 from test_bridge import (  # noqa: F401  (collected here with this module's checkpoint fixture)
     _randomise, test_interventions_run_through_the_protocol, test_loads_as_a_bridge_with_the_project_hooks,
-    test_parity_with_transformers_torch_path_hooks_idle, test_state_patch_equals_a_hand_edit_of_the_transformers_cache,
-    test_stepping_equals_the_full_run, test_write_patches_keep_the_erase,
+    test_parity_with_transformers_torch_path_hooks_idle, test_scan_equals_one_full_patched_forward_per_head,
+    test_state_patch_equals_a_hand_edit_of_the_transformers_cache, test_stepping_equals_the_full_run,
+    test_write_patches_keep_the_erase,
 )
 
 from recurscope.interp.bridge.torch_path import torch_reference_path
