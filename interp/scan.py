@@ -98,8 +98,9 @@ def _query_logits(model, resid: torch.Tensor, qp: torch.Tensor, cand: torch.Tens
 
 @contextmanager
 def _outputs_only(model):
-    """The suffix rows' final states are never read, so the recurrent mixers do not form them meanwhile."""
-    mixers = [b.mixer for b in model.blocks if b.is_recurrent]
+    """The suffix rows' final states (and K/V caches) are never read, so the mixers that can skip forming them
+    (`keep_final_state`: the recurrent mixers, the native attention) do so meanwhile."""
+    mixers = [b.mixer for b in model.blocks if hasattr(b.mixer, "keep_final_state")]
     before = [m.keep_final_state for m in mixers]
     try:
         for m in mixers:
