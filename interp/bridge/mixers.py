@@ -195,16 +195,20 @@ def hooked_attention(module, query, key, value, attention_mask, scaling=None, dr
     q = module.hook_q(query.transpose(1, 2))
     k = module.hook_k(key.transpose(1, 2))
     v = module.hook_v(value.transpose(1, 2))
-    H, Hkv = q.shape[2], k.shape[2]
-    if H != Hkv:
-        k, v = k.repeat_interleave(H // Hkv, dim=2), v.repeat_interleave(H // Hkv, dim=2)
-    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    B, T, H, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    # Queries grouped by their KV head, (B, Hkv, G T, D) with query head h = kv G + g (as repeat_interleave would
+    # pair them): K/V are never repeated per query head, and transformers' (B, Hkv, S, D) layout goes into the
+    # products as it is (a transposed operand, not a copy). The head scan's rows each carry the whole cached K/V.
+    qg = q.transpose(1, 2).reshape(B, Hkv, (H // Hkv) * T, D)
+    scale = D ** -0.5 if scaling is None else scaling
+    scores = (qg @ k.permute(0, 2, 3, 1)).view(B, H, T, S) * scale
     if attention_mask is not None:
-        mask = attention_mask[:, :, :, : k.shape[1]]
+        mask = attention_mask[:, :, :, :S]
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     pattern = module.hook_pattern(torch.softmax(scores.float(), dim=-1).to(q.dtype))
-    out = module.hook_head_out(torch.einsum("bhts,bshd->bthd", pattern, v))
+    o = pattern.reshape(B, Hkv, (H // Hkv) * T, S) @ v.transpose(1, 2)
+    out = module.hook_head_out(o.view(B, H, T, v.shape[-1]).transpose(1, 2))   # MLA: value and key sizes differ
     return out.contiguous(), pattern
 
 
