@@ -108,8 +108,10 @@ class _LayerView:
     cache returns them, and nothing is stored. The head scan's rows share the recipient's cache as batch-expanded
     views, which transformers' in-place cache updates could not take (and would copy per row)."""
 
-    def __init__(self, lc: LayerCache, seen: int):
-        self.lc, self.seen = lc, seen
+    def __init__(self, lc: LayerCache, seen: int, new_kv_only: bool = False):
+        # new_kv_only: `update` returns the new K/V alone; the attention function reads the cached ones itself
+        # (the module's shared_kv, set by TransformersBridge.run_layer)
+        self.lc, self.seen, self.new_kv_only = lc, seen, new_kv_only
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
@@ -128,7 +130,7 @@ class _LayerView:
         return recurrent_states
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self.lc.keys is None:
+        if self.lc.keys is None or self.new_kv_only:
             return key_states, value_states
         return (torch.cat([self.lc.keys.transpose(1, 2), key_states], dim=-2),
                 torch.cat([self.lc.values.transpose(1, 2), value_states], dim=-2))
@@ -322,7 +324,19 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
 
     def run_layer(self, layer: int, resid: torch.Tensor, layer_cache: LayerCache, context) -> torch.Tensor:
         kwargs, seen = context
-        return self.blocks_list[layer](resid, cache=_LayerView(layer_cache, seen), **kwargs[layer])
+        block = self.blocks_list[layer]
+        keys = layer_cache.keys
+        # Rows continuing one cached row as a batch-expanded view (the head scan's growing batch): the attention
+        # function reads that row's K/V once for all rows instead of a per-row concatenation (hooked_attention).
+        shared = (not block.is_recurrent and self.bridge_family.cached_kv_to_attention and keys is not None
+                  and keys.shape[0] > 1 and keys.stride(0) == 0 and layer_cache.values.stride(0) == 0)
+        if not shared:
+            return block(resid, cache=_LayerView(layer_cache, seen), **kwargs[layer])
+        block.mixer.shared_kv = (keys[:1].transpose(1, 2), layer_cache.values[:1].transpose(1, 2))
+        try:
+            return block(resid, cache=_LayerView(layer_cache, seen, new_kv_only=True), **kwargs[layer])
+        finally:
+            block.mixer.shared_kv = None
 
     def unembed(self, resid: torch.Tensor) -> torch.Tensor:
         return self.hf.lm_head(self.text_model[0].norm(resid))

@@ -274,6 +274,32 @@ def dense(tmp_path_factory):
     return path
 
 
+def test_scan_under_a_hook_on_the_attention_keys(dense):
+    """The scan's rows read the cached K/V of an attention layer once for all rows; a hook on hook_k still sees
+    every cached and new key (the attention then concatenates them), and the scan's rows are the same."""
+    from recurscope.interp import scan
+    from recurscope.interp.data import build_pairs
+
+    model = load_model(dense)
+    pairs = build_pairs(model.tokenizer, split="dev", n_sources=1, pairs_per_source=2, n_facts=2, presentations=2,
+                        filler_tokens=8)
+    plain = scan.run_scan(model, pairs, batch_size=4).rows
+    lengths = set()
+
+    def see(k, hook):
+        lengths.add(k.shape[1])
+        return k
+
+    with model.hooks(fwd_hooks=[("blocks.3.mixer.hook_k", see)]):
+        hooked = scan.run_scan(model, pairs, batch_size=4).rows
+    T = pairs.recipient_ids.shape[1]
+    suffix = T - int(pairs.query_start[0])
+    assert lengths <= {int(pairs.query_start[0]), T} and T in lengths   # prefix keys, then cached + suffix keys
+    assert suffix > 0
+    torch.testing.assert_close(torch.tensor(hooked["shift"].to_numpy()), torch.tensor(plain["shift"].to_numpy()),
+                               rtol=0, atol=1e-6)
+
+
 def test_refuses_an_unsupported_architecture(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
