@@ -16,7 +16,8 @@ exactly the clean suffix below l, so the suffix runs layer by layer from the low
 rows patched there join the batch, each starting from the clean residual at l's input with the recipient's prefix
 cache and the donor's state in its one head; rows run on through the layers above, and the logits are formed at the
 query position only. Rows are chunked by batch_size. No full forward is rerun per head; `naive_head_shifts` is that
-slow reference.
+slow reference. The layers run through the model protocol's layer-by-layer methods (`embed_suffix`, `run_layer`,
+`unembed`; interp.models.protocol), so the native models and the transformers bridge share this one path.
 """
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ import torch
 
 from recurscope.interp import stats
 from recurscope.interp.interventions import candidate_logits, check_pairs, model_device, normalise_heads
-from recurscope.interp.models import RecurrentLM
 from recurscope.interp.models.cache import LayerCache, RecurrentCache
 
 __all__ = ["ScanResult", "SCAN_KEY", "all_heads", "run_scan", "summarise_scan", "naive_head_shifts"]
@@ -80,14 +80,8 @@ def _margins(z: torch.Tensor, d: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 def _prefix_cache(model, pairs, ex: torch.Tensor, b: int, device) -> RecurrentCache:
     """The cache after tokens [0, b] of the recipients (rows 0..n-1) then the donors (rows n..2n-1), one batched
-    pass through the blocks without the LM head (no logits are needed there)."""
-    tokens = torch.cat([pairs.recipient_ids[ex, :b + 1], pairs.donor_ids[ex, :b + 1]]).to(device)
-    resid = model.hook_embed(model.embed(tokens))
-    layers = []
-    for block in model.blocks:
-        resid, lc = block(resid, None, offset=0)
-        layers.append(lc)
-    return RecurrentCache(layers, b + 1)
+    prefix pass (run_prefix forms no logits: none are needed there)."""
+    return model.run_prefix(torch.cat([pairs.recipient_ids[ex, :b + 1], pairs.donor_ids[ex, :b + 1]]).to(device))
 
 
 def _rows_of(lc: LayerCache, row: int, count: int) -> LayerCache:
@@ -104,8 +98,9 @@ def _query_logits(model, resid: torch.Tensor, qp: torch.Tensor, cand: torch.Tens
 
 @contextmanager
 def _outputs_only(model):
-    """The suffix rows' final states are never read, so the recurrent mixers do not form them meanwhile."""
-    mixers = [b.mixer for b in model.blocks if b.is_recurrent]
+    """The suffix rows' final states (and K/V caches) are never read, so the mixers that can skip forming them
+    (`keep_final_state`: the recurrent mixers, the native attention) do so meanwhile."""
+    mixers = [b.mixer for b in model.blocks if hasattr(b.mixer, "keep_final_state")]
     before = [m.keep_final_state for m in mixers]
     try:
         for m in mixers:
@@ -118,17 +113,17 @@ def _outputs_only(model):
 
 def _clean_suffix(model, cache: RecurrentCache, suffix: torch.Tensor):
     """Runs the recipients' suffix (cache rows 0..n-1, read in place) layer by layer; returns each layer's input
-    residual and the final residual."""
+    residual, the final residual and the layers' context (model.embed_suffix), which serves the patched rows too."""
     n = suffix.shape[0]
-    resid = model.hook_embed(model.embed(suffix))
+    resid, context = model.embed_suffix(suffix, cache)
     inputs = []
-    for i, block in enumerate(model.blocks):
+    for i in range(len(cache.layers)):
         inputs.append(resid)
-        resid, _ = block(resid, cache.layers[i].map(lambda t: t[:n]), offset=cache.seen_tokens)
-    return inputs, resid
+        resid = model.run_layer(i, resid, cache.layers[i].map(lambda t: t[:n]), context)
+    return inputs, resid, context
 
 
-def _patched_suffix(model, cache: RecurrentCache, clean_inputs: list, n: int, example: torch.Tensor,
+def _patched_suffix(model, cache: RecurrentCache, clean_inputs: list, context, n: int, example: torch.Tensor,
                     layer: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The growing batch, one example at a time: row j runs the layers from layer[j] up, entering with the clean
     residual of its example, the recipient's cache, and the donor's (cache row n + example) state in
@@ -136,13 +131,13 @@ def _patched_suffix(model, cache: RecurrentCache, clean_inputs: list, n: int, ex
     resids, orders = [], []
     for e in torch.unique(example).tolist():
         rows = torch.nonzero(example == e)[:, 0]
-        resid, order = _example_suffix(model, cache, clean_inputs, n, e, layer[rows], head[rows])
+        resid, order = _example_suffix(model, cache, clean_inputs, context, n, e, layer[rows], head[rows])
         resids.append(resid)
         orders.append(rows[order])
     return torch.cat(resids), torch.cat(orders)
 
 
-def _example_suffix(model, cache: RecurrentCache, clean_inputs: list, n: int, e: int, layer: torch.Tensor,
+def _example_suffix(model, cache: RecurrentCache, clean_inputs: list, context, n: int, e: int, layer: torch.Tensor,
                     head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The growing batch of one example. Rows already running (patched below this layer) share the recipient's
     cache of the layer: it goes in as a batch-expanded view, so no state is copied per row. Rows entering here get
@@ -150,11 +145,11 @@ def _example_suffix(model, cache: RecurrentCache, clean_inputs: list, n: int, e:
     order = torch.argsort(layer, stable=True)
     layer, head = layer[order], head[order]
     resid = None
-    for i in range(int(layer.min()), len(model.blocks)):
-        lc, block = cache.layers[i], model.blocks[i]
+    for i in range(int(layer.min()), len(cache.layers)):
+        lc = cache.layers[i]
         parts = []
         if resid is not None:
-            parts.append(block(resid, _rows_of(lc, e, len(resid)), offset=cache.seen_tokens)[0])
+            parts.append(model.run_layer(i, resid, _rows_of(lc, e, len(resid)), context))
         entering = torch.nonzero(layer == i)[:, 0]
         if len(entering):
             m = len(entering)
@@ -163,27 +158,9 @@ def _example_suffix(model, cache: RecurrentCache, clean_inputs: list, n: int, e:
             own.state = own.state.clone()
             own.state[torch.arange(m, device=h.device), h] = lc.state[n + e, h]
             clean = clean_inputs[i][e:e + 1].expand(m, *clean_inputs[i].shape[1:])
-            parts.append(block(clean, own, offset=cache.seen_tokens)[0])
+            parts.append(model.run_layer(i, clean, own, context))
         resid = parts[0] if len(parts) == 1 else torch.cat(parts)
     return resid, order
-
-
-def _protocol_margins(model, cache: RecurrentCache, n: int, suffix, qp, cand, d, r, e=None, layer=None, head=None):
-    """Margins through the model protocol alone (run_suffix from an edited cache), for models whose blocks the
-    growing batch cannot drive (the transformers bridge): recipients' cache rows `e` (all when None) with the
-    donor's state put into (layer[k], head[k]) of row k. The native path equals this to float rounding."""
-    e = torch.arange(n) if e is None else e
-    rows = cache.select(e)
-    if layer is not None:
-        donors = cache.select(n + e)
-        for k in range(len(e)):
-            l, h = int(layer[k]), int(head[k])
-            state = rows.head_state(l, h).clone()
-            state[k] = donors.head_state(l, h)[k]
-            rows.set_head_state(l, h, state)
-    logits = model.run_suffix(suffix[e.to(suffix.device)], rows)[0]
-    z = logits[torch.arange(len(e), device=logits.device), qp[e].to(logits.device)]
-    return _margins(candidate_logits(z, cand[e]), d[e], r[e])
 
 
 def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optional[Sequence] = None,
@@ -209,8 +186,6 @@ def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optiona
     n_done = sum(1 for i in rows.tolist() for l, h in head_list
                  if (int(pairs.source_id[i]), int(pairs.group[i]), l, h) in done)
     heads_t = torch.tensor(head_list, dtype=torch.long)
-    # The growing batch drives RecurrentLM's blocks directly; any other protocol model takes the protocol path.
-    native = isinstance(model, RecurrentLM)
 
     boundary = (pairs.query_start - 1).cpu()
     with torch.no_grad():
@@ -227,29 +202,20 @@ def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optiona
                 qp = pairs.query_pos[ex] - (b + 1)
                 cand = pairs.candidate_ids[ex]
                 d, r = pairs.donor_answer_index[ex], pairs.recipient_answer_index[ex]
-                if native:
-                    cache = _prefix_cache(model, pairs, ex, b, device)
-                    with _outputs_only(model):
-                        clean_inputs, clean_out = _clean_suffix(model, cache, suffix)
-                    clean = _margins(_query_logits(model, clean_out, qp, cand), d, r)
-                else:
-                    cache = model.run_prefix(torch.cat([pairs.recipient_ids[ex, :b + 1],
-                                                        pairs.donor_ids[ex, :b + 1]]).to(device))
-                    clean = _protocol_margins(model, cache, len(ex), suffix, qp, cand, d, r)
+                cache = _prefix_cache(model, pairs, ex, b, device)
+                with _outputs_only(model):
+                    clean_inputs, clean_out, context = _clean_suffix(model, cache, suffix)
+                clean = _margins(_query_logits(model, clean_out, qp, cand), d, r)
                 todo_t = torch.tensor(todo, dtype=torch.long)
                 for c in range(0, len(todo_t), batch_size):
                     chunk = todo_t[c:c + batch_size]
                     e, j = chunk[:, 0], chunk[:, 1]
-                    if native:
-                        with _outputs_only(model):
-                            resid, order = _patched_suffix(model, cache, clean_inputs, len(ex), e, heads_t[j, 0],
-                                                           heads_t[j, 1])
-                        e, j = e[order], j[order]
-                        layer, head = heads_t[j, 0], heads_t[j, 1]
-                        margin = _margins(_query_logits(model, resid, qp[e], cand[e]), d[e], r[e])
-                    else:
-                        layer, head = heads_t[j, 0], heads_t[j, 1]
-                        margin = _protocol_margins(model, cache, len(ex), suffix, qp, cand, d, r, e, layer, head)
+                    with _outputs_only(model):
+                        resid, order = _patched_suffix(model, cache, clean_inputs, context, len(ex), e,
+                                                       heads_t[j, 0], heads_t[j, 1])
+                    e, j = e[order], j[order]
+                    layer, head = heads_t[j, 0], heads_t[j, 1]
+                    margin = _margins(_query_logits(model, resid, qp[e], cand[e]), d[e], r[e])
                     new_rows = []
                     for k in range(len(e)):
                         i = int(ex[e[k]])

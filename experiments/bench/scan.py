@@ -1,5 +1,5 @@
 """Times the head-selection scan against one clean plus one donor forward, interleaved and order-rotated, on
-GLA-340M- and GDN-340M-shaped models with random weights, at two sequence lengths.
+GLA-340M-, GDN-340M- and GDN-hybrid-340M-shaped models with random weights, at two sequence lengths.
 
 Per (shape, length) each round runs, in an order rotated by one place per round:
     clean + donor forward, batched    model(recipient and donor as one 2-row batch), full logits
@@ -12,30 +12,47 @@ a shared machine inflate every figure. --naive-heads N also times one full patch
 
 Shapes (fla's configs): GLA-340M: 24 layers, hidden 1024, 4 heads, expand_k 0.5, expand_v 1 (state 128 x 256 per
 head); GDN-340M: 24 layers, hidden 1024, 4 heads, head_dim 256, expand_v 1 (state 256 x 256). 96 heads each.
+GDN-hybrid-340M (`gdn_hybrid`, the family of the bundled tiny-gdn-hybrid): GDN-340M with every 4th layer (3, 7, ...,
+23) full softmax attention, 3:1 as Qwen3.5, 8 query and 2 KV heads of 128 with RoPE (fla's `attn` option); 18
+recurrent layers, so 72 scanned heads.
 Pairs: word-tokenizer recall pairs with a 7-token query; 4 facts and 256 filler tokens give 611 tokens, 2 facts
 and 126 filler tokens 307. Targets: scan <= 1.5x clean + donor at 611 tokens, <= 2x at 307.
+
+`qwen35` is a transformers model through the bridge (interp.bridge): transformers' own Qwen3_5ForCausalLM with
+random weights, saved with save_pretrained and loaded by load_model, a small Qwen3.5-0.8B-like shape (8 layers,
+3 Gated DeltaNet : 1 gated attention, hidden 512, GDN 8 key and 8 value heads of 128 x 128, attention 4 query and 1
+KV heads of 128 with the output gate and partial RoPE, MLP 1792, vocabulary 32000): 48 scanned heads.
+
+--baseline-scan FILE adds a fourth contender: run_scan from another version of interp/scan.py (e.g.
+`git show <commit>:interp/scan.py > /tmp/old_scan.py`), loaded beside the current one and run on the same model in
+the same rounds; its rows are checked against the current scan's, and the paired old / new ratio is printed.
 
 --clock cpu (CPU only) times by this process's CPU time: at one thread the time other jobs hold the core then
 does not count (cache and memory-bandwidth contention still does).
 
-Usage:  python experiments/bench/scan.py [--shapes gla gdn] [--lengths 611 307] [--repeats 3] [--threads 1]
-                                         [--layers 24] [--naive-heads 0] [--device cpu|cuda] [--clock wall|cpu]
+Usage:  python experiments/bench/scan.py [--shapes gla gdn gdn_hybrid qwen35] [--lengths 611 307] [--repeats 3]
+                                         [--threads 1] [--layers N] [--naive-heads 0] [--device cpu|cuda]
+                                         [--clock wall|cpu] [--baseline-scan FILE]
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 
 import torch
 
 import recurscope
 
-from recurscope.interp.data import build_pairs, build_word_tokenizer
+from recurscope.interp.data import build_pairs, build_word_tokenizer, save_word_tokenizer
+from recurscope.interp.loading import load_model
 from recurscope.interp.models import ModelConfig, RecurrentLM
-from recurscope.interp.scan import all_heads, naive_head_shifts, run_scan
+from recurscope.interp.scan import SCAN_KEY, all_heads, naive_head_shifts, run_scan
 
 SHAPES = {
     "gla": dict(model_type="gla", vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_heads=4,
@@ -43,6 +60,16 @@ SHAPES = {
                 gate_logit_normalizer=16, gate_low_rank_dim=16, tie_word_embeddings=False),
     "gdn": dict(model_type="gated_deltanet", vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_heads=4,
                 head_dim=256, expand_v=1.0, hidden_ratio=4, tie_word_embeddings=False),
+}
+# GDN-340M with fla's hybrid attention on every 4th layer (layer_types 3:1, as Qwen3.5 and tiny-gdn-hybrid's family).
+SHAPES["gdn_hybrid"] = dict(SHAPES["gdn"], attn={"layers": [3, 7, 11, 15, 19, 23], "num_heads": 8, "num_kv_heads": 2})
+# transformers' Qwen3_5TextConfig keys: a small Qwen3.5-0.8B-like text model, run through the bridge.
+BRIDGED_SHAPES = {
+    "qwen35": dict(vocab_size=32000, hidden_size=512, intermediate_size=1792, num_hidden_layers=8,
+                   linear_num_key_heads=8, linear_num_value_heads=8, linear_key_head_dim=128,
+                   linear_value_head_dim=128, linear_conv_kernel_dim=4, num_attention_heads=4, num_key_value_heads=1,
+                   head_dim=128, attn_output_gate=True, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                   rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25)),
 }
 LENGTHS = {611: dict(n_facts=4, filler_tokens=256), 307: dict(n_facts=2, filler_tokens=126)}
 TARGETS = {611: 1.5, 307: 2.0}
@@ -71,9 +98,44 @@ def timed(fn, device, clock=time.perf_counter) -> float:
     return clock() - t0
 
 
-def scan_vs_forward(model, pairs, device, repeats: int, batch_size: int = 96, clock=time.perf_counter):
-    """Interleaved, order-rotated rounds of the two forward ways and the scan; returns ({name: times}, the median
-    over rounds of scan time / the faster forward way of the same round)."""
+def load_baseline(path: str):
+    """interp/scan.py of another version as its own module; it imports the rest of recurscope from this checkout."""
+    spec = importlib.util.spec_from_file_location("baseline_scan", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def build(shape: str, layers, device, workdir: str):
+    """A native RecurrentLM from SHAPES, or a transformers model from BRIDGED_SHAPES saved and loaded through the
+    bridge; `layers` (None: the shape's own) keeps a hybrid's 3:1 layout."""
+    if shape in BRIDGED_SHAPES:
+        import transformers as tf
+
+        raw = dict(BRIDGED_SHAPES[shape])
+        n = layers or raw["num_hidden_layers"]
+        raw.update(num_hidden_layers=n, layer_types=[("full" if l % 4 == 3 else "linear") + "_attention"
+                                                     for l in range(n)])
+        hf = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**raw))
+        path = os.path.join(workdir, shape)
+        hf.save_pretrained(path)
+        save_word_tokenizer(build_word_tokenizer(), path)
+        model = load_model(path, device=str(device))
+        return model, f"{shape} through the transformers bridge"
+    raw = dict(SHAPES[shape])
+    if layers:
+        raw["num_hidden_layers"] = layers
+    if raw.get("attn"):   # keep the 3:1 layout when --layers shortens the model
+        raw["attn"] = dict(raw["attn"], layers=list(range(3, raw["num_hidden_layers"], 4)))
+    return RecurrentLM(ModelConfig.from_dict(raw)).eval().to(device), f"{shape.upper()}-340M shape"
+
+
+def scan_vs_forward(model, pairs, device, repeats: int, batch_size: int = 96, clock=time.perf_counter,
+                    baseline=None):
+    """Interleaved, order-rotated rounds of the two forward ways and the scan (and the scan of a `baseline` module
+    with run_scan); returns ({name: times}, the median over rounds of scan time / the faster forward way of the
+    same round)."""
     both = torch.cat([pairs.recipient_ids, pairs.donor_ids]).to(device)
     n_heads = len(all_heads(model))
     with torch.no_grad():
@@ -83,6 +145,8 @@ def scan_vs_forward(model, pairs, device, repeats: int, batch_size: int = 96, cl
         "clean + donor, row by row": lambda: [model(both[i:i + 1]) for i in range(2)],
         f"scan, {n_heads} heads": lambda: run_scan(model, pairs, batch_size=batch_size),
     }
+    if baseline is not None:
+        fns[f"baseline scan, {n_heads} heads"] = lambda: baseline.run_scan(model, pairs, batch_size=batch_size)
     names = list(fns)
     times = {n: [] for n in names}
     with torch.no_grad():
@@ -96,11 +160,14 @@ def scan_vs_forward(model, pairs, device, repeats: int, batch_size: int = 96, cl
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="*", default=["gla", "gdn"], choices=sorted(SHAPES))
+    ap.add_argument("--shapes", nargs="*", default=["gla", "gdn", "gdn_hybrid", "qwen35"],
+                    choices=sorted(SHAPES) + sorted(BRIDGED_SHAPES))
     ap.add_argument("--lengths", type=int, nargs="*", default=[611, 307], choices=sorted(LENGTHS))
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per (shape, length)")
     ap.add_argument("--batch-size", type=int, default=96, help="(pair, head) rows per suffix batch")
-    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--layers", type=int, default=None, help="layers of every shape (default: each shape's own)")
+    ap.add_argument("--baseline-scan", default=None, metavar="FILE",
+                    help="also time run_scan from this copy of interp/scan.py (another version) in the same rounds")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--naive-heads", type=int, default=0, help="time the naive scan on this many heads (0: skip)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -120,19 +187,23 @@ def main():
     # points at a checkout: say which code is being timed.
     print(f"recurscope code timed: {os.path.dirname(os.path.dirname(recurscope.__file__))} "
           "(set PYTHONPATH=<checkout> to time a checkout)")
+    baseline = None if args.baseline_scan is None else load_baseline(args.baseline_scan)
+    if baseline is not None:
+        print(f"baseline scan: {args.baseline_scan}")
+    workdir = tempfile.mkdtemp(prefix="scan-bench-")
     verdicts = []
     for shape in args.shapes:
         torch.manual_seed(0)
-        cfg = ModelConfig.from_dict({**SHAPES[shape], "num_hidden_layers": args.layers})
-        model = RecurrentLM(cfg).eval().to(device)
+        model, title = build(shape, args.layers, device, workdir)
         heads = all_heads(model)
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"\n{shape.upper()}-340M shape: {args.layers} layers, {len(heads)} heads, state {cfg.state_shape()}, "
-              f"{n_params / 1e6:.1f}M params")
+        print(f"\n{title}: {len(model.blocks)} layers ({len(model.attention_layers)} attention), "
+              f"{len(heads)} heads, state {model.cfg.state_shape()}, {n_params / 1e6:.1f}M params")
         for length in args.lengths:
             pairs = build_pairs(tok, split="dev", n_sources=1, presentations=3, gap_tokens=24, **LENGTHS[length])
             T = pairs.recipient_ids.shape[1]
-            times, paired = scan_vs_forward(model, pairs, device, args.repeats, args.batch_size, CLOCKS[args.clock])
+            times, paired = scan_vs_forward(model, pairs, device, args.repeats, args.batch_size, CLOCKS[args.clock],
+                                            baseline)
             names = list(times)
             ref = [min(a, b) for a, b in zip(times[names[0]], times[names[1]])]
             scan_t = times[names[2]]
@@ -141,7 +212,19 @@ def main():
                 print(f"    {n:28s} median {statistics.median(times[n]):8.2f} s   min {min(times[n]):8.2f} s")
             print(f"    scan / (clean + donor): paired median {paired:.2f}x, ratio of minima "
                   f"{min(scan_t) / min(ref):.2f}x (target <= {TARGETS[length]}x)")
-            verdicts.append(f"{shape.upper()} {T} tokens: scan / (clean + donor) = {paired:.2f}x (target <= "
+            if baseline is not None:
+                old_t = times[names[3]]
+                print(f"    baseline scan / (clean + donor): paired median "
+                      f"{statistics.median(o / f for o, f in zip(old_t, ref)):.2f}x, ratio of minima "
+                      f"{min(old_t) / min(ref):.2f}x; baseline / scan: paired median "
+                      f"{statistics.median(o / n for o, n in zip(old_t, scan_t)):.2f}x, ratio of minima "
+                      f"{min(old_t) / min(scan_t):.2f}x")
+                with torch.no_grad():
+                    new_rows = run_scan(model, pairs, batch_size=args.batch_size).rows.set_index(list(SCAN_KEY))
+                    old_rows = baseline.run_scan(model, pairs, batch_size=args.batch_size).rows.set_index(list(SCAN_KEY))
+                print(f"    baseline vs scan rows: max |shift difference| "
+                      f"{(new_rows['shift'] - old_rows.loc[new_rows.index, 'shift']).abs().max():.2e}")
+            verdicts.append(f"{title}, {T} tokens: scan / (clean + donor) = {paired:.2f}x (target <= "
                             f"{TARGETS[length]}x) {'met' if paired <= TARGETS[length] else 'MISSED'}")
             if args.naive_heads:
                 n_naive = min(args.naive_heads, len(heads))

@@ -10,6 +10,10 @@ process (so peak memory is that dtype's alone), loads it with recurscope's load_
                  patched suffixes in --batch-size rows), as `recurscope scan` does per pair
     arm          confirm_arm of each --arms entry on --confirm-pairs held-out pairs, per pair
 
+--baseline-scan FILE also times run_scan from another version of interp/scan.py (e.g. `git show
+<commit>:interp/scan.py > /tmp/old_scan.py`) on the same pair right after the scan unit, in the same process, and
+checks that both give the same rows (reported as "scan unit, baseline" and the largest shift difference).
+
 Each time is given as wall seconds and as the process's CPU seconds: at one thread the CPU seconds are what the step
 takes on an idle core, the wall seconds what it took beside whatever else ran (the load average is printed beside).
 Peak resident memory is the child's ru_maxrss after each step.
@@ -28,6 +32,7 @@ output gate, vocabulary 248320, tied embeddings, RoPE theta 1e7 on a quarter of 
 
 Usage:  python experiments/bench/transformers_run.py --ckpt /work/results/qwen08/ckpt [--config shape.json]
             [--dtypes float32 bfloat16] [--confirm-pairs 2] [--arms state_swap write_block | all] [--batch-size 16]
+            [--baseline-scan FILE]
             [--gpu-tflops 989] [--gpu-utilisation 0.2] [--json results.json]
         python experiments/bench/transformers_run.py --report float32.json bfloat16.json
 """
@@ -149,9 +154,22 @@ def measure(args) -> dict:
     done(f"forward of {T} tokens", c)
     out.update(forward_wall=c.wall, forward_cpu=c.cpu, rss_forward_gib=rss_gib(), forward_flops=forward_flops(model, T))
     with Clock() as c:
-        run_scan(model, scan_pair, batch_size=args.batch_size)
+        rows = run_scan(model, scan_pair, batch_size=args.batch_size).rows
     done("scan unit", c)
     out.update(scan_unit_wall=c.wall, scan_unit_cpu=c.cpu, rss_scan_gib=rss_gib())
+    if args.baseline_scan:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("baseline_scan", args.baseline_scan)
+        baseline = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = baseline   # dataclasses look their module up there
+        spec.loader.exec_module(baseline)
+        with Clock() as c:
+            old = baseline.run_scan(model, scan_pair, batch_size=args.batch_size).rows
+        done("scan unit, baseline", c)
+        key = ["source", "pair", "layer", "head"]
+        diff = (rows.set_index(key)["shift"] - old.set_index(key)["shift"]).abs().max()
+        out.update(baseline_wall=c.wall, baseline_cpu=c.cpu, baseline_max_shift_diff=float(diff))
     held = build_pairs(model.tokenizer, split="heldout", n_sources=1, pairs_per_source=MAIN_JOB["pairs_per_source"],
                        **PAIR_LAYOUT)
     held = take_rows(held, range(min(args.confirm_pairs, len(held))))
@@ -178,6 +196,13 @@ def report(results: list[dict], args) -> str:
     row("load_model", "load_wall", "load_cpu")
     row(f"forward, {results[0]['tokens']} tokens", "forward_wall", "forward_cpu")
     row(f"scan unit, 1 pair x {results[0]['heads']} heads", "scan_unit_wall", "scan_unit_cpu")
+    if all("baseline_cpu" in r for r in results):
+        row("scan unit, baseline scan", "baseline_wall", "baseline_cpu")
+        lines.append(f"{'scan unit / forward (CPU s)':<34}" + "".join(
+            f"{r['scan_unit_cpu'] / r['forward_cpu']:>15.2f} / {r['baseline_cpu'] / r['forward_cpu']:>7.2f}"
+            for r in results) + "   (this scan / baseline)")
+        lines.append(f"{'baseline rows: max |shift diff|':<34}" + "".join(
+            f"{r['baseline_max_shift_diff']:>26.1e}" for r in results))
     for arm in args.arms:
         lines.append(f"{'arm ' + arm + ', per pair':<34}" + "".join(
             f"{r['arms'][arm]['wall_per_pair']:>15.1f} / {r['arms'][arm]['cpu_per_pair']:>7.1f}" for r in results))
@@ -220,6 +245,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=16, help="as `recurscope run --batch-size` (default 16)")
     p.add_argument("--gpu-tflops", type=float, default=989.0, help="GPU peak for the estimate (H100 SXM dense bf16)")
     p.add_argument("--gpu-utilisation", type=float, default=0.2, help="assumed fraction of that peak")
+    p.add_argument("--baseline-scan", default=None, metavar="FILE",
+                   help="also time run_scan from this copy of interp/scan.py (another version) on the same pair")
     p.add_argument("--json", default=None, help="also write the measurements here")
     p.add_argument("--report", nargs="+", default=None, metavar="JSON",
                    help="print the table from measurement files that --json wrote (e.g. one per dtype), measure nothing")
@@ -252,6 +279,8 @@ def main(argv=None) -> int:
     for dtype in args.dtypes:
         cmd = [sys.executable, __file__, "--ckpt", str(ckpt), "--measure", dtype, "--confirm-pairs",
                str(args.confirm_pairs), "--batch-size", str(args.batch_size), "--arms", *args.arms]
+        if args.baseline_scan:
+            cmd += ["--baseline-scan", args.baseline_scan]
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)   # the child's progress: stderr
         if proc.returncode != 0:
             raise SystemExit(f"{dtype} measurement failed (its traceback is above)")

@@ -21,6 +21,9 @@ class BridgeFamily:
     linear_attr: str            # the decoder layer's attribute holding the linear-attention module
     attention_attr: str         # ... and the one holding full attention (Kimi-Linear: the same attribute)
     attention_norm: str = "pre"  # "post": its attention layers norm the mixer's and the MLP's outputs (OLMo-hybrid)
+    # Its attention hands the cache's K/V to the attention function as they are, so the head scan's rows can read a
+    # shared cached K/V there (False for Kimi's MLA, which expands its cached latents into keys and values first).
+    cached_kv_to_attention: bool = True
 
 
 def _gdn_state_shape(cfg):
@@ -90,7 +93,7 @@ BRIDGE_FAMILIES: tuple[BridgeFamily, ...] = (
     BridgeFamily(QWEN35_GDN, ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), "linear_attn", "self_attn"),
     BridgeFamily(QWEN3_NEXT_GDN, ("qwen3_next",), "linear_attn", "self_attn"),
     BridgeFamily(OLMO_HYBRID_GDN, ("olmo_hybrid",), "linear_attn", "self_attn", attention_norm="post"),
-    BridgeFamily(KIMI_KDA, ("kimi_linear",), "self_attn", "self_attn"),
+    BridgeFamily(KIMI_KDA, ("kimi_linear",), "self_attn", "self_attn", cached_kv_to_attention=False),
 )
 
 

@@ -92,7 +92,7 @@ class BridgedDeltaRule(RecurrentMixer):
         a = self.hook_erase(b * k)
         o, S = self._recur(q, k, b * v, g, a, None if init is None else init.to(acc), self.state_positions,
                            self.head_k_dim ** -0.5)
-        if cache is not None:
+        if cache is not None and S is not None:   # None when keep_final_state is off (the scan's suffix rows)
             keep = self.state_dtype or (init.dtype if init is not None else S.dtype)
             cache.update_recurrent_state(S.to(keep), self.layer_idx)
         o = self.hook_head_out(o.to(hidden_states.dtype))
@@ -182,6 +182,7 @@ ATTENTION_NAME = "recurscope"
 
 
 def add_attention_hooks(attn: torch.nn.Module) -> None:
+    attn.shared_kv = None              # cached (K, V), (1, Hkv, P, D), shared by every row of one call (the scan)
     attn.hook_q = HookPoint()          # (B, T, H, D) after norm and RoPE
     attn.hook_k = HookPoint()          # (B, S, Hkv, D) every cached and new key after RoPE
     attn.hook_v = HookPoint()          # (B, S, Hkv, D)
@@ -191,20 +192,46 @@ def add_attention_hooks(attn: torch.nn.Module) -> None:
 
 def hooked_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Softmax attention with recurscope's hook points, in the signature of transformers' attention interface:
-    query (B, H, T, D), key/value (B, Hkv, S, D) -> (output (B, T, H, D), weights (B, H, T, S))."""
+    query (B, H, T, D), key/value (B, Hkv, S, D) -> (output (B, T, H, D), weights (B, H, T, S)).
+
+    With module.shared_kv set (TransformersBridge.run_layer, for rows that all continue one cached row), key/value
+    are the new tokens' alone and the cached ones, shared, come first: every row's queries meet them in one product
+    per KV head. A hook on hook_k or hook_v sees every cached and new key, so then they are concatenated as usual."""
+    from recurscope.hooks.points import is_intercepted
+
+    past = getattr(module, "shared_kv", None)
+    if past is not None and (is_intercepted(module.hook_k) or is_intercepted(module.hook_v)):
+        B = query.shape[0]
+        key = torch.cat([past[0].expand(B, *past[0].shape[1:]), key], dim=-2)
+        value = torch.cat([past[1].expand(B, *past[1].shape[1:]), value], dim=-2)
+        past = None
     q = module.hook_q(query.transpose(1, 2))
     k = module.hook_k(key.transpose(1, 2))
     v = module.hook_v(value.transpose(1, 2))
-    H, Hkv = q.shape[2], k.shape[2]
-    if H != Hkv:
-        k, v = k.repeat_interleave(H // Hkv, dim=2), v.repeat_interleave(H // Hkv, dim=2)
-    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    B, T, H, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    # Queries grouped by their KV head, (B, Hkv, G T, D) with query head h = kv G + g (as repeat_interleave would
+    # pair them): K/V are never repeated per query head, and transformers' (B, Hkv, S, D) layout goes into the
+    # products as it is (a transposed operand, not a copy).
+    qg = q.transpose(1, 2).reshape(B, Hkv, (H // Hkv) * T, D)
+    scale = D ** -0.5 if scaling is None else scaling
+    scores = qg @ k.permute(0, 2, 3, 1)
+    P = 0 if past is None else past[0].shape[2]
+    if P:
+        old = qg.transpose(0, 1).reshape(Hkv, -1, D) @ past[0][0].transpose(-1, -2)        # (Hkv, B G T, P)
+        scores = torch.cat([old.view(Hkv, B, -1, P).transpose(0, 1), scores], dim=-1)
+        S = P + S
+    scores = scores.view(B, H, T, S) * scale
     if attention_mask is not None:
-        mask = attention_mask[:, :, :, : k.shape[1]]
+        mask = attention_mask[:, :, :, :S]
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     pattern = module.hook_pattern(torch.softmax(scores.float(), dim=-1).to(q.dtype))
-    out = module.hook_head_out(torch.einsum("bhts,bshd->bthd", pattern, v))
+    pg = pattern.reshape(B, Hkv, (H // Hkv) * T, S)
+    o = pg[..., P:] @ v.transpose(1, 2)
+    if P:
+        po = pg[..., :P].transpose(0, 1).reshape(Hkv, -1, P) @ past[1][0]                  # (Hkv, B G T, Dv)
+        o = o + po.view(Hkv, B, -1, po.shape[-1]).transpose(0, 1)
+    out = module.hook_head_out(o.reshape(B, H, T, v.shape[-1]).transpose(1, 2))   # MLA: value, key sizes differ
     return out.contiguous(), pattern
 
 

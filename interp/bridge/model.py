@@ -66,6 +66,9 @@ class BridgeBlock(nn.Module):
         for name, child in hf_layer.named_children():
             setattr(self, name, child)
         self.mixer_attr, self.is_recurrent, self.norm_layout = mixer_attr, recurrent, norm
+        # A list while TransformersBridge.embed_suffix records the arguments transformers' model passes to each
+        # layer (masks, rotary tables, positions); the layer then computes nothing.
+        self.recorded: Optional[list] = None
         self.hook_resid_pre = HookPoint()
         self.hook_mixer_out = HookPoint()
         self.hook_resid_mid = HookPoint()
@@ -79,6 +82,10 @@ class BridgeBlock(nn.Module):
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, cache=None,
                 **kwargs):
         kwargs.pop("use_cache", None)
+        if self.recorded is not None:
+            self.recorded.append(dict(kwargs, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                                      position_ids=position_ids))
+            return hidden_states
         resid = self.hook_resid_pre(hidden_states)
         pre = self.norm_layout == "pre"
         h = self.input_layernorm(resid) if pre else resid
@@ -96,6 +103,40 @@ class BridgeBlock(nn.Module):
         if not pre:
             mlp = self.post_feedforward_layernorm(mlp)
         return self.hook_resid_post(resid + self.hook_mlp_out(mlp))
+
+
+class _LayerView:
+    """What a bridged layer reads of transformers' cache, served from one recurscope LayerCache without writing it:
+    the layer's own call sees the cached state, conv tail and K/V with its new inputs appended, as transformers'
+    cache returns them, and nothing is stored. The head scan's rows share the recipient's cache as batch-expanded
+    views, which transformers' in-place cache updates could not take (and would copy per row)."""
+
+    def __init__(self, lc: LayerCache, seen: int, new_kv_only: bool = False):
+        # new_kv_only: `update` returns the new K/V alone; the attention function reads the cached ones itself
+        # (the module's shared_kv, set by TransformersBridge.run_layer)
+        self.lc, self.seen, self.new_kv_only = lc, seen, new_kv_only
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self.lc.state
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return self.lc.conv.get(str(state_idx))
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        tail = self.lc.conv.get(str(state_idx))
+        return conv_states if tail is None else torch.cat([tail.to(conv_states.dtype), conv_states], dim=-1)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        return recurrent_states
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.lc.keys is None or self.new_kv_only:
+            return key_states, value_states
+        return (torch.cat([self.lc.keys.transpose(1, 2), key_states], dim=-2),
+                torch.cat([self.lc.values.transpose(1, 2), value_states], dim=-2))
 
 
 _HOOK_PATH = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:(\w+)\.)?(hook_\w+)$")
@@ -261,6 +302,45 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
         if use_cache:
             return logits, self._from_hf_cache(hf_cache, offset + T)
         return logits
+
+    # ---- layer by layer (the protocol's embed_suffix / run_layer / unembed) -----------------------------------
+    def embed_suffix(self, tokens: torch.Tensor, cache: RecurrentCache):
+        """The residual entering layer 0 (every bridged family's text model feeds its embeddings to the layers
+        unchanged) and the arguments transformers' own model passes each layer for `tokens` after `cache`: they are
+        recorded from a run of the text model with one row and with the layers computing nothing, so that each
+        family's own masks, rotary tables and position ids are used, and they broadcast over any number of rows
+        (positions and causal masks are the same for every row of a cache, since the bridge takes no padding)."""
+        text = self.text_model[0]
+        B, T = tokens.shape
+        one = RecurrentCache([lc.map(lambda t: t[:1]) for lc in cache.layers], cache.seen_tokens)
+        positions = torch.arange(cache.seen_tokens, cache.seen_tokens + T, device=tokens.device)[None]
+        embeds = torch.zeros(1, T, self.cfg.hf_config.hidden_size, dtype=text.embed_tokens.weight.dtype,
+                             device=tokens.device)
+        for block in self.blocks_list:
+            block.recorded = []
+        try:
+            text(inputs_embeds=embeds, position_ids=positions, cache=self._to_hf_cache(one), use_cache=True)
+            context = [block.recorded[0] for block in self.blocks_list]
+        finally:
+            for block in self.blocks_list:
+                block.recorded = None
+        return text.embed_tokens(tokens), (context, cache.seen_tokens)
+
+    def run_layer(self, layer: int, resid: torch.Tensor, layer_cache: LayerCache, context) -> torch.Tensor:
+        kwargs, seen = context
+        block = self.blocks_list[layer]
+        keys = layer_cache.keys
+        # Rows continuing one cached row as a batch-expanded view (the head scan's growing batch): the attention
+        # function reads that row's K/V once for all rows instead of a per-row concatenation (hooked_attention).
+        shared = (not block.is_recurrent and self.bridge_family.cached_kv_to_attention and keys is not None
+                  and keys.shape[0] > 1 and keys.stride(0) == 0 and layer_cache.values.stride(0) == 0)
+        if not shared:
+            return block(resid, cache=_LayerView(layer_cache, seen), **kwargs[layer])
+        block.mixer.shared_kv = (keys[:1].transpose(1, 2), layer_cache.values[:1].transpose(1, 2))
+        try:
+            return block(resid, cache=_LayerView(layer_cache, seen, new_kv_only=True), **kwargs[layer])
+        finally:
+            block.mixer.shared_kv = None
 
     def unembed(self, resid: torch.Tensor) -> torch.Tensor:
         """Logits of residual-stream vectors (..., D): the text model's final norm, then the LM head. (forward

@@ -156,6 +156,14 @@ class RecurrentLM(ProtocolMethods, HookedRootModule):
             return logits, RecurrentCache(new_layers, offset + tokens.shape[1])
         return logits
 
+    # ---- layer by layer (the protocol's embed_suffix / run_layer / unembed) ----
+    def embed_suffix(self, tokens: torch.Tensor, cache: RecurrentCache):
+        """The residual entering layer 0, and the context every layer needs: the cache's length (rotary offset)."""
+        return self.hook_embed(self.embed(tokens)), cache.seen_tokens
+
+    def run_layer(self, layer: int, resid: torch.Tensor, layer_cache, context) -> torch.Tensor:
+        return self.blocks[layer](resid, layer_cache, offset=context)[0]
+
     def unembed(self, resid: torch.Tensor) -> torch.Tensor:
         """Logits of residual-stream vectors (..., D): the final norm, then the LM head, as after the last block."""
         return self.lm_head(self.norm(resid))

@@ -366,6 +366,9 @@ class AttentionMixer(nn.Module):
         self.hook_v = HookPoint()         # (B, T, Hkv, D)
         self.hook_pattern = HookPoint()   # (B, H, Tq, Tk) softmax weights
         self.hook_head_out = HookPoint()  # (B, T, H, D) before o_proj
+        # False when a caller needs only the outputs (the head scan's suffix rows): the layer cache then carries no
+        # keys or values, which saves concatenating the cache with the new ones.
+        self.keep_final_state = True
 
     def forward(self, h, layer_cache: Optional[LayerCache] = None, state_positions=None, offset: int = 0):
         B, T, _ = h.shape
@@ -373,24 +376,51 @@ class AttentionMixer(nn.Module):
         k = rotary(_split_heads(self.k_proj(h), self.head_dim), offset, self.rope_theta)
         v = _split_heads(self.v_proj(h), self.head_dim)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        if layer_cache is not None and layer_cache.keys is not None:
-            k = torch.cat([layer_cache.keys, k], dim=1)
-            v = torch.cat([layer_cache.values, v], dim=1)
-        Tk = k.shape[1]
-        groups = self.num_heads // self.num_kv_heads
-        kk, vv = _repeat_heads(k, groups), _repeat_heads(v, groups)
+        past = layer_cache is not None and layer_cache.keys is not None
+        P = layer_cache.keys.shape[1] if past else 0
+        Tk, H, Hkv, D = P + T, self.num_heads, self.num_kv_heads, self.head_dim
+        G = H // Hkv
         acc = torch.promote_types(h.dtype, torch.float32)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), kk.to(acc)) * self.head_dim ** -0.5
-        qpos = torch.arange(Tk - T, Tk, device=h.device)[:, None]
+        # Queries grouped by their KV head, (B, Hkv, G T, D) with query head h = kv G + g: no K/V is repeated per
+        # query head, and the cached and new keys are scored apart, so the cache is never concatenated for them.
+        qg = q.to(acc).reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+        kn, vn = k.to(acc).transpose(1, 2), v.to(acc).transpose(1, 2)            # (B, Hkv, T, D)
+        scores = qg @ kn.transpose(-1, -2)
+        # Every row continuing one cached row as a batch-expanded view (the head scan's growing batch): the rows'
+        # queries meet the cached keys in one product per KV head, so the cache is read once, not once per row.
+        shared = past and B > 1 and layer_cache.keys.stride(0) == 0 and layer_cache.values.stride(0) == 0
+        if past:
+            if shared:
+                pk = layer_cache.keys[0].to(acc).permute(1, 2, 0)                  # (Hkv, D, P)
+                old = (qg.transpose(0, 1).reshape(Hkv, B * G * T, D) @ pk).view(Hkv, B, G * T, P).transpose(0, 1)
+            else:
+                old = qg @ layer_cache.keys.to(acc).permute(0, 2, 3, 1)
+            scores = torch.cat([old, scores], dim=-1)
+        scores = scores.view(B, H, T, Tk) * D ** -0.5
+        qpos = torch.arange(P, Tk, device=h.device)[:, None]
         kpos = torch.arange(Tk, device=h.device)[None, :]
         allowed = kpos <= qpos
         if self.window_size is not None:
             allowed = allowed & (kpos > qpos - self.window_size)
         scores = scores.masked_fill(~allowed, float("-inf"))
         pattern = self.hook_pattern(torch.softmax(scores, dim=-1))
-        o = torch.einsum("bhqk,bkhd->bqhd", pattern, vv.to(acc)).to(h.dtype)
+        pg = pattern.reshape(B, Hkv, G * T, Tk)
+        o = pg[..., P:] @ vn
+        if past:
+            if shared:
+                pv = layer_cache.values[0].to(acc).transpose(0, 1)                # (Hkv, P, D)
+                po = pg[..., :P].transpose(0, 1).reshape(Hkv, B * G * T, P)
+                o = o + (po @ pv).view(Hkv, B, G * T, D).transpose(0, 1)
+            else:
+                o = o + pg[..., :P] @ layer_cache.values.to(acc).transpose(1, 2)
+        o = o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(h.dtype)
         o = self.hook_head_out(o)
         out = self.o_proj(o.reshape(B, T, -1))
+        if not self.keep_final_state:
+            return out, LayerCache("attention")
+        if past:
+            k = torch.cat([layer_cache.keys, k], dim=1)
+            v = torch.cat([layer_cache.values, v], dim=1)
         return out, LayerCache("attention", keys=k, values=v)
 
 

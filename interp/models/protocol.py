@@ -5,9 +5,15 @@ Both the native `RecurrentLM` (fla format) and the `TransformersBridge` (transfo
 - the cache's per-layer / per-head edits (`RecurrentCache.swap_from`, `set_head_state`, `select`, `cat`: states,
   conv tails and attention K/V);
 - `run_suffix(tokens, cache, hooks)` -> (logits, the cache after them), from an edited cache, with hooks;
+- layer by layer, for runs that change the batch between layers (the head scan's growing batch):
+  `embed_suffix(tokens, cache)` -> (the residual entering layer 0, a context), `run_layer(layer, resid,
+  layer_cache, context)` -> the residual leaving that layer, reading `layer_cache` (a LayerCache whose rows may be
+  batch-expanded views) and never writing it, and `unembed(resid)` -> logits. The context holds what every layer
+  needs besides its cache (positions, masks, rotary tables); it depends only on the tokens' length and the cache's,
+  so it serves any number of rows continuing a cache of that length;
+- `unembed(resid)`, the final norm then the LM head on residual-stream vectors (also the logit lens and the
+  corrector), and `unembed_weight`, that LM head's (vocab, D) weight;
 - `heads()`, the (layer, head) inventory of recurrent heads, and `check_head`;
-- `unembed(resid)`, the final norm then the LM head on residual-stream vectors (the logit lens, the corrector), and
-  `unembed_weight`, that LM head's (vocab, D) weight;
 - `tokenizer`; plus `cfg.vocab_size`, `cfg.state_shape()`, `n_state_heads`, `recurrent_layers`, `attention_layers`,
   `family` (its FamilySpec) and TransformerLens's `hooks()` / `hook_dict` with recurscope's hook names.
 """
@@ -41,6 +47,10 @@ class RecurrentModel(Protocol):
     def run_prefix(self, tokens: torch.Tensor, state_positions: Optional[Sequence[int]] = None) -> RecurrentCache: ...
 
     def run_suffix(self, tokens: torch.Tensor, cache: RecurrentCache, hooks=()) -> tuple: ...
+
+    def embed_suffix(self, tokens: torch.Tensor, cache: RecurrentCache) -> tuple: ...
+
+    def run_layer(self, layer: int, resid: torch.Tensor, layer_cache, context) -> torch.Tensor: ...
 
     def heads(self) -> list[tuple[int, int]]: ...
 

@@ -41,3 +41,29 @@ def test_sliding_window_masks_old_keys():
     for t in range(8):
         assert torch.all(p[t, : max(0, t - 2)] == 0) and torch.all(p[t, t + 1:] == 0)
         assert abs(p[t, max(0, t - 2): t + 1].sum().item() - 1) < 1e-6
+
+
+def test_cached_and_shared_cache_suffix_equals_the_full_run():
+    """A suffix after a K/V cache equals the same positions of one full run, with the cache per row and as one row
+    expanded over the batch (stride 0: the head scan's shared prefix, scored in one product for all rows); with
+    keep_final_state off the layer returns no K/V."""
+    from recurscope.interp.models.cache import LayerCache
+
+    model = tiny_model("gdn_hybrid", attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2, "window_size": 9})
+    mixer = model.blocks[1].mixer
+    h = torch.randn(1, 15, 32, dtype=torch.float64).expand(3, 15, 32).clone()
+    mixer.double()
+    with torch.no_grad():
+        full, _ = mixer(h)
+        _, lc = mixer(h[:, :11])
+        per_row, new = mixer(h[:, 11:], lc, offset=11)
+        assert new.keys.shape[1] == 15
+        shared = lc.map(lambda t: t[:1].expand(3, *t.shape[1:]))
+        mixer.keep_final_state = False
+        try:
+            expanded, none = mixer(h[:, 11:], shared, offset=11)
+        finally:
+            mixer.keep_final_state = True
+    assert none.keys is None
+    torch.testing.assert_close(per_row, full[:, 11:], rtol=0, atol=1e-12)
+    torch.testing.assert_close(expanded, full[:, 11:], rtol=0, atol=1e-12)

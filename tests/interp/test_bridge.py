@@ -429,6 +429,47 @@ def test_the_bridge_hook_tables_of_the_docs_are_the_models_hook_points(checkpoin
         assert all(name.format(l=l) in model.hook_dict for l in layers[kind]), name
 
 
+def _scan_against_naive(model):
+    from recurscope.interp import scan
+    from recurscope.interp.data import build_pairs
+
+    pairs = build_pairs(model.tokenizer, split="dev", n_sources=2, pairs_per_source=2, n_facts=2, presentations=2,
+                        filler_tokens=8)
+    key = list(scan.SCAN_KEY)
+    fast = scan.run_scan(model, pairs, batch_size=4, prefix_batch=2).rows.set_index(key).sort_index()
+    slow = scan.naive_head_shifts(model, pairs).set_index(key).sort_index()
+    assert fast.index.equals(slow.index) and len(fast) == len(pairs) * len(model.heads())
+    torch.testing.assert_close(torch.tensor(fast["shift"].to_numpy()), torch.tensor(slow["shift"].to_numpy()),
+                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(fast["clean_margin"].to_numpy()),
+                               torch.tensor(slow["clean_margin"].to_numpy()), rtol=0, atol=1e-5)
+    assert float(fast["shift"].abs().max()) > 1e-4   # the heads move the margin, so the comparison has teeth
+
+
+def test_scan_equals_one_full_patched_forward_per_head(checkpoint):
+    """The head scan on the bridge (the growing batch through embed_suffix / run_layer / unembed: rows join at their
+    patched layer, logits at the query position only, the recipient's cache read as shared views) == one full
+    patched forward per head (scan.naive_head_shifts), to 1e-5; batch_size 4 splits the rows of a layer."""
+    _scan_against_naive(load_model(checkpoint[1]))
+
+
+def test_scan_with_attention_below_recurrent_layers(tmp_path):
+    """As above on a Qwen3.5 whose attention layer sits second: the causal mask within the suffix, recorded from
+    transformers' own model, then reaches the query through the recurrent layers above it."""
+    import transformers as tf
+
+    tok = build_word_tokenizer()
+    torch.manual_seed(0)
+    text = dict(TEXT, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
+    hf = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(vocab_size=len(tok), intermediate_size=64, **text))
+    _randomise(hf, 0)
+    hf.save_pretrained(tmp_path)
+    save_word_tokenizer(tok, tmp_path)
+    model = load_model(tmp_path)
+    assert model.attention_layers == [1]
+    _scan_against_naive(model)
+
+
 # ---- bad input ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
@@ -439,6 +480,32 @@ def dense(tmp_path_factory):
     hf.save_pretrained(path)
     save_word_tokenizer(tok, path)
     return path
+
+
+def test_scan_under_a_hook_on_the_attention_keys(dense):
+    """The scan's rows read the cached K/V of an attention layer once for all rows; a hook on hook_k still sees
+    every cached and new key (the attention then concatenates them), and the scan's rows are the same."""
+    from recurscope.interp import scan
+    from recurscope.interp.data import build_pairs
+
+    model = load_model(dense)
+    pairs = build_pairs(model.tokenizer, split="dev", n_sources=1, pairs_per_source=2, n_facts=2, presentations=2,
+                        filler_tokens=8)
+    plain = scan.run_scan(model, pairs, batch_size=4).rows
+    lengths = set()
+
+    def see(k, hook):
+        lengths.add(k.shape[1])
+        return k
+
+    with model.hooks(fwd_hooks=[("blocks.3.mixer.hook_k", see)]):
+        hooked = scan.run_scan(model, pairs, batch_size=4).rows
+    T = pairs.recipient_ids.shape[1]
+    suffix = T - int(pairs.query_start[0])
+    assert lengths <= {int(pairs.query_start[0]), T} and T in lengths   # prefix keys, then cached + suffix keys
+    assert suffix > 0
+    torch.testing.assert_close(torch.tensor(hooked["shift"].to_numpy()), torch.tensor(plain["shift"].to_numpy()),
+                               rtol=0, atol=1e-6)
 
 
 def test_refuses_an_unsupported_architecture(tmp_path):

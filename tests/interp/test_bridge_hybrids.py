@@ -2,7 +2,8 @@
 transformers' own config classes and saved with save_pretrained.
 
 The per-layout checks are test_bridge.py's own (parity with transformers' torch path with idle hooks, stepping,
-the state patch against a hand edit of transformers' cache, write patches that keep the erase, the interventions);
+the state patch against a hand edit of transformers' cache, write patches that keep the erase, the interventions,
+the head scan against one full patched forward per head);
 importing them here makes pytest collect them once more, with this module's `checkpoint` fixture over these three
 families (among them the per-component cache swaps, the hook_state captures and the hook tables of docs/hooks.md).
 Added here: single-token steps against transformers' own decode, per-head K/V swaps past the cached heads refused,
@@ -16,7 +17,8 @@ from test_bridge import (  # noqa: F401  (collected here with this module's chec
     test_interventions_run_through_the_protocol, test_the_bridge_hook_tables_of_the_docs_are_the_models_hook_points,
     test_lens_after_the_last_layer_is_the_model_itself, test_loads_as_a_bridge_with_the_project_hooks,
     test_parity_with_transformers_torch_path_hooks_idle, test_state_patch_equals_a_hand_edit_of_the_transformers_cache,
-    test_stepping_equals_the_full_run, test_unembed_of_the_last_residual_is_transformers_own_logits,
+    test_scan_equals_one_full_patched_forward_per_head, test_stepping_equals_the_full_run,
+    test_unembed_of_the_last_residual_is_transformers_own_logits,
     test_write_patches_keep_the_erase,
 )
 

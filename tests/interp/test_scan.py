@@ -49,20 +49,6 @@ def test_growing_batch_scan_equals_naive_scan_on_every_family(word_tok, pairs, f
     assert fast["shift"].abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("family", ["gdn", "gdn_hybrid"])
-def test_protocol_path_scan_equals_naive_scan(word_tok, pairs, family, monkeypatch):
-    """Models the growing batch cannot drive (the transformers bridge) scan through run_prefix / run_suffix; forced
-    onto a native model here, that path equals one full patched forward per head."""
-    m = tiny_model(family, layers=3, vocab_size=len(word_tok))
-    monkeypatch.setattr(scan, "RecurrentLM", type("NotNative", (), {}))
-    fast = keyed(scan.run_scan(m, pairs, batch_size=4, prefix_batch=2).rows)
-    slow = keyed(scan.naive_head_shifts(m, pairs))
-    assert fast.index.equals(slow.index)
-    np.testing.assert_allclose(fast["shift"], slow["shift"], atol=1e-5, rtol=0)
-    np.testing.assert_allclose(fast["clean_margin"], slow["clean_margin"], atol=1e-5, rtol=0)
-    assert fast["shift"].abs().max() > 1e-4
-
-
 def test_scores_ranks_wins_and_winner_from_hand_computation(word_tok, pairs):
     m = tiny_model("qed", layers=2, vocab_size=len(word_tok))
     res = scan.run_scan(m, pairs, batch_size=3, prefix_batch=2)
