@@ -8,11 +8,15 @@ committed as experiments/qed/results/<run>-s<seed>.json.gz, so the 12-hour study
           20% and 90% at all three lengths) into experiments/qed/frozen_task.json.
   main    one job per (run, seed) in JOB_ORDER: train (train_arms.train_one, resumable mid-run) then evaluate
           (eval-split items; cached per model). Several workers may run at once: each claims a job with a lock file.
+  sweep   the strength sweep on S-NIAH-1 at the longest length (where full - gdn2 is largest): retrains each QED job
+          of SWEEP_RUNS (same recipe and batches; its own folder), checks it against the committed item rows, and
+          scores s = 0, 1, 2 on the main evaluation's items; committed as experiments/qed/results/sweep/.
   report  per-seed tables, McNemar per seed, seed-level contrasts (mean, exact seed-bootstrap interval, sign test),
           the forest plot and the lambda_max study; rewrites the generated block of experiments/qed/README.md.
 
 Usage:  python experiments/qed/seeds.py dev
         python experiments/qed/seeds.py main [--worker]      # start one or two of these in the background
+        python experiments/qed/seeds.py sweep [--runs full,...]
         python experiments/qed/seeds.py report
         python experiments/qed/seeds.py all --profile smoke  # a pipeline check in about a minute
 """
@@ -59,6 +63,10 @@ CONTRASTS = common.CONTRASTS + tuple((r, "gdn2") for r in common.LAMBDA_STUDY)
 #: gdn2 and full first (the headline contrast), then the other arms, then the lambda_max study; seeds inside
 JOB_ORDER = (("gdn2", "full"), ("rand", "nogate", "noproj", "nogate_noproj"), tuple(common.LAMBDA_STUDY))
 
+
+#: the sweep phase's runs, headline arm first, then the lambda_0 = 0.2 cells (the largest trained lambda)
+SWEEP_RUNS = ("full", "full-lm0.25-l0.2", "full-lm0.5-l0.2", "full-lm0.25-l0.1", "full-lm0.5-l0.1", "full-lm0.5-l0.03")
+SWEEP_TASK = "sniah1"
 
 RESULTS = common.ROOT / "results"   # tests point this at a temporary folder
 
@@ -272,6 +280,104 @@ def main_phase(profile: str) -> list[Path]:
     return done
 
 
+def sweep_dir(profile: str) -> Path:
+    return eval_dir(profile) / "sweep"
+
+
+def sweep_job(run: str, seed: int, profile: str, frozen: dict) -> Optional[Path]:
+    """Retrains (run, seed) unless its sweep result exists, then scores SWEEP_TASK at the longest multiplier with
+    every strength on the main evaluation's items (split eval, seed 0), and records how many of those items the
+    retrained model at s = 1 scores as the committed main result did (training is deterministic up to float
+    rounding, so a retrained model can differ in a few items)."""
+    p = PROFILES[profile]
+    result = sweep_dir(profile) / f"{run}-s{seed}.json.gz"
+    if result.is_file():
+        return result
+    committed = eval_dir(profile) / f"{run}-s{seed}.json.gz"
+    if not committed.is_file():
+        raise FileNotFoundError(f"{committed} does not exist: run `python experiments/qed/seeds.py main` first "
+                                "(the sweep compares against the main result).")
+    root = root_for(profile)
+    lock = root / "locks" / f"sweep-{run}-s{seed}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    if not _claim(lock):
+        return None
+    try:
+        out = root / "train" / f"{run}-s{seed}"
+        if not (out / "summary.json").is_file():
+            train_arms.train_one(run, seed, frozen["steps"], out, stage_lengths=frozen["stage_lengths"],
+                                 smoke=profile == "smoke", command=f"python experiments/qed/seeds.py sweep --profile {profile}")
+        model = load_model(out, backend="chunked")
+        L = common.TRAIN_LENGTH * max(p["multipliers"])
+        batch = tasks.build_task(model.tokenizer, SWEEP_TASK, p["n"], L, split="eval", seed=0)
+        with gzip.open(committed, "rt") as fh:
+            main_rows = [r for r in json.loads(fh.read())["items"] if r["task"] == SWEEP_TASK and r["length"] == L]
+        main_correct = np.array([r["correct"] for r in sorted(main_rows, key=lambda r: r["item"])], dtype=bool)
+        rows, agree = [], None
+        for s in STRENGTHS:
+            with model.qed_strength(s):
+                correct = score(model, batch)
+            if s == 1.0:
+                agree = int((correct == main_correct).sum())
+            rows += [{"run": run, "seed": seed, "task": SWEEP_TASK, "length": L, "strength": s, "item": i,
+                      "correct": bool(c)} for i, c in enumerate(correct)]
+        res = {"strength": rows, "agree_with_main": agree, "n": len(main_correct),
+               "main_accuracy": float(main_correct.mean())}
+        result.parent.mkdir(parents=True, exist_ok=True)
+        tmp = result.with_name(result.name + ".tmp")
+        with gzip.open(tmp, "wt") as fh:
+            fh.write(json.dumps(res) + "\n")
+        tmp.replace(result)
+        print(f"[sweep] {run} s{seed} done: retrained model agrees with the main result on {agree}/{len(main_correct)}"
+              " items", flush=True)
+        return result
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def sweep_phase(profile: str, runs: Sequence[str] = SWEEP_RUNS) -> list[Path]:
+    frozen = read_frozen(profile)
+    p = PROFILES[profile]
+    done = []
+    for run in runs:
+        common.check_run(run)
+        if run == "gdn2":
+            raise ValueError("gdn2 has no QED term to scale; pass QED runs to --runs")
+        for seed in p["seeds"]:
+            path = sweep_job(run, seed, profile, frozen)
+            if path is not None:
+                done.append(path)
+    return done
+
+
+def load_sweep(profile: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The sweep's item rows and, per (run, seed), the retrained model's agreement with the main result."""
+    rows, agree = [], []
+    for f in sorted(sweep_dir(profile).glob("*.json.gz")):
+        with gzip.open(f, "rt") as fh:
+            r = json.loads(fh.read())
+        rows += r["strength"]
+        first = r["strength"][0]
+        agree.append({"run": first["run"], "seed": first["seed"], "agree_with_main": r["agree_with_main"], "n": r["n"],
+                      "main_accuracy": r["main_accuracy"]})
+    return pd.DataFrame(rows), pd.DataFrame(agree)
+
+
+def sweep_seed_level(sweep: pd.DataFrame) -> pd.DataFrame:
+    """Per (run, strength): the per-seed accuracy change against s = 1 (pp), its seed-bootstrap interval and sign test."""
+    acc = sweep.groupby(["run", "seed", "strength"])["correct"].mean().unstack("strength")
+    rows = []
+    for run, g in acc.groupby(level="run", sort=False):
+        for s in [x for x in STRENGTHS if x != 1.0]:
+            d = 100 * (g[s] - g[1.0]).to_numpy()
+            sc = seed_contrast(d)
+            rows.append({"run": run, "strength": s, "seeds": sc.n_seeds, "acc_s1": float(g[1.0].mean()),
+                         "acc_s": float(g[s].mean()), "mean_pp": sc.mean, "ci_low": sc.low, "ci_high": sc.high,
+                         "positive": sc.n_positive, "negative": sc.n_negative, "sign_p": sc.sign_p,
+                         "per_seed_pp": " ".join(f"{x:+.1f}" for x in d)})
+    return _order(pd.DataFrame(rows)).reset_index(drop=True) if rows else pd.DataFrame(rows)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------------------------
@@ -404,8 +510,14 @@ def report(profile: str) -> dict[str, pd.DataFrame]:
             tables["seed_contrasts"] = seed_level(tables["per_seed_contrasts"])
     if len(res["strength"]):
         tables["strength"] = strength_table(res["strength"])
+        tables["strength_seeds"] = sweep_seed_level(res["strength"])
     if len(res["lambda"]):
         tables["lambda"] = _order(res["lambda"]).reset_index(drop=True)
+    sweep, agree = load_sweep(profile)
+    if len(sweep):
+        tables["sweep"] = strength_table(sweep)
+        tables["sweep_seeds"] = sweep_seed_level(sweep)
+        tables["sweep_agreement"] = _order(agree).reset_index(drop=True)
     for name, frame in tables.items():
         frame.to_csv(out / f"{name}.csv", index=False)
         (out / f"{name}.md").write_text(common.markdown_table(frame))
@@ -479,10 +591,29 @@ def readme_block(profile: str, tables: dict[str, pd.DataFrame]) -> str:
             ps = ps[ps["task"] == task]
             if len(ps):
                 out += [f"### Per-seed exact McNemar (item noise within one pair of models): `{task}`", "",
-                        common.markdown_table(ps.drop(columns=["task"])), ""]
+                        f"{int((ps['mcnemar_p'] < 0.05).sum())} of {len(ps)} per-seed comparisons have p < 0.05 "
+                        f"(about {0.05 * len(ps):.0f} would by chance alone if no pair of models differed).", "",
+                        "<details><summary>Per seed</summary>", "", common.markdown_table(ps.drop(columns=["task"])),
+                        "", "</details>", ""]
+    seed_note = ("Over seeds: mean of the per-seed accuracy change from s = 1 (pp) [exact seed-bootstrap 95% interval], "
+                 "seeds up / down, exact sign-test p; per seed below.")
     if "strength" in tables:
-        out += ["### Inference-time strength (every lambda_h times s) on the frozen task, paired with s = 1", "",
-                common.markdown_table(tables["strength"]), ""]
+        L = int(tables["strength"]["length"].iloc[0])
+        out += [f"### Inference-time strength (every lambda_h times s) on the frozen task at {L} tokens, paired with "
+                "s = 1", "", seed_note, "", common.markdown_table(tables["strength_seeds"]), "",
+                "<details><summary>Per seed (exact McNemar against s = 1)</summary>", "",
+                common.markdown_table(tables["strength"]), "", "</details>", ""]
+    if "sweep" in tables:
+        L = int(tables["sweep"]["length"].iloc[0])
+        ag = tables["sweep_agreement"]
+        out += [f"### Inference-time strength on `{SWEEP_TASK}` at {L} tokens (the sweep phase, retrained models)", "",
+                seed_note, "", common.markdown_table(tables["sweep_seeds"]), "",
+                f"The sweep retrains each job with the same recipe and batches; at s = 1 the retrained models score "
+                f"{int(ag['agree_with_main'].sum())} of {int(ag['n'].sum())} items as the committed main models did "
+                f"(per job: {int(ag['agree_with_main'].min())}-{int(ag['agree_with_main'].max())} of "
+                f"{int(ag['n'].iloc[0])}).", "",
+                "<details><summary>Per seed (exact McNemar against s = 1), and agreement with the main result</summary>",
+                "", common.markdown_table(tables["sweep"]), "", common.markdown_table(ag), "", "</details>", ""]
     if "lambda" in tables:
         lam = tables["lambda"]
         g = lam.groupby("run", sort=False)["lambda"].agg(["count", "mean", "min", "max"]).reset_index()
@@ -490,7 +621,7 @@ def readme_block(profile: str, tables: dict[str, pd.DataFrame]) -> str:
                                        (1 + np.exp(-common.run_settings(r)["qed_theta_init"])), 4) for r in g["run"]])
         g.insert(1, "lambda_max", [common.run_settings(r)["qed_lambda_max"] for r in g["run"]])
         out += ["### Trained lambda per head (all layers, heads and finished seeds)", "", common.markdown_table(g),
-                "", "Per head:", "", common.markdown_table(lam), ""]
+                "", "<details><summary>Per head</summary>", "", common.markdown_table(lam), "", "</details>", ""]
     return "\n".join(out)
 
 
@@ -509,8 +640,10 @@ def write_readme(profile: str, tables: dict[str, pd.DataFrame], readme: Path = R
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("phase", choices=("dev", "main", "report", "all"))
+    parser.add_argument("phase", choices=("dev", "main", "sweep", "report", "all"))
     parser.add_argument("--profile", choices=sorted(PROFILES), default="full")
+    parser.add_argument("--runs", default=",".join(SWEEP_RUNS),
+                        help="sweep: comma-separated QED runs (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -518,6 +651,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(dev_phase(args.profile), indent=2))
     if args.phase in ("main", "all"):
         main_phase(args.profile)
+    if args.phase in ("sweep", "all"):
+        runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+        if args.profile != "full":
+            runs = [r for r in runs if r in PROFILES[args.profile]["runs"]]
+        sweep_phase(args.profile, runs)
     if args.phase in ("report", "all"):
         tables = report(args.profile)
         for name, frame in tables.items():

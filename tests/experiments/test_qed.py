@@ -318,6 +318,35 @@ def test_seed_study_pipeline_freezes_the_task_and_reports_every_contrast_per_see
 
 
 @pytest.mark.slow
+def test_sweep_scores_the_main_items_at_every_strength_and_reports_over_seeds(seed_study, monkeypatch):
+    root = seed_study
+    monkeypatch.setattr(seeds, "RESULTS", root.parent)
+    sweep, agree = seeds.load_sweep("smoke")
+    qed_runs = {"full", "full-lm0.5-l0.2"}          # the smoke profile's QED runs; gdn2 has nothing to scale
+    assert set(zip(agree["run"], agree["seed"])) == {(r, s) for r in qed_runs for s in (0, 1)}
+    longest = seeds.common.TRAIN_LENGTH * max(seeds.PROFILES["smoke"]["multipliers"])
+    assert set(sweep["strength"]) == set(seeds.STRENGTHS) and set(sweep["length"]) == {longest}
+    # the smoke sweep reuses the main run's models, so at s = 1 it must score exactly the committed items
+    assert (agree["agree_with_main"] == agree["n"]).all()
+    items = seeds.load_results("smoke")["items"]
+    for (run, seed), g in sweep[sweep["strength"] == 1.0].groupby(["run", "seed"]):
+        main = items[(items["run"] == run) & (items["seed"] == seed) & (items["task"] == seeds.SWEEP_TASK)
+                     & (items["length"] == longest)].sort_values("item")
+        assert g.sort_values("item")["correct"].tolist() == main["correct"].tolist()
+    table = pd.read_csv(root / "report" / "sweep_seeds.csv")
+    assert set(table["run"]) == qed_runs and set(table["strength"]) == {0.0, 2.0} and (table["seeds"] == 2).all()
+    one = table[(table["run"] == "full") & (table["strength"] == 0.0)].iloc[0]
+    acc = sweep[sweep["run"] == "full"].groupby(["seed", "strength"])["correct"].mean().unstack()
+    assert one["mean_pp"] == pytest.approx(100 * (acc[0.0] - acc[1.0]).mean())
+    # finished sweep jobs are not redone; gdn2 is refused by name
+    monkeypatch.setattr(train_arms, "train_one", lambda *a, **k: pytest.fail("retrained a finished sweep job"))
+    monkeypatch.setattr(seeds, "score", lambda *a, **k: pytest.fail("rescored a finished sweep job"))
+    seeds.sweep_phase("smoke", ("full",))
+    with pytest.raises(ValueError, match="gdn2 has no QED term"):
+        seeds.sweep_phase("smoke", ("gdn2",))
+
+
+@pytest.mark.slow
 def test_notebook_executes(smoke, seed_study):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
