@@ -338,6 +338,25 @@ def test_sweep_scores_the_main_items_at_every_strength_and_reports_over_seeds(se
     one = table[(table["run"] == "full") & (table["strength"] == 0.0)].iloc[0]
     acc = sweep[sweep["run"] == "full"].groupby(["seed", "strength"])["correct"].mean().unstack()
     assert one["mean_pp"] == pytest.approx(100 * (acc[0.0] - acc[1.0]).mean())
+    # the sweep builds exactly the main evaluation's item batch (smoke models score all items alike, so the rows
+    # alone cannot tell): record both calls of tasks.build_task for the longest S-NIAH-1 length and compare them
+    calls = {"main": [], "sweep": []}
+    real = seeds.tasks.build_task
+
+    def recording(where):
+        def build(tok, task, n, L, split, seed):
+            if task == seeds.SWEEP_TASK and L == longest:
+                calls[where].append((task, n, L, split, seed))
+            return real(tok, task, n, L, split=split, seed=seed)
+        return build
+    model = seeds.load_model(root / "train" / "full-s0", backend="chunked")
+    monkeypatch.setattr(seeds.tasks, "build_task", recording("main"))
+    seeds.evaluate_one(model, "full", 0, "smoke", json.loads((root / "frozen_task.json").read_text())["task"])
+    (seeds.sweep_dir("smoke") / "full-s0.json.gz").unlink()
+    monkeypatch.setattr(seeds.tasks, "build_task", recording("sweep"))
+    seeds.sweep_job("full", 0, "smoke", seeds.read_frozen("smoke"))
+    assert calls["main"] and calls["sweep"] == calls["main"][:1]
+    monkeypatch.setattr(seeds.tasks, "build_task", real)
     # finished sweep jobs are not redone; gdn2 is refused by name
     monkeypatch.setattr(train_arms, "train_one", lambda *a, **k: pytest.fail("retrained a finished sweep job"))
     monkeypatch.setattr(seeds, "score", lambda *a, **k: pytest.fail("rescored a finished sweep job"))
