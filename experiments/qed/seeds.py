@@ -236,6 +236,15 @@ def _claim(lock: Path) -> bool:
     return True
 
 
+def trained(run: str, seed: int, profile: str, frozen: dict, phase: str) -> Path:
+    """The training folder of (run, seed), trained (or its interrupted training resumed) unless it is finished."""
+    out = root_for(profile) / "train" / f"{run}-s{seed}"
+    if not (out / "summary.json").is_file():
+        train_arms.train_one(run, seed, frozen["steps"], out, stage_lengths=frozen["stage_lengths"],
+                             smoke=profile == "smoke", command=f"python experiments/qed/seeds.py {phase} --profile {profile}")
+    return out
+
+
 def run_job(run: str, seed: int, profile: str, frozen: dict) -> Optional[Path]:
     """Trains and evaluates one (run, seed) unless its result exists; returns the result file."""
     p = PROFILES[profile]
@@ -248,11 +257,8 @@ def run_job(run: str, seed: int, profile: str, frozen: dict) -> Optional[Path]:
     if not _claim(lock):
         return None
     try:
-        out = root / "train" / f"{run}-s{seed}"
         t0 = time.time()
-        if not (out / "summary.json").is_file():
-            train_arms.train_one(run, seed, frozen["steps"], out, stage_lengths=frozen["stage_lengths"],
-                                 smoke=profile == "smoke", command=f"python experiments/qed/seeds.py main --profile {profile}")
+        out = trained(run, seed, profile, frozen, "main")
         t1 = time.time()
         model = load_model(out, backend="chunked")
         res = evaluate_one(model, run, seed, profile, frozen["task"])
@@ -287,8 +293,9 @@ def sweep_dir(profile: str) -> Path:
 def sweep_job(run: str, seed: int, profile: str, frozen: dict) -> Optional[Path]:
     """Retrains (run, seed) unless its sweep result exists, then scores SWEEP_TASK at the longest multiplier with
     every strength on the main evaluation's items (split eval, seed 0), and records how many of those items the
-    retrained model at s = 1 scores as the committed main result did (training is deterministic up to float
-    rounding, so a retrained model can differ in a few items)."""
+    retrained model at s = 1 scores as the committed main result did: the recipe and batches are the same, but
+    training is not bit-reproducible across runs and machines (float rounding compounds over the steps), so a
+    retrained model can differ, and the sweep's comparisons are made within the retrained model."""
     p = PROFILES[profile]
     result = sweep_dir(profile) / f"{run}-s{seed}.json.gz"
     if result.is_file():
@@ -303,11 +310,7 @@ def sweep_job(run: str, seed: int, profile: str, frozen: dict) -> Optional[Path]
     if not _claim(lock):
         return None
     try:
-        out = root / "train" / f"{run}-s{seed}"
-        if not (out / "summary.json").is_file():
-            train_arms.train_one(run, seed, frozen["steps"], out, stage_lengths=frozen["stage_lengths"],
-                                 smoke=profile == "smoke", command=f"python experiments/qed/seeds.py sweep --profile {profile}")
-        model = load_model(out, backend="chunked")
+        model = load_model(trained(run, seed, profile, frozen, "sweep"), backend="chunked")
         L = common.TRAIN_LENGTH * max(p["multipliers"])
         batch = tasks.build_task(model.tokenizer, SWEEP_TASK, p["n"], L, split="eval", seed=0)
         with gzip.open(committed, "rt") as fh:
