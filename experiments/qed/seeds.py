@@ -374,11 +374,16 @@ def sweep_seed_level(sweep: pd.DataFrame) -> pd.DataFrame:
         for s in [x for x in STRENGTHS if x != 1.0]:
             d = 100 * (g[s] - g[1.0]).to_numpy()
             sc = seed_contrast(d)
-            rows.append({"run": run, "strength": s, "seeds": sc.n_seeds, "acc_s1": float(g[1.0].mean()),
-                         "acc_s": float(g[s].mean()), "mean_pp": sc.mean, "ci_low": sc.low, "ci_high": sc.high,
+            rows.append({"run": run, "strength": s, "seeds": sc.n_seeds, "acc_s1": round(float(g[1.0].mean()), 4),
+                         "acc_s": round(float(g[s].mean()), 4), "mean_pp": round(sc.mean, 2),
+                         "ci_low": round(sc.low, 2), "ci_high": round(sc.high, 2),
                          "positive": sc.n_positive, "negative": sc.n_negative, "sign_p": sc.sign_p,
                          "per_seed_pp": " ".join(f"{x:+.1f}" for x in d)})
-    return _order(pd.DataFrame(rows)).reset_index(drop=True) if rows else pd.DataFrame(rows)
+    if not rows:
+        return pd.DataFrame(rows)
+    rank = {r: i for i, r in enumerate(common.RUNS)}
+    frame = pd.DataFrame(rows)
+    return frame.assign(_o=frame["run"].map(rank)).sort_values(["_o", "strength"]).drop(columns="_o").reset_index(drop=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
