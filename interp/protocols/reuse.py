@@ -278,8 +278,9 @@ def _reading(s: pd.DataFrame, info: dict) -> list[str]:
         low_arm, low = min(q, key=lambda ae: ae[1][0])
         high_arm, high = max(q, key=lambda ae: ae[1][0])
         floor = sum(e[0] >= 0.897 for _, e in q)
-        out.append(f"Here the qualified rate ranges from {100 * low[0]:.1f}% ({low_arm}) to {100 * high[0]:.1f}% "
-                   f"({high_arm}); {floor} of {len(q)} formats reach the paper's GLA floor of 89.7%"
+        spread = (f"is {100 * low[0]:.1f}% in every format read" if low[0] == high[0] else
+                  f"ranges from {100 * low[0]:.1f}% ({low_arm}) to {100 * high[0]:.1f}% ({high_arm})")
+        out.append(f"Here the qualified rate {spread}; {floor} of {len(q)} formats reach the paper's GLA floor of 89.7%"
                    + (", so the head is reused across formats as in the paper." if floor == len(q) else
                       f", {low_arm} falls short." if floor == len(q) - 1 else "."))
     refused = [a for a in info["formats"] if a not in dict(q)]
