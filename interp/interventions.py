@@ -24,7 +24,7 @@ import torch
 
 from recurscope.hooks.patches import ReadoutReplace, WriteReplace, WriteScale, head_mask, patch_hooks
 from recurscope.hooks.points import hook_name
-from recurscope.interp.models.cache import RecurrentCache
+from recurscope.interp.models.cache import LayerCache, RecurrentCache
 
 Head = tuple[int, int]
 HeadsArg = Union[Head, Sequence[Head]]
@@ -271,6 +271,11 @@ class reuse_clean_runs:
         _MEMO = self._outer
 
 
+def _memoised(model, pairs, key: tuple, compute: Callable, nbytes: Callable):
+    """compute(), or its kept value inside reuse_clean_runs."""
+    return compute() if _MEMO is None else _MEMO.get(model, pairs, key, compute, nbytes)
+
+
 def _cache_bytes(cache: RecurrentCache) -> int:
     return sum(t.numel() * t.element_size() for lc in cache.layers
                for t in (lc.state, lc.keys, lc.values, *lc.conv.values()) if t is not None)
@@ -279,7 +284,6 @@ def _cache_bytes(cache: RecurrentCache) -> int:
 def _shallow(cache: RecurrentCache) -> RecurrentCache:
     """New cache and layer objects over the same tensors: an edit that reassigns a layer's tensor (set_head_state)
     cannot reach the memo's copy."""
-    from recurscope.interp.models.cache import LayerCache
     return RecurrentCache([LayerCache(lc.kind, lc.state, dict(lc.conv), lc.keys, lc.values) for lc in cache.layers],
                           cache.seen_tokens)
 
@@ -292,9 +296,7 @@ def prefix_caches(model, pairs, rows: torch.Tensor, b: int, device) -> tuple[Rec
         cache = model.run_prefix(torch.cat([rec, don]).to(device))
         n = len(rows)
         return cache.select(torch.arange(n)), cache.select(torch.arange(n, 2 * n))
-    if _MEMO is None:
-        return compute()
-    R, D = _MEMO.get(model, pairs, ("prefix", tuple(rows.tolist()), int(b), str(device)), compute,
+    R, D = _memoised(model, pairs, ("prefix", tuple(rows.tolist()), int(b), str(device)), compute,
                      lambda rd: _cache_bytes(rd[0]) + _cache_bytes(rd[1]))
     return _shallow(R), _shallow(D)
 
@@ -362,10 +364,9 @@ def _write_intervention(name, model, pairs, heads, spans, batch_size, return_ful
             rec = pairs.recipient_ids[rows].to(device)
             qp = pairs.query_pos[rows].to(device)
             cand = pairs.candidate_ids[rows]
-            def clean_logits():
-                return candidate_logits(model(rec, logit_positions=qp), cand)   # logits at the answer position only
-            clean = clean_logits() if _MEMO is None else _MEMO.get(
-                model, pairs, ("clean", tuple(rows.tolist()), str(device)), clean_logits, lambda t: t.numel() * 4)
+            clean = _memoised(model, pairs, ("clean", tuple(rows.tolist()), str(device)),
+                              lambda: candidate_logits(model(rec, logit_positions=qp), cand),  # at the answer only
+                              lambda t: t.numel() * t.element_size())
             _store(parts, "clean", rows, clean)
             pos_mask = _span_mask(span_t[rows], T)
             with model.hooks(fwd_hooks=patch_hooks(model, make_patches(rows, pos_mask, device))):

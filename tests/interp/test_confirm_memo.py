@@ -18,14 +18,18 @@ def tok():
     return build_word_tokenizer()
 
 
-def _models(tok):
-    yield "gla_conv", tiny_model("gla_conv", layers=2, vocab_size=len(tok)), [(0, 1)]
-    yield "gdn_hybrid", tiny_model("gdn_hybrid", layers=3, vocab_size=len(tok)), [(0, 0), (2, 1)]
+#: family -> (layers, the heads confirmed jointly)
+MODELS = {"gla_conv": (2, [(0, 1)]), "gdn_hybrid": (3, [(0, 0), (2, 1)])}
 
 
-@pytest.mark.parametrize("kind", ["gla_conv", "gdn_hybrid"])
+def _model(tok, kind):
+    layers, heads = MODELS[kind]
+    return tiny_model(kind, layers=layers, vocab_size=len(tok)), heads
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
 def test_confirm_with_shared_runs_equals_each_arm_alone(tok, kind):
-    name, model, heads = next(m for m in _models(tok) if m[0] == kind)
+    model, heads = _model(tok, kind)
     pairs = build_pairs(tok, split="dev", n_sources=4, n_facts=2, filler_tokens=12, gap_tokens=4)  # 2 chunks of 2
     alone = pd.concat([confirm_arm(model, pairs, heads, arm, batch_size=2) for arm in ARMS], ignore_index=True)
     with iv.reuse_clean_runs(model) as memo:
@@ -40,7 +44,7 @@ def test_confirm_with_shared_runs_equals_each_arm_alone(tok, kind):
 
 
 def test_a_full_memo_adds_nothing_and_changes_nothing(tok):
-    _, model, heads = next(_models(tok))
+    model, heads = _model(tok, "gla_conv")
     pairs = build_pairs(tok, split="dev", n_sources=2, n_facts=2, filler_tokens=12, gap_tokens=4)
     ref = iv.state_swap(model, pairs, heads, batch_size=2)
     with iv.reuse_clean_runs(model, max_bytes=0) as memo:
@@ -50,8 +54,7 @@ def test_a_full_memo_adds_nothing_and_changes_nothing(tok):
 
 
 def test_the_memo_ignores_other_models_and_other_pairs(tok):
-    gens = _models(tok)
-    (_, m1, heads), (_, m2, _) = next(gens), next(gens)
+    (m1, heads), (m2, _) = _model(tok, "gla_conv"), _model(tok, "gdn_hybrid")
     p1 = build_pairs(tok, split="dev", n_sources=2, n_facts=2, filler_tokens=12, gap_tokens=4)
     p2 = build_pairs(tok, split="dev", n_sources=2, n_facts=2, filler_tokens=12, gap_tokens=4, seed=1)
     with iv.reuse_clean_runs(m1) as memo:
