@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformer_lens.hook_points import HookPoint
 
-from recurscope.interp.models.mixers import RecurrentMixer
+from recurscope.interp.models.mixers import RecurrentMixer, grouped_scores, grouped_values
 
 
 def _adopt(target: torch.nn.Module, source: torch.nn.Module) -> None:
@@ -209,28 +209,20 @@ def hooked_attention(module, query, key, value, attention_mask, scaling=None, dr
     k = module.hook_k(key.transpose(1, 2))
     v = module.hook_v(value.transpose(1, 2))
     B, T, H, D = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
-    # Queries grouped by their KV head, (B, Hkv, G T, D) with query head h = kv G + g (as repeat_interleave would
-    # pair them): K/V are never repeated per query head, and transformers' (B, Hkv, S, D) layout goes into the
-    # products as it is (a transposed operand, not a copy).
+    Hkv = k.shape[2]
+    # Queries grouped by their KV head, as in the native attention (grouped_scores / grouped_values).
     qg = q.transpose(1, 2).reshape(B, Hkv, (H // Hkv) * T, D)
     scale = D ** -0.5 if scaling is None else scaling
-    scores = qg @ k.permute(0, 2, 3, 1)
-    P = 0 if past is None else past[0].shape[2]
-    if P:
-        old = qg.transpose(0, 1).reshape(Hkv, -1, D) @ past[0][0].transpose(-1, -2)        # (Hkv, B G T, P)
-        scores = torch.cat([old.view(Hkv, B, -1, P).transpose(0, 1), scores], dim=-1)
-        S = P + S
+    shared = past is not None                    # past: (1, Hkv, P, D), one row for every row of the batch
+    scores = grouped_scores(qg, k.transpose(1, 2), past[0] if shared else None, shared)
+    S = scores.shape[-1]
     scores = scores.view(B, H, T, S) * scale
     if attention_mask is not None:
         mask = attention_mask[:, :, :, :S]
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     pattern = module.hook_pattern(torch.softmax(scores.float(), dim=-1).to(q.dtype))
-    pg = pattern.reshape(B, Hkv, (H // Hkv) * T, S)
-    o = pg[..., P:] @ v.transpose(1, 2)
-    if P:
-        po = pg[..., :P].transpose(0, 1).reshape(Hkv, -1, P) @ past[1][0]                  # (Hkv, B G T, Dv)
-        o = o + po.view(Hkv, B, -1, po.shape[-1]).transpose(0, 1)
+    o = grouped_values(pattern.reshape(B, Hkv, (H // Hkv) * T, S), v.transpose(1, 2), past[1] if shared else None,
+                       shared)
     out = module.hook_head_out(o.reshape(B, H, T, v.shape[-1]).transpose(1, 2))   # MLA: value, key sizes differ
     return out.contiguous(), pattern
 

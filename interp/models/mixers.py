@@ -347,6 +347,39 @@ class GatedDeltaNet2Mixer(_DeltaBase):
         return self._finish(o.to(h.dtype), gate, layer_cache, S, new_conv)
 
 
+def grouped_scores(qg: torch.Tensor, k: torch.Tensor, past_k: Optional[torch.Tensor] = None,
+                   shared: bool = False) -> torch.Tensor:
+    """Attention scores of queries grouped by their KV head, qg (B, Hkv, G T, D) (query head h = kv G + g), against
+    the cached keys past_k (B, Hkv, P, D), first, and the new keys k (B, Hkv, S, D) -> (B, Hkv, G T, P + S), unscaled.
+    No key is repeated per query head. shared: past_k's rows are views of one row (the head scan's rows continuing one
+    cached row), so every row's queries meet it in one product per KV head and the cache is read once."""
+    scores = qg @ k.transpose(-1, -2)
+    if past_k is None:
+        return scores
+    if shared:
+        B, Hkv, M, D = qg.shape
+        old = (qg.transpose(0, 1).reshape(Hkv, B * M, D) @ past_k[0].transpose(-1, -2)).view(Hkv, B, M, -1)
+        old = old.transpose(0, 1)
+    else:
+        old = qg @ past_k.transpose(-1, -2)
+    return torch.cat([old, scores], dim=-1)
+
+
+def grouped_values(pg: torch.Tensor, v: torch.Tensor, past_v: Optional[torch.Tensor] = None,
+                   shared: bool = False) -> torch.Tensor:
+    """The weighted values of grouped_scores' pattern pg (B, Hkv, G T, P + S), cached values past_v (B, Hkv, P, Dv)
+    first, new values v (B, Hkv, S, Dv) -> (B, Hkv, G T, Dv); shared as in grouped_scores."""
+    P = 0 if past_v is None else past_v.shape[-2]
+    o = pg[..., P:] @ v
+    if past_v is None:
+        return o
+    if shared:
+        B, Hkv, M, _ = pg.shape
+        po = pg[..., :P].transpose(0, 1).reshape(Hkv, B * M, P) @ past_v[0]
+        return o + po.view(Hkv, B, M, -1).transpose(0, 1)
+    return o + pg[..., :P] @ past_v
+
+
 class AttentionMixer(nn.Module):
     """Causal softmax attention with RoPE, grouped KV heads, an optional sliding window and a KV cache."""
 
@@ -381,21 +414,14 @@ class AttentionMixer(nn.Module):
         Tk, H, Hkv, D = P + T, self.num_heads, self.num_kv_heads, self.head_dim
         G = H // Hkv
         acc = torch.promote_types(h.dtype, torch.float32)
-        # Queries grouped by their KV head, (B, Hkv, G T, D) with query head h = kv G + g: no K/V is repeated per
-        # query head, and the cached and new keys are scored apart, so the cache is never concatenated for them.
+        # Queries grouped by their KV head (grouped_scores): the cache is scored apart, never concatenated.
         qg = q.to(acc).reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-        kn, vn = k.to(acc).transpose(1, 2), v.to(acc).transpose(1, 2)            # (B, Hkv, T, D)
-        scores = qg @ kn.transpose(-1, -2)
-        # Every row continuing one cached row as a batch-expanded view (the head scan's growing batch): the rows'
-        # queries meet the cached keys in one product per KV head, so the cache is read once, not once per row.
+        # Every row continuing one cached row as a batch-expanded view (the head scan's growing batch) is read once.
         shared = past and B > 1 and layer_cache.keys.stride(0) == 0 and layer_cache.values.stride(0) == 0
-        if past:
-            if shared:
-                pk = layer_cache.keys[0].to(acc).permute(1, 2, 0)                  # (Hkv, D, P)
-                old = (qg.transpose(0, 1).reshape(Hkv, B * G * T, D) @ pk).view(Hkv, B, G * T, P).transpose(0, 1)
-            else:
-                old = qg @ layer_cache.keys.to(acc).permute(0, 2, 3, 1)
-            scores = torch.cat([old, scores], dim=-1)
+        rows = slice(0, 1) if shared else slice(None)          # a shared cache is converted for its one row only
+        pk = layer_cache.keys[rows].to(acc).transpose(1, 2) if past else None      # (B or 1, Hkv, P, D)
+        pv = layer_cache.values[rows].to(acc).transpose(1, 2) if past else None
+        scores = grouped_scores(qg, k.to(acc).transpose(1, 2), pk, shared)
         scores = scores.view(B, H, T, Tk) * D ** -0.5
         qpos = torch.arange(P, Tk, device=h.device)[:, None]
         kpos = torch.arange(Tk, device=h.device)[None, :]
@@ -404,15 +430,7 @@ class AttentionMixer(nn.Module):
             allowed = allowed & (kpos > qpos - self.window_size)
         scores = scores.masked_fill(~allowed, float("-inf"))
         pattern = self.hook_pattern(torch.softmax(scores, dim=-1))
-        pg = pattern.reshape(B, Hkv, G * T, Tk)
-        o = pg[..., P:] @ vn
-        if past:
-            if shared:
-                pv = layer_cache.values[0].to(acc).transpose(0, 1)                # (Hkv, P, D)
-                po = pg[..., :P].transpose(0, 1).reshape(Hkv, B * G * T, P)
-                o = o + (po @ pv).view(Hkv, B, G * T, D).transpose(0, 1)
-            else:
-                o = o + pg[..., :P] @ layer_cache.values.to(acc).transpose(1, 2)
+        o = grouped_values(pattern.reshape(B, Hkv, G * T, Tk), v.to(acc).transpose(1, 2), pv, shared)
         o = o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(h.dtype)
         o = self.hook_head_out(o)
         out = self.o_proj(o.reshape(B, T, -1))
