@@ -34,7 +34,8 @@ __all__ = [
     "InterventionResult", "INTERVENTIONS", "INTERVENTION_NAMES", "NamedIntervention", "REGISTRY",
     "RANDOM_UPDATE_KINDS", "controls_of", "named_intervention", "normalise_heads", "check_pairs",
     "clean_run", "write_block", "donor_write", "state_swap", "output_patch", "output_restore", "random_update",
-    "random_write", "RANDOM_WRITE_VARIANTS", "spans_with_conv_tail", "choose_control_heads", "control_head", "candidate_logits", "model_device", "prefix_caches", "reuse_clean_runs",
+    "random_write", "RANDOM_WRITE_VARIANTS", "spans_with_conv_tail", "choose_control_heads", "control_head",
+    "candidate_logits", "model_device", "prefix_caches", "reuse_clean_runs",
 ]
 
 
