@@ -13,12 +13,20 @@ bounded), so strong decays never overflow.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 SUB = 16  # sub-chunk for the per-channel decay pivots
+
+
+def default_chunk_size(erase: bool) -> int:
+    """Steps per chunk when the caller names none. A chunk's pairwise terms cost O(C (K + V)) per step and the
+    sequential products O(K V) whatever C is, so a shorter chunk does less work; with an erase vector (the solve and
+    its two products) 32 steps ran 0.85-0.9x the time of 64 on one CPU thread at K = V = 128, without one (GLA) 64
+    ran faster (docs/performance.md)."""
+    return 32 if erase else 64
 
 
 def _pairwise_scalar(xs, ym, G):
@@ -30,17 +38,17 @@ def _pairwise_scalar(xs, ym, G):
     return [(x @ y_T).mul_(dec) for x in xs]              # one product per row set: no concatenated copy
 
 
-def _pairwise_from_chunk_start(xs_g, ym, gam):
-    """For each x in xs: A[t, s] = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]} for s <= t, zero above, as one full product
-    (x_t e^{G_t}) . (y_s / e^{G_s}) pivoted at the chunk's start. xs_g = x e^{G} and gam = e^{G} are factors the
-    rest of the kernel forms anyway, so the y side costs one division shared by every x, and each x one product.
-    Valid while every |G_t| stays within the dtype's range (the caller checks): then every factor is a normal float,
-    each term keeps its relative precision, and the large products sit above the diagonal, where they are masked.
-    Each entry reads only steps s <= t, so a later step never changes an earlier output, not even by rounding."""
-    C = ym.shape[-2]
-    above = torch.ones(C, C, dtype=torch.bool, device=ym.device).triu(1)
-    y_T = (ym / gam).transpose(-1, -2)
-    return [(x @ y_T).masked_fill_(above, 0.0) for x in xs_g]
+def _pairwise_lifted(rows, cols, C):
+    """A[t, s] = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]} for s <= t, zero above, as one full product of lifted
+    vectors pivoted at the chunk's start: rows (..., R, K) holds x_t e^{G_t} (R a multiple of C: several row sets
+    stacked, each of C rows) and cols (..., C, K) holds y_s e^{-G_s}. Valid while every |G_t| stays within the dtype's
+    range (the caller checks): then every factor is a normal float, each term keeps its relative precision, and the
+    large products sit above the diagonal, where they are masked. Each entry reads only steps s <= t, so a later step
+    never changes an earlier output, not even by rounding. Returns (..., R, C)."""
+    A = torch.matmul(rows, cols.transpose(-1, -2))
+    above = torch.ones(C, C, dtype=torch.bool, device=A.device).triu(1)
+    A.view(*A.shape[:-2], -1, C, C).masked_fill_(above, 0.0)
+    return A
 
 
 def _pairwise_channel(xs, ym, G, max_span):
@@ -126,6 +134,105 @@ def _chunk_major(t, B, T, H, N, C, dtype, scale=None):
     return out[..., 0] if squeeze else out
 
 
+def _into_chunk_major(t, factor, B, T, H, N, C, out, op=torch.mul):
+    """out = op(t, factor) with t (B, T, H, D) in the caller's layout and factor and out chunk-major, (N, B*H, C, ·):
+    the layout change and the scaling in one pass over t (a copy when factor is None). Rows past T are zeroed."""
+    D = t.shape[-1]
+    dst = out.view(N, B, H, C, D).permute(1, 0, 3, 2, 4)          # (B, N, C, H, D)
+    fac = None if factor is None else factor.view(N, B, H, C, -1).permute(1, 0, 3, 2, 4)
+    full = T // C
+    for lo, n, steps in ((0, slice(0, full), full * C), (full * C, full, T - full * C)):
+        if not steps:
+            continue
+        src = t[:, lo:lo + steps]
+        if isinstance(n, slice):
+            src, d, f = src.reshape(B, full, C, H, D), dst[:, n], None if fac is None else fac[:, n]
+        else:
+            d, f = dst[:, n, :steps], None if fac is None else fac[:, n, :steps]
+            dst[:, n, steps:].zero_()
+        if f is None:
+            d.copy_(src)
+        else:
+            op(src, f, out=d)
+    return out
+
+
+class _Lifted(NamedTuple):
+    """The operands of the chunk-start-pivoted route, chunk-major (N, B*H, C, ·); None where a call has no such term."""
+    qg: torch.Tensor                  # q_t e^{G_t}, unscaled (the output scale is applied in the final layout pass)
+    ag: Optional[torch.Tensor]        # a_t e^{G_t}
+    kd: torch.Tensor                  # k_s e^{G_C - G_s}
+    ud: Optional[torch.Tensor]        # u_s e^{G_C - G_s}
+    xc: torch.Tensor                  # the (write-scaled) x
+    yc: Optional[torch.Tensor]        # the extra write's y
+    A_qk: torch.Tensor                # pairwise terms, lower triangles, (N, B*H, C, C)
+    A_ak: Optional[torch.Tensor]
+    A_qu: Optional[torch.Tensor]
+    A_au: Optional[torch.Tensor]
+    gam: torch.Tensor                 # e^{G_t}: (N, B*H, C, K), or (N, B*H, C, 1) for a per-head decay
+    decay_row: torch.Tensor           # e^{G_C}: (N, B*H, 1, K) or (N, B*H, 1, 1)
+
+
+def _lifted_operands(q, k, x, a, write_scale, extra_write, G, channel, B, T, H, N, C, dtype):
+    """Every operand of a no-graph call whose decays allow the chunk-start pivot (|G_t| <= max_span), each formed
+    from the caller's tensor in one pass that fuses the layout change with its decay factor. The row vectors carry
+    e^{G_t} and the column vectors e^{-G_s} (k_lift = k e^{-G}), so a pairwise term is one full product, masked (_pairwise_lifted); and
+    k e^{G_C - G_s} = k_lift e^{G_C} is k_lift scaled in place once the products have read it. With an erase vector,
+    a e^{G} and q e^{G} are the two row halves of one buffer: each pairwise term is then one product."""
+    K = q.shape[-1]
+    BH = B * H
+    dev = q.device
+    if channel:
+        G_last = G[..., -1:, :].clone()
+        gam = G.exp_()                           # G is this call's own buffer and is not read again
+        decay_row = G_last.exp_()                # (N, BH, 1, K)
+    else:
+        gam = G.exp()[..., None]                 # (N, BH, C, 1)
+        decay_row = gam[..., -1:, :]             # (N, BH, 1, 1)
+    new = lambda rows, D=K: torch.empty(N, BH, rows, D, dtype=dtype, device=dev)  # noqa: E731
+    into = lambda t, f, out, op=torch.mul: _into_chunk_major(t, f, B, T, H, N, C, out, op)  # noqa: E731
+    if a is not None:
+        rows = new(2 * C)                        # [a e^G; q e^G], one row block each
+        ag = into(a, gam, rows[:, :, :C])
+        qg = into(q, gam, rows[:, :, C:])
+    else:
+        rows = qg = into(q, gam, new(C))
+        ag = None
+
+    def pairwise(cols):
+        """The lifted column vectors cols (N, BH, C, K) against every row vector: (A_q·, A_a·)."""
+        A = _pairwise_lifted(rows, cols, C)                                    # (N, BH, 2C or C, C)
+        return (A[:, :, C:], A[:, :, :C]) if a is not None else (A, None)
+
+    k_lift = into(k, gam, new(C), torch.div)                                   # k_s e^{-G_s}
+    A_qk, A_ak = pairwise(k_lift)
+    kd = k_lift.mul_(decay_row)
+    A_qu = A_au = ud = yc = None
+    if extra_write is not None:
+        u_lift = into(extra_write[0], gam, new(C), torch.div)
+        A_qu, A_au = pairwise(u_lift)
+        ud = u_lift.mul_(decay_row)
+        yc = into(extra_write[1], None, new(C, extra_write[1].shape[-1]))
+    ws = None if write_scale is None else _chunk_major(write_scale, B, T, H, N, C, dtype)[..., None]
+    xc = into(x, ws, new(C, x.shape[-1]))
+    return _Lifted(qg, ag, kd, ud, xc, yc, A_qk, A_ak, A_qu, A_au, gam, decay_row)
+
+
+def _capture_states_lifted(capture, C, ops: _Lifted, starts, chunk_R):
+    """`_capture_states` from the lifted operands: k_s e^{G_p - G_s} = kd_s e^{G_p} / e^{G_C}, each factor within
+    the dtype's range on this route. Returns (BH, P, K, V)."""
+    caps = []
+    for p in capture:
+        n, i = divmod(p, C)
+        to_p = ops.gam[n][:, i] / ops.decay_row[n][:, 0]                   # e^{G_p - G_C}: (BH, K) or (BH, 1)
+        start = ops.gam[n][:, i][..., None] * starts[n]
+        st = torch.baddbmm(start, (ops.kd[n][:, : i + 1] * to_p[:, None]).transpose(-1, -2), chunk_R[n][:, : i + 1])
+        if ops.ud is not None:
+            st = torch.baddbmm(st, (ops.ud[n][:, : i + 1] * to_p[:, None]).transpose(-1, -2), ops.yc[n][:, : i + 1])
+        caps.append(st)
+    return torch.stack(caps, dim=1)
+
+
 def _capture_states(capture, C, G, channel, starts, chunk_R, kc, uc, yc):
     """S after step p for each capture position p, from its chunk's start state and residuals:
     S_p = e^{G_p} S_0 + sum_{s <= p} (k_s e^{G_p - G_s}) r_s^T (+ the same sum over u_s y_s^T). Returns (BH, P, K, V)."""
@@ -153,7 +260,7 @@ def _shared_state_product(P, S0, B, H):
 
 def recurrence_chunked(
     q, k, x, g, a=None, *, scale: float, initial_state=None, write_scale=None, extra_write=None,
-    capture: Optional[list[int]] = None, dtype: torch.dtype = torch.float32, chunk_size: int = 64,
+    capture: Optional[list[int]] = None, dtype: torch.dtype = torch.float32, chunk_size: Optional[int] = None,
     final_state: bool = True,
 ):
     """Same contract as `recurrence_reference`; differentiable. Inputs are assumed validated.
@@ -166,6 +273,8 @@ def recurrence_chunked(
     V = x.shape[-1]
     BH = B * H
     channel = g.dim() == 4
+    if chunk_size is None:
+        chunk_size = default_chunk_size(a is not None)
     C = min(chunk_size, -(-T // SUB) * SUB)
     if C % SUB:
         raise ValueError(f"chunk_size must be a multiple of {SUB}, got {chunk_size}")
@@ -175,13 +284,7 @@ def recurrence_chunked(
         for t in (q, k, x, g, a, initial_state, write_scale, *(extra_write or ())))
 
     prep = lambda t, s=None: _chunk_major(t, B, T, H, N, C, dtype, s)  # noqa: E731
-    qc, kc, xc, gc = prep(q, scale), prep(k), prep(x), prep(g)        # the output scale rides on q
-    if write_scale is not None:
-        wc = prep(write_scale)[..., None]
-        xc = xc * wc if grad else xc.mul_(wc)
-    ac = None if a is None else prep(a)
-    uc, yc = (None, None) if extra_write is None else (prep(extra_write[0]), prep(extra_write[1]))
-
+    gc = prep(g)
     if channel and not grad:
         # Along the chunk's steps in place: C - 1 contiguous row additions run about 3x faster than cumsum over
         # a non-last dimension. gc is this call's own chunk-major copy.
@@ -190,51 +293,69 @@ def recurrence_chunked(
             G[..., i, :] += G[..., i - 1, :]
     else:
         G = gc.cumsum(-2 if channel else -1)
-    # Without autograd and captures (which read k, u and G later), the chunk-major copies are this call's own and
-    # are scaled in place once read: fresh buffers cost page faults on every call.
+    max_span = 60.0 if dtype == torch.float32 else 600.0
+    # Off the chunk-start route, without autograd and captures (which read k, u and G later), the chunk-major copies
+    # are this call's own and are scaled in place once read: fresh buffers cost page faults on every call.
     consume = not grad and not capture
-    scaled = lambda t, f: None if t is None else (t.mul_(f) if consume else t * f)  # noqa: E731
+    # The decay from the chunk's start, G_t, within [-max_span, max_span] lets the pairwise terms pivot at the chunk's
+    # start (one host read decides; past the range they pivot at every SUB-step block, exact for any decay). Only
+    # without autograd: the backward of y / e^{G} carries e^{-2G}, which overflows long before e^{-G} does.
     start_pivot = False
-    if channel:
-        G_last = G[..., -1:, :].clone()
-        max_span = 60.0 if dtype == torch.float32 else 600.0
-        # One host read: every G_t (the decay from the chunk's start) within [-max_span, max_span] lets the pairwise
-        # terms pivot at the chunk's start; past that, they pivot at every SUB-step block (exact for any decay).
+    if not grad:
         lo, hi = (float(v) for v in torch.stack(torch.aminmax(G.detach())).tolist())
-        # Only without autograd: the backward of y / e^{G} carries e^{-2G}, which overflows long before e^{-G} does.
-        start_pivot = not grad and max(abs(lo), abs(hi)) <= max_span
-        to_end = torch.sub(G_last, G)            # e^{G_C - G_s}
-        to_end = to_end.exp_() if not grad else to_end.exp()
-        gam = G.exp_() if consume and start_pivot else G.exp()     # e^{G_t}, (N, BH, C, K); G is not read again
-        decay_C = G_last.exp().transpose(-1, -2)  # (N, BH, K, 1)
+        start_pivot = max(abs(lo), abs(hi)) <= max_span
+    out_scale = 1.0
+    lifted = None
+    if start_pivot:
+        # Every no-graph call whose decays allow it (patched or not, so that a patch never moves an unpatched
+        # position, not even by rounding): the operands straight from the caller's tensors, the output scale in the
+        # final layout pass.
+        lifted = _lifted_operands(q, k, x, a, write_scale, extra_write, G, channel, B, T, H, N, C, dtype)
+        qg, ag, kd, ud, xc, yc = lifted.qg, lifted.ag, lifted.kd, lifted.ud, lifted.xc, lifted.yc
+        A_qk, A_qu = lifted.A_qk, lifted.A_qu
+        A_ak = [] if lifted.A_ak is None else [lifted.A_ak]
+        A_au = [] if lifted.A_au is None else [lifted.A_au]
+        decay_C = lifted.decay_row.transpose(-1, -2)   # (N, BH, K, 1), or (N, BH, 1, 1)
+        uc = ud                                        # not None when the call has an extra write
+        UY = None if ud is None else ud.transpose(-1, -2) @ yc
+        out_scale = scale
     else:
-        G_last = G[..., -1:]
-        gam = G.exp()[..., None]
-        to_end = (G_last - G).exp()[..., None]
-        decay_C = G_last.exp()[..., None]        # (N, BH, 1, 1)
-
-    rows = [qc] if ac is None else [qc, ac]
-    if not start_pivot:
-        pair = (lambda xs, ym: _pairwise_channel(xs, ym, G, max_span)) if channel else \
-            (lambda xs, ym: _pairwise_scalar(xs, ym, G))
+        qc, kc, xc = prep(q, scale), prep(k), prep(x)     # the output scale rides on q
+        if write_scale is not None:
+            wc = prep(write_scale)[..., None]
+            xc = xc * wc if grad else xc.mul_(wc)
+        ac = None if a is None else prep(a)
+        uc, yc = (None, None) if extra_write is None else (prep(extra_write[0]), prep(extra_write[1]))
+        scaled = lambda t, f: None if t is None else (t.mul_(f) if consume else t * f)  # noqa: E731
+        if channel:
+            G_last = G[..., -1:, :].clone()
+            to_end = torch.sub(G_last, G)            # e^{G_C - G_s}
+            to_end = to_end.exp_() if not grad else to_end.exp()
+            gam = G.exp()                            # e^{G_t}, (N, BH, C, K); G itself is read again by the pivots
+            decay_C = G_last.exp().transpose(-1, -2)  # (N, BH, K, 1)
+            pair = lambda xs, ym: _pairwise_channel(xs, ym, G, max_span)  # noqa: E731
+        else:
+            G_last = G[..., -1:]
+            gam = G.exp()[..., None]
+            to_end = (G_last - G).exp()[..., None]
+            decay_C = G_last.exp()[..., None]        # (N, BH, 1, 1)
+            pair = lambda xs, ym: _pairwise_scalar(xs, ym, G)  # noqa: E731
+        rows = [qc] if ac is None else [qc, ac]
         A_qk, *A_ak = pair(rows, kc)
         A_qu, *A_au = (None,) if uc is None else pair(rows, uc)
-    qg = scaled(qc, gam)                         # q_t e^{G_t}: the output's state term
-    ag = scaled(ac, gam)                         # a_t e^{G_t}: the erase's state term
-    if start_pivot:
-        rows_g = [qg] if ag is None else [qg, ag]
-        A_qk, *A_ak = _pairwise_from_chunk_start(rows_g, kc, gam)
-        A_qu, *A_au = (None,) if uc is None else _pairwise_from_chunk_start(rows_g, uc, gam)
-    kd = scaled(kc, to_end)                      # k_s e^{G_C - G_s}
-    ud = scaled(uc, to_end)
+        qg = scaled(qc, gam)                         # q_t e^{G_t}: the output's state term
+        ag = scaled(ac, gam)                         # a_t e^{G_t}: the erase's state term
+        kd = scaled(kc, to_end)                      # k_s e^{G_C - G_s}
+        ud = scaled(uc, to_end)
+        UY = None if ud is None else ud.transpose(-1, -2) @ yc
 
     # Chunk-local solve: R = R0 - M S_0, for all chunks at once. The system's diagonal is 1 and its upper triangle
     # is never read, so A_ak goes in as it is.
     rhs = xc
-    if uc is not None and ac is not None:
+    if uc is not None and ag is not None:
         strict = ~torch.eye(C, dtype=torch.bool, device=q.device)
         rhs = rhs - (A_au[0] * strict) @ yc
-    if ac is not None:
+    if ag is not None:
         # The explicit inverse of the unit triangular system, then two products: faster than a solve with V+K columns.
         L_inv = _unit_lower_inverse(A_ak[0])
         R0, M = L_inv @ rhs, L_inv @ ag
@@ -243,7 +364,6 @@ def recurrence_chunked(
 
     # The sequential part, one chunk per step; the output of a chunk is formed as soon as its residuals are known.
     kd_T = kd.transpose(-1, -2)                  # (N, BH, K, C)
-    UY = None if ud is None else ud.transpose(-1, -2) @ yc
     want = {p // C for p in capture} if capture else set()      # chunks whose start state a capture needs
     starts = {}
     if grad:
@@ -354,10 +474,14 @@ def recurrence_chunked(
                     S.add_(UY[n])
             # R now holds every chunk's residuals: the within-chunk output is one batched product.
             O.view(N * BH, C, V).baddbmm_(A_qk.reshape(N * BH, C, C), R.view(N * BH, C, V))
-    o = O.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(q.dtype)
+    o = O.view(N, B, H, C, V).permute(1, 0, 3, 2, 4)
+    if out_scale != 1.0:
+        o = torch.mul(o, out_scale, out=O.new_empty(B, N, C, H, V))   # the scale and the layout in one pass
+    o = o.reshape(B, N * C, H, V)[:, :T].to(q.dtype)
 
     states = None
     if capture:
-        caps = _capture_states(capture, C, G, channel, starts, R, kc, uc, yc)
+        caps = (_capture_states_lifted(capture, C, lifted, starts, R) if lifted is not None else
+                _capture_states(capture, C, G, channel, starts, R, kc, uc, yc))
         states = caps.view(B, H, len(capture), K, V).transpose(1, 2)
     return o, (S.reshape(B, H, K, V) if final_state and S is not None else None), states

@@ -15,14 +15,16 @@ formed within each round (paired) and the median of those paired ratios is print
 --clock cpu times each call by this process's CPU time instead of elapsed time: at one thread the time other
 jobs hold the core then does not count (cache and memory-bandwidth contention still does).
 
-Useful FLOPs of the chunked algorithm, per chunk of C steps and per head (multiply-add = 2 FLOPs):
+Useful FLOPs of the chunked algorithm, per chunk of C steps and per head (multiply-add = 2 FLOPs), with C the
+kernel's default chunk length (kernels.chunked.default_chunk_size: 32 with an erase vector, 64 without):
     pairwise A_qk, A_ak (lower triangles)          C(C+1) K + C(C-1) K
     unit-triangular inverse of (I + A_ak)           C^3 / 3
     R0 = L^-1 X, M = L^-1 (a e^G)                   2 C^2 (V + K)
     sequential: R = R0 - M S, S' = D S + K^T R      4 C K V
     output: A_qk R + (q e^G) S_0                    C(C+1) V + 2 C K V
 For a family without an erase vector (GLA) the A_ak, inverse, M and M S terms drop out. Elementwise work
-(exponentials, decay factors) is not counted.
+(exponentials, decay factors) is not counted. The bmm that sets the reference rate keeps one fixed shape,
+(128, 64, 128) @ (128, 128, 128), whatever C is.
 
 --baseline DIR adds an older checkout's chunked kernel (DIR/kernels/chunked.py, e.g. from `git archive`) as a
 contender, called after the same input checks, so that old against new is a paired ratio of one run.
@@ -45,14 +47,16 @@ import torch
 import recurscope
 
 from recurscope import kernels
+from recurscope.kernels.chunked import default_chunk_size
 from recurscope.kernels.inputs import family_inputs
 
-B, H, K, V, C = 1, 4, 128, 128, 64
+B, H, K, V = 1, 4, 128, 128
 TARGETS = {"GDN": 0.67, "GDN-2": 0.67, "GLA": 0.5}       # chunked time / fastest peer's, at T >= 2048
 RATE_TARGETS = {"GDN": 60, "GDN-2": 60, "GLA": 45}      # chunked rate, % of the same-run bmm rate
 
 
 def chunked_flops(T: int, with_erase: bool = True) -> float:
+    C = default_chunk_size(with_erase)                                # the chunk length the kernel runs
     n_chunks = -(-T // C)
     per = C * (C + 1) * K + C * (C + 1) * V + 2 * C * K * V          # A_qk, A_qk R, (q e^G) S_0
     per += 2 * C * K * V                                              # S' = D S + K^T R
@@ -61,7 +65,7 @@ def chunked_flops(T: int, with_erase: bool = True) -> float:
     return float(per * n_chunks * B * H)
 
 
-BMM_SHAPE = (128, 64, 128, 128)                                       # (batch, C, K, V)
+BMM_SHAPE = (128, 64, 128, 128)                                       # (batch, rows, K, V)
 BMM_FLOPS = 2.0 * BMM_SHAPE[0] * BMM_SHAPE[1] * BMM_SHAPE[2] * BMM_SHAPE[3]
 
 

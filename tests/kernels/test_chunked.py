@@ -71,6 +71,60 @@ def test_chunked_matches_reference_float32(family, features):
     assert_outputs_close(tuple(map(up, ref)), tuple(map(up, chk)), atol=2e-5, rtol=2e-5)
 
 
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 48, 64, 128])
+@pytest.mark.parametrize("features", [(), ("write_scale", "extra_write", "capture", "initial_state")],
+                         ids=["plain", "all"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_chunk_size_matches_reference(family, features, chunk_size):
+    """The default chunk length depends on the family (32 with an erase vector, 64 without); every multiple of the
+    sub-block computes the same recurrence, a ragged last chunk included."""
+    from recurscope.kernels.chunked import default_chunk_size, recurrence_chunked
+
+    assert default_chunk_size(True) == 32 and default_chunk_size(False) == 64
+    B, T, H, K, V = 2, 150, 2, 16, 8
+    q, k, x, g, a = family_inputs(family, B, T, H, K, V, seed=chunk_size).args()
+    kw = make_patches(features, B, T, H, K, V, torch.float64)
+    ref = kernels.recurrence(q, k, x, g, a, backend="reference", **kw)
+    chk = recurrence_chunked(q, k, x, g, a, scale=K ** -0.5, dtype=torch.float64, chunk_size=chunk_size, **kw)
+    assert_outputs_close(ref, chk, atol=1e-10, rtol=1e-10)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        recurrence_chunked(q, k, x, g, a, scale=K ** -0.5, chunk_size=24)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lifted_route_serves_every_no_graph_call_and_a_capture_moves_no_output(family, monkeypatch):
+    """A no-graph call whose decays stay within the chunk-start pivot's range forms its operands straight from the
+    caller's tensors (_lifted_operands), captures and extra writes included, so a capture leaves the outputs bit for
+    bit; autograd and decays past the range take the general route. Both routes give one answer."""
+    from recurscope.kernels import chunked
+
+    calls = []
+    lifted = chunked._lifted_operands
+    monkeypatch.setattr(chunked, "_lifted_operands", lambda *a: calls.append(1) or lifted(*a))
+    B, T, H, K, V = 2, 100, 2, 16, 8
+    q, k, x, g, a = family_inputs(family, B, T, H, K, V, dtype=torch.float32, seed=2).args()
+    ws = torch.rand(B, T, H, generator=torch.Generator().manual_seed(3))
+    plain = kernels.recurrence(q, k, x, g, a, write_scale=ws, backend="chunked")
+    captured = kernels.recurrence(q, k, x, g, a, write_scale=ws, capture=[5, 40, T - 1], backend="chunked")
+    zero_u = (torch.zeros(B, T, H, K), torch.zeros(B, T, H, V))
+    extra = kernels.recurrence(q, k, x, g, a, write_scale=ws, extra_write=zero_u, backend="chunked")
+    assert calls == [1, 1, 1]
+    assert torch.equal(captured.o, plain.o) and torch.equal(captured.final_state, plain.final_state)
+    torch.testing.assert_close(captured.states[:, -1], plain.final_state, atol=2e-6, rtol=2e-6)
+    leaves = [t.clone().requires_grad_() for t in (q, k, x)]
+    graphed = kernels.recurrence(*leaves, g, a, write_scale=ws, backend="chunked")
+    graphed_capture = kernels.recurrence(*leaves, g, a, write_scale=ws, capture=[5, 40, T - 1], backend="chunked")
+    assert calls == [1, 1, 1]
+    for other in (extra, graphed):
+        torch.testing.assert_close(other.o.detach(), plain.o, atol=2e-6, rtol=2e-6)
+        torch.testing.assert_close(other.final_state.detach(), plain.final_state, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(graphed_capture.states.detach(), captured.states, atol=2e-6, rtol=2e-6)
+    if family != "deltanet":                             # no decay: nothing can leave the range
+        kernels.recurrence(q, k, x, g * 200, a, backend="chunked")
+        assert calls == [1, 1, 1]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("T", [1, 16, 64, 65, 130])
 def test_lengths_and_first_last_capture(family, T):
@@ -248,7 +302,9 @@ def test_pairwise_terms_pivoted_at_the_chunk_start_equal_the_blocked_pivots(monk
     x, y = (torch.randn(N, BH, C, K, generator=gen, dtype=torch.float64) for _ in range(2))
     dec = (G[..., :, None, :] - G[..., None, :, :]).exp() * torch.ones(C, C, dtype=torch.float64).tril()[..., None]
     exact = torch.einsum("...tk,...sk,...tsk->...ts", x, y, dec)
-    start_pivot = chunked._pairwise_from_chunk_start([x * G.exp()], y, G.exp())[0]
+    start_pivot = chunked._pairwise_lifted(x * G.exp(), y / G.exp(), C)
+    stacked = chunked._pairwise_lifted(torch.cat([x * G.exp(), 2 * x * G.exp()], -2), y / G.exp(), C)
+    torch.testing.assert_close(stacked, torch.cat([exact, 2 * exact], -2), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(start_pivot, exact, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(chunked._pairwise_channel([x], y, G, 600.0)[0], exact, rtol=1e-12, atol=1e-12)
 
