@@ -6,8 +6,9 @@ Within a chunk of C steps starting from S_0, write r_t for the residual that ste
 
 Unrolling with the cumulative log decay G_t gives a unit lower-triangular system for all r_t of a chunk,
     (I + A_ak) R = X - (a * e^G) S_0 - A_au Y,    A_xy[t, s] = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]},
-solved once per chunk for R = R0 - M S_0 (all chunks at once). The sequential part is then, per chunk,
-R = R0 - M S_0, the output O = A_qk R + (q e^G) S_0 and S_C = e^{G_C} S_0 + (k e^{G_C - G})^T R.
+whose inverse L^-1 is formed for all chunks at once. The sequential part is then, per chunk, R = L^-1 (rhs -
+(a e^G) S_0) (with autograd R = R0 - M S_0, R0 and M batched), the output O = A_qk R + (q e^G) S_0 and
+S_C = e^{G_C} S_0 + (k e^{G_C - G})^T R.
 Decay factors are only ever formed as e^{G_t - G_s} with t >= s (or through a pivot that keeps each factor
 bounded), so strong decays never overflow.
 """
@@ -349,15 +350,16 @@ def recurrence_chunked(
         ud = scaled(uc, to_end)
         UY = None if ud is None else ud.transpose(-1, -2) @ yc
 
-    # Chunk-local solve: R = R0 - M S_0, for all chunks at once. The system's diagonal is 1 and its upper triangle
-    # is never read, so A_ak goes in as it is.
+    # Chunk-local solve: R = L^-1 (rhs - (a e^G) S_0) with L = I + A_ak. The system's diagonal is 1 and its upper
+    # triangle is never read, so A_ak goes in as it is. With autograd, R = R0 - M S_0 (R0 = L^-1 rhs, M = L^-1 a e^G)
+    # for all chunks at once; without, L^-1 is applied inside the loop to one chunk's right side, which on a CPU
+    # costs less than the two batched products with their short inner dimension (docs/performance.md).
     rhs = xc
     if uc is not None and ag is not None:
         strict = ~torch.eye(C, dtype=torch.bool, device=q.device)
         rhs = rhs - (A_au[0] * strict) @ yc
-    if ag is not None:
-        # The explicit inverse of the unit triangular system, then two products: faster than a solve with V+K columns.
-        L_inv = _unit_lower_inverse(A_ak[0])
+    L_inv = None if ag is None else _unit_lower_inverse(A_ak[0])   # the explicit inverse: faster than solves
+    if ag is not None and grad:
         R0, M = L_inv @ rhs, L_inv @ ag
     else:
         R0, M = rhs, None
@@ -383,8 +385,8 @@ def recurrence_chunked(
         if A_qu is not None:
             O = O + A_qu @ yc
     else:
-        # No graph: one preallocated output, the residuals written over R0, the state updated in place from the
-        # second chunk on. The first chunk only reads the initial state (its update is out of place), so the
+        # No graph: one preallocated output, each chunk's right side (our own) rid of its state term in place, the
+        # state updated in place from the second chunk on. The first chunk only reads the initial state (its update is out of place), so the
         # caller's state is never copied or written; a batch-expanded initial state stays one state per head.
         shared = initial_state is not None and B > 1 and initial_state.stride(0) == 0
         if initial_state is None:
@@ -395,7 +397,7 @@ def recurrence_chunked(
             S = initial_state.to(dtype).reshape(BH, K, V)
         R = R0
         update_last = final_state          # captures need the chunk start states and residuals, not S_N
-        if M is None:
+        if L_inv is None:
             # Without an erase the residuals are the inputs, so all but the chunk start states is batched over the
             # chunks: P[n] = e^{G_C} P[n-1] + K_n^T R_n (P[-1] = S_0), the state after chunk n, is formed in place in
             # K^T R's buffer (one elementwise step per chunk), and the state term of every later chunk is one product.
@@ -429,6 +431,7 @@ def recurrence_chunked(
                 S = None
         else:
             O = torch.empty(N, BH, C, V, dtype=dtype, device=q.device)
+            R = torch.empty_like(rhs)        # rhs is this call's own: each chunk's state term is taken off in place
             if A_qu is not None:
                 torch.matmul(A_qu, yc, out=O)
             written = A_qu is not None       # O already holds a term, so the state term adds to it
@@ -441,12 +444,10 @@ def recurrence_chunked(
                         # the caller's start state is never written; ours (zeros, later chunks) is updated in place
                         starts[n] = S if first and initial_state is not None else S.clone()
                 if first and shared:
-                    R_n = R[n]
-                    R_n.view(B, H, C, V).sub_(_shared_state_product(M[n], S, B, H).transpose(0, 1))
-                elif first and initial_state is None:
-                    R_n = R[n]
-                else:
-                    R_n = R[n].baddbmm_(M[n], S, alpha=-1.0)
+                    rhs[n].view(B, H, C, V).sub_(_shared_state_product(ag[n], S, B, H).transpose(0, 1))
+                elif not (first and initial_state is None):                # a zero start takes nothing off
+                    rhs[n].baddbmm_(ag[n], S, alpha=-1.0)
+                R_n = torch.bmm(L_inv[n], rhs[n], out=R[n])
                 # The state term of the output, (q e^G) S_0; the within-chunk term A_qk R follows for all chunks.
                 if first and shared:
                     term = _shared_state_product(qg[n], S, B, H).transpose(0, 1)

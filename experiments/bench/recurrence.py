@@ -19,12 +19,13 @@ Useful FLOPs of the chunked algorithm, per chunk of C steps and per head (multip
 kernel's default chunk length (kernels.chunked.default_chunk_size: 32 with an erase vector, 64 without):
     pairwise A_qk, A_ak (lower triangles)          C(C+1) K + C(C-1) K
     unit-triangular inverse of (I + A_ak)           C^3 / 3
-    R0 = L^-1 X, M = L^-1 (a e^G)                   2 C^2 (V + K)
-    sequential: R = R0 - M S, S' = D S + K^T R      4 C K V
+    sequential: R = L^-1 (X - (a e^G) S)            2 C^2 V + 2 C K V
+    sequential: S' = D S + K^T R                    2 C K V
     output: A_qk R + (q e^G) S_0                    C(C+1) V + 2 C K V
-For a family without an erase vector (GLA) the A_ak, inverse, M and M S terms drop out. Elementwise work
-(exponentials, decay factors) is not counted. The bmm that sets the reference rate keeps one fixed shape,
-(128, 64, 128) @ (128, 128, 128), whatever C is.
+For a family without an erase vector (GLA) the A_ak, inverse and L^-1 terms drop out (R = X). With autograd the
+kernel forms R = R0 - M S instead (R0 = L^-1 X, M = L^-1 (a e^G): 2 C^2 K more); the bench times calls without a
+graph. Elementwise work (exponentials, decay factors) is not counted. The bmm that sets the reference rate keeps
+one fixed shape, (128, 64, 128) @ (128, 128, 128), whatever C is.
 
 --baseline DIR adds an older checkout's chunked kernel (DIR/kernels/chunked.py, e.g. from `git archive`) as a
 contender, called after the same input checks, so that old against new is a paired ratio of one run.
@@ -60,8 +61,8 @@ def chunked_flops(T: int, with_erase: bool = True) -> float:
     n_chunks = -(-T // C)
     per = C * (C + 1) * K + C * (C + 1) * V + 2 * C * K * V          # A_qk, A_qk R, (q e^G) S_0
     per += 2 * C * K * V                                              # S' = D S + K^T R
-    if with_erase:                                                    # A_ak, inverse, L^-1 [X, a e^G], M S
-        per += C * (C - 1) * K + C ** 3 / 3 + 2 * C * C * (V + K) + 2 * C * K * V
+    if with_erase:                                                    # A_ak, inverse, L^-1 (X - (a e^G) S)
+        per += C * (C - 1) * K + C ** 3 / 3 + 2 * C * C * V + 2 * C * K * V
     return float(per * n_chunks * B * H)
 
 
