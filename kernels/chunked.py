@@ -435,6 +435,9 @@ def recurrence_chunked(
             if A_qu is not None:
                 torch.matmul(A_qu, yc, out=O)
             written = A_qu is not None       # O already holds a term, so the state term adds to it
+            # Per-chunk views taken in one call each: indexing in the loop costs a Python-level call per use.
+            rhs_n, ag_n, L_n, R_l, O_n, qg_n, kdT_n, dec_n, UY_n = (
+                None if t is None else t.unbind(0) for t in (rhs, ag, L_inv, R, O, qg, kd_T, decay_C, UY))
             for n in range(N):
                 first, last = n == 0, n == N - 1
                 if n in want:
@@ -444,35 +447,35 @@ def recurrence_chunked(
                         # the caller's start state is never written; ours (zeros, later chunks) is updated in place
                         starts[n] = S if first and initial_state is not None else S.clone()
                 if first and shared:
-                    rhs[n].view(B, H, C, V).sub_(_shared_state_product(ag[n], S, B, H).transpose(0, 1))
+                    rhs_n[n].view(B, H, C, V).sub_(_shared_state_product(ag_n[n], S, B, H).transpose(0, 1))
                 elif not (first and initial_state is None):                # a zero start takes nothing off
-                    rhs[n].baddbmm_(ag[n], S, alpha=-1.0)
-                R_n = torch.bmm(L_inv[n], rhs[n], out=R[n])
+                    rhs_n[n].baddbmm_(ag_n[n], S, alpha=-1.0)
+                R_n = torch.bmm(L_n[n], rhs_n[n], out=R_l[n])
                 # The state term of the output, (q e^G) S_0; the within-chunk term A_qk R follows for all chunks.
                 if first and shared:
-                    term = _shared_state_product(qg[n], S, B, H).transpose(0, 1)
-                    O[n].view(B, H, C, V).add_(term) if written else O[n].view(B, H, C, V).copy_(term)
+                    term = _shared_state_product(qg_n[n], S, B, H).transpose(0, 1)
+                    O_n[n].view(B, H, C, V).add_(term) if written else O_n[n].view(B, H, C, V).copy_(term)
                 elif first and initial_state is None:                    # a zero start adds nothing
                     if not written:
-                        O[n].zero_()
+                        O_n[n].zero_()
                 elif written:
-                    O[n].baddbmm_(qg[n], S)
+                    O_n[n].baddbmm_(qg_n[n], S)
                 else:
-                    torch.bmm(qg[n], S, out=O[n])
+                    torch.bmm(qg_n[n], S, out=O_n[n])
                 if last and not update_last:
                     S = None
                     break
                 if first and initial_state is not None:
                     # Out of place: e^{G_C} S_0 as a new (BH, K, V) state (broadcast over rows when S_0 is shared).
                     if shared:
-                        S = (decay_C[n].view(B, H, -1, 1) * S).view(BH, K, V)
+                        S = (dec_n[n].view(B, H, -1, 1) * S).view(BH, K, V)
                     else:
-                        S = decay_C[n] * S
+                        S = dec_n[n] * S
                 else:
-                    S.mul_(decay_C[n])
-                S.baddbmm_(kd_T[n], R_n)
+                    S.mul_(dec_n[n])
+                S.baddbmm_(kdT_n[n], R_n)
                 if UY is not None:
-                    S.add_(UY[n])
+                    S.add_(UY_n[n])
             # R now holds every chunk's residuals: the within-chunk output is one batched product.
             O.view(N * BH, C, V).baddbmm_(A_qk.reshape(N * BH, C, C), R.view(N * BH, C, V))
     o = O.view(N, B, H, C, V).permute(1, 0, 3, 2, 4)
