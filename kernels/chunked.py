@@ -26,8 +26,8 @@ LOG2E = 1.0 / math.log(2.0)
 
 def default_chunk_size(erase: bool) -> int:
     """Steps per chunk when the caller names none. A chunk's pairwise terms cost O(C (K + V)) per step and the
-    sequential products O(K V) whatever C is, so a shorter chunk does less work; with an erase vector (the solve and
-    its two products) 32 steps ran 0.85-0.9x the time of 64 on one CPU thread at K = V = 128, without one (GLA) 64
+    sequential products O(K V) whatever C is, so a shorter chunk does less work; with an erase vector (the inverse
+    and its product) 32 steps ran 0.85-0.93x the time of 64 on one CPU thread at K = V = 128, without one (GLA) 64
     ran faster (docs/performance.md)."""
     return 32 if erase else 64
 
@@ -161,7 +161,7 @@ def _into_chunk_major(t, factor, B, T, H, N, C, out, op=torch.mul):
 
 
 class _Lifted(NamedTuple):
-    """The operands of the chunk-start-pivoted route, chunk-major (N, B*H, C, ·); None where a call has no such term."""
+    """The operands of the chunk-start-pivoted route, chunk-major (N, B*H, C, ·); None where a call has none."""
     qg: torch.Tensor                  # q_t e^{G_t}, unscaled (the output scale is applied in the final layout pass)
     ag: Optional[torch.Tensor]        # a_t e^{G_t}
     kd: torch.Tensor                  # k_s e^{G_C - G_s}
@@ -179,8 +179,9 @@ class _Lifted(NamedTuple):
 def _lifted_operands(q, k, x, a, write_scale, extra_write, G, channel, B, T, H, N, C, dtype):
     """Every operand of a no-graph call whose decays allow the chunk-start pivot (|G_t| <= max_span), each formed
     from the caller's tensor in one pass that fuses the layout change with its decay factor. The row vectors carry
-    e^{G_t} and the column vectors e^{-G_s} (k_lift = k e^{-G}), so a pairwise term is one full product, masked (_pairwise_lifted); and
-    k e^{G_C - G_s} = k_lift e^{G_C} is k_lift scaled in place once the products have read it. With an erase vector,
+    e^{G_t} and the column vectors e^{-G_s} (k_lift = k e^{-G}), so a pairwise term is one full product, masked
+    (_pairwise_lifted); and k e^{G_C - G_s} = k_lift e^{G_C} is k_lift scaled in place once the products have read
+    it. With an erase vector,
     a e^{G} and q e^{G} are the two row halves of one buffer: each pairwise term is then one product. A per-channel
     G arrives in base 2 (the caller summed g log2 e), a per-head one in natural units."""
     K = q.shape[-1]
@@ -395,8 +396,9 @@ def recurrence_chunked(
             O = O + A_qu @ yc
     else:
         # No graph: one preallocated output, each chunk's right side (our own) rid of its state term in place, the
-        # state updated in place from the second chunk on. The first chunk only reads the initial state (its update is out of place), so the
-        # caller's state is never copied or written; a batch-expanded initial state stays one state per head.
+        # state updated in place from the second chunk on. The first chunk only reads the initial state (its update
+        # is out of place), so the caller's state is never copied or written; a batch-expanded initial state stays
+        # one state per head.
         shared = initial_state is not None and B > 1 and initial_state.stride(0) == 0
         if initial_state is None:
             S = q.new_zeros(BH, K, V, dtype=dtype)
