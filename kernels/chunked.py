@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 SUB = 16  # sub-chunk for the per-channel decay pivots
-LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
 
 
 def default_chunk_size(erase: bool) -> int:
@@ -223,34 +224,18 @@ def _lifted_operands(q, k, x, a, write_scale, extra_write, G, channel, B, T, H, 
     return _Lifted(qg, ag, kd, ud, xc, yc, A_qk, A_ak, A_qu, A_au, gam, decay_row)
 
 
-def _capture_states_lifted(capture, C, ops: _Lifted, starts, chunk_R):
-    """`_capture_states` from the lifted operands: k_s e^{G_p - G_s} = kd_s e^{G_p} / e^{G_C}, each factor within
-    the dtype's range on this route. Returns (BH, P, K, V)."""
-    caps = []
-    for p in capture:
-        n, i = divmod(p, C)
-        to_p = ops.gam[n][:, i] / ops.decay_row[n][:, 0]                   # e^{G_p - G_C}: (BH, K) or (BH, 1)
-        start = ops.gam[n][:, i][..., None] * starts[n]
-        st = torch.baddbmm(start, (ops.kd[n][:, : i + 1] * to_p[:, None]).transpose(-1, -2), chunk_R[n][:, : i + 1])
-        if ops.ud is not None:
-            st = torch.baddbmm(st, (ops.ud[n][:, : i + 1] * to_p[:, None]).transpose(-1, -2), ops.yc[n][:, : i + 1])
-        caps.append(st)
-    return torch.stack(caps, dim=1)
-
-
-def _capture_states(capture, C, G, channel, starts, chunk_R, kc, uc, yc):
+def _capture_states(capture, C, starts, chunk_R, kc, uc, yc, factors):
     """S after step p for each capture position p, from its chunk's start state and residuals:
-    S_p = e^{G_p} S_0 + sum_{s <= p} (k_s e^{G_p - G_s}) r_s^T (+ the same sum over u_s y_s^T). Returns (BH, P, K, V)."""
+    S_p = f_p S_0 + sum_{s <= p} (k_s w_s) r_s^T (+ the same sum over u_s y_s^T), with (f_p, w) = factors(n, i) for
+    step i of chunk n: f_p = e^{G_p} as (BH, K or 1, 1) and w_s = e^{G_p - G_s} as (BH, i + 1 or 1, K or 1), in
+    whatever form the caller's route holds them. Returns (BH, P, K, V)."""
     caps = []
     for p in capture:
         n, i = divmod(p, C)
-        Gn = G[n]                                                        # (BH, C, K) or (BH, C)
-        dec = (Gn[:, i:i + 1] - Gn[:, : i + 1]).exp()
-        start = Gn[:, i].exp()[..., None] * starts[n] if channel else Gn[:, i].exp()[:, None, None] * starts[n]
-        dec = dec if channel else dec[..., None]
-        st = torch.baddbmm(start, (kc[n, :, : i + 1] * dec).transpose(-1, -2), chunk_R[n][:, : i + 1])
+        f_p, w = factors(n, i)
+        st = torch.baddbmm(f_p * starts[n], (kc[n][:, : i + 1] * w).transpose(-1, -2), chunk_R[n][:, : i + 1])
         if uc is not None:
-            st = torch.baddbmm(st, (uc[n, :, : i + 1] * dec).transpose(-1, -2), yc[n, :, : i + 1])
+            st = torch.baddbmm(st, (uc[n][:, : i + 1] * w).transpose(-1, -2), yc[n][:, : i + 1])
         caps.append(st)
     return torch.stack(caps, dim=1)
 
@@ -303,18 +288,15 @@ def recurrence_chunked(
     else:
         G = gc.cumsum(-2 if channel else -1)
     max_span = 60.0 if dtype == torch.float32 else 600.0
-    # Off the chunk-start route, without autograd and captures (which read k, u and G later), the chunk-major copies
-    # are this call's own and are scaled in place once read: fresh buffers cost page faults on every call.
-    consume = not grad and not capture
     # The decay from the chunk's start, G_t, within [-max_span, max_span] lets the pairwise terms pivot at the chunk's
     # start (one host read decides; past the range they pivot at every SUB-step block, exact for any decay). Only
     # without autograd: the backward of y / e^{G} carries e^{-2G}, which overflows long before e^{-G} does.
     start_pivot = False
     if not grad:
         lo, hi = (float(v) for v in torch.stack(torch.aminmax(G.detach())).tolist())
-        start_pivot = max(abs(lo), abs(hi)) * (math.log(2.0) if base2 else 1.0) <= max_span
+        start_pivot = max(abs(lo), abs(hi)) * (LN2 if base2 else 1.0) <= max_span
     if base2 and not start_pivot:
-        G.mul_(math.log(2.0))                    # back to natural units for the sub-block pivots
+        G.mul_(LN2)                              # back to natural units for the sub-block pivots
     out_scale = 1.0
     lifted = None
     if start_pivot:
@@ -327,7 +309,6 @@ def recurrence_chunked(
         A_ak = [] if lifted.A_ak is None else [lifted.A_ak]
         A_au = [] if lifted.A_au is None else [lifted.A_au]
         decay_C = lifted.decay_row.transpose(-1, -2)   # (N, BH, K, 1), or (N, BH, 1, 1)
-        uc = ud                                        # not None when the call has an extra write
         UY = None if ud is None else ud.transpose(-1, -2) @ yc
         out_scale = scale
     else:
@@ -337,6 +318,9 @@ def recurrence_chunked(
             xc = xc * wc if grad else xc.mul_(wc)
         ac = None if a is None else prep(a)
         uc, yc = (None, None) if extra_write is None else (prep(extra_write[0]), prep(extra_write[1]))
+        # Without autograd and captures (which read k, u and G later), the chunk-major copies are this call's own and
+        # are scaled in place once read: fresh buffers cost page faults on every call.
+        consume = not grad and not capture
         scaled = lambda t, f: None if t is None else (t.mul_(f) if consume else t * f)  # noqa: E731
         if channel:
             G_last = G[..., -1:, :].clone()
@@ -365,7 +349,7 @@ def recurrence_chunked(
     # for all chunks at once; without, L^-1 is applied inside the loop to one chunk's right side, which on a CPU
     # costs less than the two batched products with their short inner dimension (docs/performance.md).
     rhs = xc
-    if uc is not None and ag is not None:
+    if yc is not None and ag is not None:             # an extra write with an erase
         strict = ~torch.eye(C, dtype=torch.bool, device=q.device)
         rhs = rhs - (A_au[0] * strict) @ yc
     L_inv = None if ag is None else _unit_lower_inverse(A_ak[0])   # the explicit inverse: faster than solves
@@ -496,7 +480,16 @@ def recurrence_chunked(
 
     states = None
     if capture:
-        caps = (_capture_states_lifted(capture, C, lifted, starts, R) if lifted is not None else
-                _capture_states(capture, C, G, channel, starts, R, kc, uc, yc))
+        def factors(n, i):
+            if lifted is not None:
+                # kd_s e^{G_p} / e^{G_C} = k_s e^{G_p - G_s}, each factor within the dtype's range on this route
+                gam_p = lifted.gam[n][:, i]                              # (BH, K) or (BH, 1)
+                return gam_p[..., None], (gam_p / lifted.decay_row[n][:, 0])[:, None]
+            Gn = G[n]                                                    # (BH, C, K) or (BH, C)
+            dec = (Gn[:, i:i + 1] - Gn[:, : i + 1]).exp()
+            return (Gn[:, i].exp()[..., None], dec) if channel else (Gn[:, i].exp()[:, None, None], dec[..., None])
+
+        keys, extra_keys = (kd, ud) if lifted is not None else (kc, uc)
+        caps = _capture_states(capture, C, starts, R, keys, extra_keys, yc, factors)
         states = caps.view(B, H, len(capture), K, V).transpose(1, 2)
     return o, (S.reshape(B, H, K, V) if final_state and S is not None else None), states
