@@ -17,12 +17,13 @@ from recurscope.kernels._validate import compute_dtype, validate
 from recurscope.kernels.chunked import recurrence_chunked
 from recurscope.kernels.erase import ERASE_ARMS, erase_eigenvalue, erase_vector, project_out
 from recurscope.kernels.reference import recurrence_reference
+from recurscope.kernels.scratch import release_scratch, scratch_limit, set_scratch_limit
 
 BACKENDS = ("auto", "reference", "chunked", "triton", "fla")
 
 __all__ = [
     "BACKENDS", "ERASE_ARMS", "RecurrenceOutput", "erase_eigenvalue", "erase_vector", "project_out",
-    "recurrence", "resolve_backend",
+    "recurrence", "release_scratch", "resolve_backend", "scratch_limit", "set_scratch_limit",
 ]
 
 

@@ -20,6 +20,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from recurscope.kernels import scratch
+
 SUB = 16  # sub-chunk for the per-channel decay pivots
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
@@ -42,14 +44,16 @@ def _pairwise_scalar(xs, ym, G):
     return [(x @ y_T).mul_(dec) for x in xs]              # one product per row set: no concatenated copy
 
 
-def _pairwise_lifted(rows, cols, C):
+def _pairwise_lifted(rows, cols, C, new=None):
     """A[t, s] = sum_k x_t[k] y_s[k] e^{G_t[k] - G_s[k]} for s <= t, zero above, as one full product of lifted
     vectors pivoted at the chunk's start: rows (..., R, K) holds x_t e^{G_t} (R a multiple of C: several row sets
     stacked, each of C rows) and cols (..., C, K) holds y_s e^{-G_s}. Valid while every |G_t| stays within the dtype's
     range (the caller checks): then every factor is a normal float, each term keeps its relative precision, and the
     large products sit above the diagonal, where they are masked. Each entry reads only steps s <= t, so a later step
-    never changes an earlier output, not even by rounding. Returns (..., R, C)."""
-    A = torch.matmul(rows, cols.transpose(-1, -2))
+    never changes an earlier output, not even by rounding. Returns (..., R, C), allocated by new(*shape, dtype=) when
+    given."""
+    out = None if new is None else new(*rows.shape[:-1], C, dtype=rows.dtype)
+    A = torch.matmul(rows, cols.transpose(-1, -2), out=out)
     above = torch.ones(C, C, dtype=torch.bool, device=A.device).triu(1)
     A.view(*A.shape[:-2], -1, C, C).masked_fill_(above, 0.0)
     return A
@@ -118,23 +122,33 @@ def _unit_lower_inverse(A):
     return torch.cat([torch.cat([X11, torch.zeros_like(X11)], -1), torch.cat([X21, X22], -1)], -2)
 
 
-def _chunk_major(t, B, T, H, N, C, dtype, scale=None):
-    """(B, T, H[, D]) -> (N, B*H, C, D), zero-padded to N*C steps: one contiguous copy (cast included), so that
-    each step of the sequential loop reads one block. A per-head tensor (B, T, H) becomes (N, B*H, C)."""
+def _chunk_major(t, B, T, H, N, C, dtype, scale=None, new=None):
+    """(B, T, H[, D]) -> (N, B*H, C, D), zero-padded to N*C steps: one contiguous copy (cast and scale included),
+    so that each step of the sequential loop reads one block. A per-head tensor (B, T, H) becomes (N, B*H, C).
+    new(*shape, dtype=) allocates the buffer (torch.empty when None)."""
     squeeze = t.dim() == 3
     if squeeze:
         t = t[..., None]
     D = t.shape[-1]
-    out = (torch.zeros if N * C > T else torch.empty)(N, B, H, C, D, dtype=dtype, device=t.device)
+    grad = torch.is_grad_enabled() and t.requires_grad
+    if grad or new is None:
+        out = (torch.zeros if N * C > T else torch.empty)(N, B, H, C, D, dtype=dtype, device=t.device)
+    else:
+        out = new(N, B, H, C, D, dtype=dtype)
     dst = out.permute(1, 0, 3, 2, 4)                       # (B, N, C, H, D) view of the chunk-major buffer
+    # Without a graph the scale is applied in the copy itself (out= records none), when no cast would round first.
+    fused = scale is not None and not grad and t.dtype == dtype
+    put = (lambda d, src: torch.mul(src, scale, out=d)) if fused else (lambda d, src: d.copy_(src))
     full = T // C
     if full:
-        dst[:, :full].copy_(t[:, : full * C].reshape(B, full, C, H, D))
+        put(dst[:, :full], t[:, : full * C].reshape(B, full, C, H, D))
     if T > full * C:
-        dst[:, full, : T - full * C].copy_(t[:, full * C:])
+        put(dst[:, full, : T - full * C], t[:, full * C:])
+        if not grad and new is not None:
+            dst[:, full, T - full * C:].zero_()
     out = out.view(N, B * H, C, D)
-    if scale is not None:
-        out = out * scale if torch.is_grad_enabled() else out.mul_(scale)
+    if scale is not None and not fused:
+        out = out * scale if grad else out.mul_(scale)
     return out[..., 0] if squeeze else out
 
 
@@ -177,17 +191,17 @@ class _Lifted(NamedTuple):
     decay_row: torch.Tensor           # e^{G_C}: (N, B*H, 1, K) or (N, B*H, 1, 1)
 
 
-def _lifted_operands(q, k, x, a, write_scale, extra_write, G, channel, B, T, H, N, C, dtype):
+def _lifted_operands(q, k, x, a, write_scale, extra_write, G, channel, B, T, H, N, C, dtype, new):
     """Every operand of a no-graph call whose decays allow the chunk-start pivot (|G_t| <= max_span), each formed
     from the caller's tensor in one pass that fuses the layout change with its decay factor. The row vectors carry
     e^{G_t} and the column vectors e^{-G_s} (k_lift = k e^{-G}), so a pairwise term is one full product, masked
     (_pairwise_lifted); and k e^{G_C - G_s} = k_lift e^{G_C} is k_lift scaled in place once the products have read
     it. With an erase vector,
     a e^{G} and q e^{G} are the two row halves of one buffer: each pairwise term is then one product. A per-channel
-    G arrives in base 2 (the caller summed g log2 e), a per-head one in natural units."""
+    G arrives in base 2 (the caller summed g log2 e), a per-head one in natural units. new(*shape, dtype=) allocates
+    every buffer."""
     K = q.shape[-1]
     BH = B * H
-    dev = q.device
     if channel:
         G_last = G[..., -1:, :].clone()
         gam = G.exp2_()                          # G is in base 2 here, this call's own and not read again
@@ -195,32 +209,32 @@ def _lifted_operands(q, k, x, a, write_scale, extra_write, G, channel, B, T, H, 
     else:
         gam = G.exp()[..., None]                 # (N, BH, C, 1)
         decay_row = gam[..., -1:, :]             # (N, BH, 1, 1)
-    new = lambda rows, D=K: torch.empty(N, BH, rows, D, dtype=dtype, device=dev)  # noqa: E731
+    block = lambda rows, D=K: new(N, BH, rows, D, dtype=dtype)  # noqa: E731
     into = lambda t, f, out, op=torch.mul: _into_chunk_major(t, f, B, T, H, N, C, out, op)  # noqa: E731
     if a is not None:
-        rows = new(2 * C)                        # [a e^G; q e^G], one row block each
+        rows = block(2 * C)                      # [a e^G; q e^G], one row block each
         ag = into(a, gam, rows[:, :, :C])
         qg = into(q, gam, rows[:, :, C:])
     else:
-        rows = qg = into(q, gam, new(C))
+        rows = qg = into(q, gam, block(C))
         ag = None
 
     def pairwise(cols):
         """The lifted column vectors cols (N, BH, C, K) against every row vector: (A_q·, A_a·)."""
-        A = _pairwise_lifted(rows, cols, C)                                    # (N, BH, 2C or C, C)
+        A = _pairwise_lifted(rows, cols, C, new)                               # (N, BH, 2C or C, C)
         return (A[:, :, C:], A[:, :, :C]) if a is not None else (A, None)
 
-    k_lift = into(k, gam, new(C), torch.div)                                   # k_s e^{-G_s}
+    k_lift = into(k, gam, block(C), torch.div)                                   # k_s e^{-G_s}
     A_qk, A_ak = pairwise(k_lift)
     kd = k_lift.mul_(decay_row)
     A_qu = A_au = ud = yc = None
     if extra_write is not None:
-        u_lift = into(extra_write[0], gam, new(C), torch.div)
+        u_lift = into(extra_write[0], gam, block(C), torch.div)
         A_qu, A_au = pairwise(u_lift)
         ud = u_lift.mul_(decay_row)
-        yc = into(extra_write[1], None, new(C, extra_write[1].shape[-1]))
-    ws = None if write_scale is None else _chunk_major(write_scale, B, T, H, N, C, dtype)[..., None]
-    xc = into(x, ws, new(C, x.shape[-1]))
+        yc = into(extra_write[1], None, block(C, extra_write[1].shape[-1]))
+    ws = None if write_scale is None else _chunk_major(write_scale, B, T, H, N, C, dtype, None, new)[..., None]
+    xc = into(x, ws, block(C, x.shape[-1]))
     return _Lifted(qg, ag, kd, ud, xc, yc, A_qk, A_ak, A_qu, A_au, gam, decay_row)
 
 
@@ -258,7 +272,20 @@ def recurrence_chunked(
     final_state=False returns None for the final state, and without autograd the last chunk's state update is
     skipped. An initial_state expanded along the batch (stride 0 in B, e.g. S[:1].expand(B, ...)) is read as one
     state per head, never copied per row: many rows continuing one prefix (the head scan) cost one product per head.
+    Without autograd the large temporaries come from this thread's scratch pool (kernels.scratch); what is returned
+    never does.
     """
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad
+        for t in (q, k, x, g, a, initial_state, write_scale, *(extra_write or ())))
+    with scratch.lease(q.device, enabled=not grad) as new:
+        return _recurrence_chunked(q, k, x, g, a, scale, initial_state, write_scale, extra_write, capture, dtype,
+                                   chunk_size, final_state, grad, new)
+
+
+def _recurrence_chunked(q, k, x, g, a, scale, initial_state, write_scale, extra_write, capture, dtype, chunk_size,
+                        final_state, grad, new):
+    """The body of recurrence_chunked; new(*shape, dtype=) gives a temporary that must not outlive the call."""
     B, T, H, K = q.shape
     V = x.shape[-1]
     BH = B * H
@@ -269,11 +296,8 @@ def recurrence_chunked(
     if C % SUB:
         raise ValueError(f"chunk_size must be a multiple of {SUB}, got {chunk_size}")
     N = -(-T // C)
-    grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad
-        for t in (q, k, x, g, a, initial_state, write_scale, *(extra_write or ())))
 
-    prep = lambda t, s=None: _chunk_major(t, B, T, H, N, C, dtype, s)  # noqa: E731
+    prep = lambda t, s=None: _chunk_major(t, B, T, H, N, C, dtype, s, new)  # noqa: E731
     # A per-channel decay without autograd is summed in base 2 (g log2 e, then 2^G): torch's exp2 ran about 3x faster
     # than exp on this project's CPU, and one exponential per step and channel is the largest elementwise pass of
     # those families. Scaling each g before the sum keeps the exponent's rounding at the sum's own.
@@ -303,13 +327,13 @@ def recurrence_chunked(
         # Every no-graph call whose decays allow it (patched or not, so that a patch never moves an unpatched
         # position, not even by rounding): the operands straight from the caller's tensors, the output scale in the
         # final layout pass.
-        lifted = _lifted_operands(q, k, x, a, write_scale, extra_write, G, channel, B, T, H, N, C, dtype)
+        lifted = _lifted_operands(q, k, x, a, write_scale, extra_write, G, channel, B, T, H, N, C, dtype, new)
         qg, ag, kd, ud, xc, yc = lifted.qg, lifted.ag, lifted.kd, lifted.ud, lifted.xc, lifted.yc
         A_qk, A_qu = lifted.A_qk, lifted.A_qu
         A_ak = [] if lifted.A_ak is None else [lifted.A_ak]
         A_au = [] if lifted.A_au is None else [lifted.A_au]
         decay_C = lifted.decay_row.transpose(-1, -2)   # (N, BH, K, 1), or (N, BH, 1, 1)
-        UY = None if ud is None else ud.transpose(-1, -2) @ yc
+        UY = None if ud is None else torch.matmul(ud.transpose(-1, -2), yc, out=new(N, BH, K, V, dtype=dtype))
         out_scale = scale
     else:
         qc, kc, xc = prep(q, scale), prep(k), prep(x)     # the output scale rides on q
@@ -396,9 +420,9 @@ def recurrence_chunked(
             # Without an erase the residuals are the inputs, so all but the chunk start states is batched over the
             # chunks: P[n] = e^{G_C} P[n-1] + K_n^T R_n (P[-1] = S_0), the state after chunk n, is formed in place in
             # K^T R's buffer (one elementwise step per chunk), and the state term of every later chunk is one product.
-            O = A_qk @ R
+            O = torch.matmul(A_qk, R, out=new(N, BH, C, V, dtype=dtype))
             if A_qu is not None:
-                O.add_(A_qu @ yc)
+                O.view(-1, C, V).baddbmm_(A_qu.reshape(-1, C, C), yc.reshape(-1, C, V))
             if initial_state is not None:
                 if shared:
                     O[0].view(B, H, C, V).add_(_shared_state_product(qg[0], S, B, H).transpose(0, 1))
@@ -407,7 +431,7 @@ def recurrence_chunked(
             if 0 in want:
                 starts[0] = S.expand(B, H, K, V).reshape(BH, K, V) if shared else S.clone()
             if N > 1 or update_last:
-                P = kd_T @ R
+                P = torch.matmul(kd_T, R, out=new(N, BH, K, V, dtype=dtype))
                 if UY is not None:
                     P.add_(UY)
                 if initial_state is not None:
@@ -425,8 +449,8 @@ def recurrence_chunked(
             else:
                 S = None
         else:
-            O = torch.empty(N, BH, C, V, dtype=dtype, device=q.device)
-            R = torch.empty_like(rhs)        # rhs is this call's own: each chunk's state term is taken off in place
+            O = new(N, BH, C, V, dtype=dtype)
+            R = new(*rhs.shape, dtype=dtype)  # rhs is this call's own: each chunk's state term is taken off in place
             if A_qu is not None:
                 torch.matmul(A_qu, yc, out=O)
             written = A_qu is not None       # O already holds a term, so the state term adds to it
@@ -474,8 +498,10 @@ def recurrence_chunked(
             # R now holds every chunk's residuals: the within-chunk output is one batched product.
             O.view(N * BH, C, V).baddbmm_(A_qk.reshape(N * BH, C, C), R.view(N * BH, C, V))
     o = O.view(N, B, H, C, V).permute(1, 0, 3, 2, 4)
-    if out_scale != 1.0:
-        o = torch.mul(o, out_scale, out=O.new_empty(B, N, C, H, V))   # the scale and the layout in one pass
+    if not grad:
+        # The layout, the scale and the cast in one pass, into a buffer of the caller's own (O may be scratch).
+        dst = torch.empty(B, N, C, H, V, dtype=q.dtype, device=q.device)
+        o = torch.mul(o, out_scale, out=dst) if out_scale != 1.0 else dst.copy_(o)
     o = o.reshape(B, N * C, H, V)[:, :T].to(q.dtype)
 
     states = None
