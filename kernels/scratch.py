@@ -83,7 +83,10 @@ def lease(device: torch.device, enabled: bool = True) -> Iterator[Callable[..., 
         if fits:
             buf = free.pop(min(fits, key=lambda i: free[i].numel()))
         else:
-            buf = torch.empty(numel, dtype=dtype, device=device)
+            # A normal tensor even under torch.inference_mode(): an inference tensor could not be written by a later
+            # call outside it, and a normal one may be written inside.
+            with torch.inference_mode(False):
+                buf = torch.empty(numel, dtype=dtype, device=device)
         taken.append(buf)
         return buf[:numel].view(shape)
 

@@ -168,3 +168,22 @@ def test_threads_keep_their_own_pools(pool_everything):
     assert not errors
     for i, want in enumerate(serial):
         assert torch.equal(results[i], want), i
+
+
+@pytest.mark.parametrize("family", ["gla", "gdn2"])
+def test_inference_mode_and_no_grad_share_the_pool(family, pool_everything):
+    """A buffer first leased under torch.inference_mode() is a normal tensor, so a later call outside it can still
+    write it (an inference tensor could not be), and the other way round; every call gives one answer."""
+    q, k, x, g, a = family_inputs(family, 1, 100, 2, 16, 8, dtype=torch.float32).args()
+    run = lambda: kernels.recurrence(q, k, x, g, a, capture=[5, 99], backend="chunked")  # noqa: E731
+    with torch.inference_mode():
+        first = run()
+    assert first.o.is_inference() and scratch.pooled_bytes() > 0
+    assert not any(b.is_inference() for b in scratch._pool.free)
+    with torch.no_grad():
+        after = run()
+    with torch.inference_mode():
+        again = run()
+    for res in (after, again, run()):
+        for one, two in zip(first, res):
+            assert torch.equal(one, two)
