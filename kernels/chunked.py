@@ -224,7 +224,7 @@ def _lifted_operands(q, k, x, a, write_scale, extra_write, G, channel, B, T, H, 
         A = _pairwise_lifted(rows, cols, C, new)                               # (N, BH, 2C or C, C)
         return (A[:, :, C:], A[:, :, :C]) if a is not None else (A, None)
 
-    k_lift = into(k, gam, block(C), torch.div)                                   # k_s e^{-G_s}
+    k_lift = into(k, gam, block(C), torch.div)                                 # k_s e^{-G_s}
     A_qk, A_ak = pairwise(k_lift)
     kd = k_lift.mul_(decay_row)
     A_qu = A_au = ud = yc = None

@@ -1,8 +1,8 @@
 """Reusable CPU buffers for the chunked kernel's temporaries in calls without autograd.
 
 One call at T = 8192 with four heads of K = V = 128 allocates about 150 MB of temporaries. glibc gives freed memory
-above its trim threshold (at most 64 MB) back to the system, so every such call faulted those pages in afresh:
-a fifth of its time on one CPU thread (docs/performance.md). Buffers kept here between calls are written, never
+above its trim threshold (at most 64 MB) back to the system, so such calls faulted part of those pages in again
+each time, which cost 5-20% of a call on one CPU thread (docs/performance.md). Buffers kept here between calls are written, never
 faulted in again.
 
 Only temporaries that die with the call come from a lease; whatever a call returns is allocated afresh, so a
