@@ -71,7 +71,6 @@ def test_chunked_matches_reference_float32(family, features):
     assert_outputs_close(tuple(map(up, ref)), tuple(map(up, chk)), atol=2e-5, rtol=2e-5)
 
 
-
 @pytest.mark.parametrize("chunk_size", [16, 32, 48, 64, 128])
 @pytest.mark.parametrize("features", [(), ("write_scale", "extra_write", "capture", "initial_state")],
                          ids=["plain", "all"])
