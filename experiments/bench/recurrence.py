@@ -38,10 +38,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import resource
 import statistics
 import subprocess
 import time
 import warnings
+from typing import Optional
 
 import torch
 
@@ -137,8 +139,15 @@ def baseline_kernel(checkout: str):
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def paired_rounds(fns: dict, repeats: int, clock=time.perf_counter) -> dict:
-    """Every fn once per round, the order rotated by one place per round (after one untimed warm-up round)."""
+def minor_faults() -> int:
+    """This process's minor page faults so far: a fresh buffer the allocator has given back to the OS is faulted in
+    again page by page on its first touch, which shows up as time that no kernel change explains."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def paired_rounds(fns: dict, repeats: int, clock=time.perf_counter, faults: Optional[dict] = None) -> dict:
+    """Every fn once per round, the order rotated by one place per round (after one untimed warm-up round).
+    faults, when given, collects each call's minor page faults per name."""
     names = list(fns)
     for n in names:
         fns[n]()
@@ -146,9 +155,12 @@ def paired_rounds(fns: dict, repeats: int, clock=time.perf_counter) -> dict:
     for r in range(repeats):
         shift = r % len(names)
         for n in names[shift:] + names[:shift]:
+            f0 = minor_faults()
             t0 = clock()
             fns[n]()
             times[n].append(clock() - t0)
+            if faults is not None:
+                faults.setdefault(n, []).append(minor_faults() - f0)
     return times
 
 
@@ -177,8 +189,9 @@ def main() -> None:
           "(set PYTHONPATH=<checkout> to time a checkout)")
     a, b = torch.randn(BMM_SHAPE[0], BMM_SHAPE[1], BMM_SHAPE[2]), torch.randn(BMM_SHAPE[0], BMM_SHAPE[2], BMM_SHAPE[3])
     header = (f"{'family':6s} {'T':>5s} {'contender':26s} {'median':>9s} {'min':>9s} "
-              f"{'paired med ratio':>16s} {'ratio of mins':>13s}")
-    print("ratios are contender time / recurscope chunked time (> 1: recurscope faster)")
+              f"{'paired med ratio':>16s} {'ratio of mins':>13s} {'faults/call':>11s}")
+    print("ratios are contender time / recurscope chunked time (> 1: recurscope faster); faults/call: the median "
+          "minor page faults of one call")
     print(header)
     print("-" * len(header))
     verdicts, chunked_med = [], {}
@@ -202,7 +215,8 @@ def main() -> None:
                         err = (fn().float() - mine.float()).abs().max().item()
                         if err > 1e-3:
                             print(f"  warning: {fam} T={T} {name} differs from recurscope by {err:.1e}")
-                times = paired_rounds(fns, args.repeats, CLOCKS[args.clock])
+                faults = {}
+                times = paired_rounds(fns, args.repeats, CLOCKS[args.clock], faults)
                 tc = times["recurscope chunked"]
                 chunked_med[fam, T] = statistics.median(tc)
                 best_peer = None
@@ -211,7 +225,7 @@ def main() -> None:
                         continue
                     paired = statistics.median(t / c for t, c in zip(ts, tc))
                     print(f"{fam:6s} {T:5d} {name:26s} {statistics.median(ts) * 1e3:7.1f}ms {min(ts) * 1e3:7.1f}ms "
-                          f"{paired:15.2f}x {min(ts) / min(tc):12.2f}x")
+                          f"{paired:15.2f}x {min(ts) / min(tc):12.2f}x {statistics.median(faults[name]):11.0f}")
                     if name not in ("recurscope chunked", "step reference", "baseline chunked"):
                         best_peer = min(best_peer or (paired, name), (paired, name))
                 flops = chunked_flops(T, with_erase=fam != "GLA")
@@ -219,7 +233,8 @@ def main() -> None:
                 mm_rate = BMM_FLOPS / statistics.median(times["torch bmm"]) / 1e9
                 print(f"{fam:6s} {T:5d} {'chunked GFLOP/s, % of bmm':26s} {flops / statistics.median(tc) / 1e9:7.1f}   "
                       f"bmm {mm_rate:5.1f} GFLOP/s   paired median {statistics.median(pct):4.0f}% of bmm, "
-                      f"best-of {100 * (flops / min(tc)) / (BMM_FLOPS / min(times['torch bmm'])):4.0f}%")
+                      f"best-of {100 * (flops / min(tc)) / (BMM_FLOPS / min(times['torch bmm'])):4.0f}%, "
+                      f"bmm faults/call {statistics.median(faults['torch bmm']):.0f}")
                 if fam in TARGETS and T >= 2048:
                     if best_peer is not None:
                         ratio = 1 / best_peer[0]
