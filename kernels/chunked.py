@@ -54,8 +54,7 @@ def _pairwise_lifted(rows, cols, C, new=None):
     given."""
     out = None if new is None else new(*rows.shape[:-1], C, dtype=rows.dtype)
     A = torch.matmul(rows, cols.transpose(-1, -2), out=out)
-    above = torch.ones(C, C, dtype=torch.bool, device=A.device).triu(1)
-    A.view(*A.shape[:-2], -1, C, C).masked_fill_(above, 0.0)
+    A.view(*A.shape[:-2], -1, C, C).tril_()      # on a contiguous batch 8x faster than masked_fill_ with a mask
     return A
 
 
@@ -87,8 +86,7 @@ def _pairwise_channel(xs, ym, G, max_span):
         out[..., rows, : i + SUB] = prod.unflatten(-2, (n, -1))
     if span > max_span:
         out = _exact_diagonal_blocks(out, X, ym[..., None, :, :], G[..., None, :, :])
-    above = torch.ones(C, C, dtype=torch.bool, device=G.device).triu(1)
-    return list(out.masked_fill_(above, 0.0).unbind(-3))
+    return list(out.tril_().unbind(-3))                 # the upper triangles were never written
 
 
 def _exact_diagonal_blocks(out, xm, ym, G):
@@ -107,19 +105,32 @@ def _exact_diagonal_blocks(out, xm, ym, G):
     return out
 
 
-def _unit_lower_inverse(A):
+def _unit_lower_inverse(A, new=None):
     """(I + strict lower part of A)^-1 for a batch of (C, C) blocks; A's diagonal and upper triangle are never read.
 
     Blocked: the two diagonal halves are inverted together (one batch, recursively down to SUB), then the
-    off-diagonal block is -X22 A21 X11. Batched products run much faster than LAPACK's per-matrix triangular solve."""
+    off-diagonal block is -X22 A21 X11. Batched products run much faster than LAPACK's per-matrix triangular solve.
+    new(*shape, dtype=) is given only without autograd: then each level is written into one buffer from it, and the
+    solves write into theirs (docs/performance.md: the allocating solve ran 2.5x slower)."""
     C = A.shape[-1]
     if C <= SUB:
-        eye = torch.eye(C, dtype=A.dtype, device=A.device)
-        return torch.linalg.solve_triangular(A, eye.expand_as(A), upper=False, unitriangular=True)
+        eye = torch.eye(C, dtype=A.dtype, device=A.device).expand_as(A)
+        out = None if new is None else new(*A.shape, dtype=A.dtype)
+        return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True, out=out)
     h = C // 2
-    X11, X22 = _unit_lower_inverse(torch.stack([A[..., :h, :h], A[..., h:, h:]]))
-    X21 = -(X22 @ (A[..., h:, :h] @ X11))
-    return torch.cat([torch.cat([X11, torch.zeros_like(X11)], -1), torch.cat([X21, X22], -1)], -2)
+    halves = [A[..., :h, :h], A[..., h:, h:]]
+    stacked = torch.stack(halves) if new is None else torch.stack(halves, out=new(2, *A.shape[:-2], h, h,
+                                                                                   dtype=A.dtype))
+    X11, X22 = _unit_lower_inverse(stacked, new)
+    X21 = X22 @ (A[..., h:, :h] @ X11)
+    if new is None:
+        return torch.cat([torch.cat([X11, torch.zeros_like(X11)], -1), torch.cat([-X21, X22], -1)], -2)
+    out = new(*A.shape, dtype=A.dtype)
+    out[..., :h, :h] = X11
+    out[..., :h, h:] = 0.0
+    torch.neg(X21, out=out[..., h:, :h])
+    out[..., h:, h:] = X22
+    return out
 
 
 def _chunk_major(t, B, T, H, N, C, dtype, scale=None, new=None):
@@ -173,6 +184,30 @@ def _into_chunk_major(t, factor, B, T, H, N, C, out, op=torch.mul):
         else:
             op(src, f, out=d)
     return out
+
+
+def _log2_decay_sums(g, B, T, H, N, C, dtype, new):
+    """G_t = log2(e) * (sum of g_s over the steps s <= t of t's chunk), chunk-major (N, B*H, C, K), from g (B, T, H, K)
+    in one sweep of C row operations, each row the row before plus the next g: the layout change, the base change
+    and the sum in one pass over g. Row by row because C - 1 contiguous row additions ran about 3x faster than cumsum
+    over a non-last dimension, and fused because the separate copy cost as much again (docs/performance.md). Rows
+    past T repeat the sum at T (a zero decay, like zero padding). new(*shape, dtype=) allocates the result."""
+    K = g.shape[-1]
+    out = new(N, B, H, C, K, dtype=dtype)
+    dst = out.permute(1, 0, 3, 2, 4)                               # (B, N, C, H, K) view of the chunk-major buffer
+    full = T // C
+    parts = []
+    if full:
+        parts.append((dst[:, :full], g[:, : full * C].reshape(B, full, C, H, K), C))
+    if T > full * C:
+        parts.append((dst[:, full:], g[:, full * C:][:, None], T - full * C))
+    for d, src, steps in parts:
+        d[:, :, 0].copy_(src[:, :, 0]).mul_(LOG2E)               # cast first: a scalar product would round in g's dtype
+        for i in range(1, steps):
+            torch.add(d[:, :, i - 1], src[:, :, i], alpha=LOG2E, out=d[:, :, i])
+        if steps < C:
+            d[:, :, steps:].copy_(d[:, :, steps - 1:steps].expand_as(d[:, :, steps:]))
+    return out.view(N, B * H, C, K)
 
 
 class _Lifted(NamedTuple):
@@ -302,15 +337,10 @@ def _recurrence_chunked(q, k, x, g, a, scale, initial_state, write_scale, extra_
     # than exp on this project's CPU, and one exponential per step and channel is the largest elementwise pass of
     # those families. Scaling each g before the sum keeps the exponent's rounding at the sum's own.
     base2 = channel and not grad
-    gc = prep(g, LOG2E if base2 else None)
-    if channel and not grad:
-        # Along the chunk's steps in place: C - 1 contiguous row additions run about 3x faster than cumsum over
-        # a non-last dimension. gc is this call's own chunk-major copy.
-        G = gc
-        for i in range(1, C):
-            G[..., i, :] += G[..., i - 1, :]
+    if base2:
+        G = _log2_decay_sums(g, B, T, H, N, C, dtype, new)
     else:
-        G = gc.cumsum(-2 if channel else -1)
+        G = prep(g).cumsum(-2 if channel else -1)
     max_span = 60.0 if dtype == torch.float32 else 600.0
     # The decay from the chunk's start, G_t, within [-max_span, max_span] lets the pairwise terms pivot at the chunk's
     # start (one host read decides; past the range they pivot at every SUB-step block, exact for any decay). Only
@@ -376,7 +406,7 @@ def _recurrence_chunked(q, k, x, g, a, scale, initial_state, write_scale, extra_
     if yc is not None and ag is not None:             # an extra write with an erase
         strict = ~torch.eye(C, dtype=torch.bool, device=q.device)
         rhs = rhs - (A_au[0] * strict) @ yc
-    L_inv = None if ag is None else _unit_lower_inverse(A_ak[0])   # the explicit inverse: faster than solves
+    L_inv = None if ag is None else _unit_lower_inverse(A_ak[0], None if grad else new)  # faster than solves
     if ag is not None and grad:
         R0, M = L_inv @ rhs, L_inv @ ag
     else:

@@ -348,3 +348,44 @@ def test_gradients_stay_finite_when_a_chunk_spans_decay_whose_square_overflows(f
         assert torch.isfinite(mine.grad).all()
         scale = theirs.grad.abs().max() + 1e-12
         assert ((mine.grad.double() - theirs.grad).abs().max() / scale) < 1e-4
+
+
+@pytest.mark.parametrize("T", [1, 31, 32, 33, 100])
+@pytest.mark.parametrize("g_dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_base2_decay_sums_equal_a_float64_cumsum(T, g_dtype):
+    """The no-graph per-channel decay sums (layout change, log2 e and the in-chunk sum in one sweep) equal a float64
+    cumsum of the same g within each chunk, rows past T repeating the sum at T, for any dtype of g (cast before it is
+    scaled, so bfloat16 is not rounded again) and a non-contiguous g."""
+    from recurscope.kernels import chunked
+
+    gen = torch.Generator().manual_seed(T)
+    B, H, K, C = 2, 3, 5, 32
+    N = -(-T // C)
+    g64 = -torch.rand(B, H, T, K, generator=gen, dtype=torch.float64)
+    g = g64.to(g_dtype).transpose(1, 2)                      # (B, T, H, K), not contiguous
+    assert T == 1 or not g.is_contiguous()
+    padded = torch.zeros(B, N * C, H, K, dtype=torch.float64)
+    padded[:, :T] = g.double()
+    expect = padded.view(B, N, C, H, K).cumsum(2).permute(1, 0, 3, 2, 4).reshape(N, B * H, C, K) / chunked.LN2
+    poisoned = lambda *shape, dtype: torch.full(shape, float("nan"), dtype=dtype)  # noqa: E731  every entry is written
+    got = chunked._log2_decay_sums(g, B, T, H, N, C, torch.float32, poisoned)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expect, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("C", [16, 32, 64])
+def test_unit_lower_inverse_into_buffers_equals_the_allocating_form_and_linalg_inv(C):
+    """The blocked unit-triangular inverse, with its levels and solves written into given buffers (no graph) and
+    allocated (autograd), equals inv(I + strict lower part of A) in float64; the diagonal and upper triangle of A are
+    never read, and every entry of every buffer is written."""
+    from recurscope.kernels import chunked
+
+    gen = torch.Generator().manual_seed(C)
+    A = torch.randn(3, 2, C, C, generator=gen, dtype=torch.float64) * 0.2
+    junk = A.clone()
+    junk.triu_().fill_(float("nan"))
+    A_junk = torch.where(torch.ones(C, C, dtype=torch.bool).triu(), junk, A)
+    expect = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A.tril(-1))
+    poisoned = lambda *shape, dtype: torch.full(shape, float("nan"), dtype=dtype)  # noqa: E731
+    torch.testing.assert_close(chunked._unit_lower_inverse(A_junk, poisoned), expect, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(chunked._unit_lower_inverse(A_junk), expect, rtol=1e-12, atol=1e-12)
