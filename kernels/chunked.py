@@ -187,27 +187,15 @@ def _into_chunk_major(t, factor, B, T, H, N, C, out, op=torch.mul):
 
 
 def _log2_decay_sums(g, B, T, H, N, C, dtype, new):
-    """G_t = log2(e) * (sum of g_s over the steps s <= t of t's chunk), chunk-major (N, B*H, C, K), from g (B, T, H, K)
-    in one sweep of C row operations, each row the row before plus the next g: the layout change, the base change
-    and the sum in one pass over g. Row by row because C - 1 contiguous row additions ran about 3x faster than cumsum
-    over a non-last dimension, and fused because the separate copy cost as much again (docs/performance.md). Rows
-    past T repeat the sum at T (a zero decay, like zero padding). new(*shape, dtype=) allocates the result."""
-    K = g.shape[-1]
-    out = new(N, B, H, C, K, dtype=dtype)
-    dst = out.permute(1, 0, 3, 2, 4)                               # (B, N, C, H, K) view of the chunk-major buffer
-    full = T // C
-    parts = []
-    if full:
-        parts.append((dst[:, :full], g[:, : full * C].reshape(B, full, C, H, K), C))
-    if T > full * C:
-        parts.append((dst[:, full:], g[:, full * C:][:, None], T - full * C))
-    for d, src, steps in parts:
-        d[:, :, 0].copy_(src[:, :, 0]).mul_(LOG2E)               # cast first: a scalar product would round in g's dtype
-        for i in range(1, steps):
-            torch.add(d[:, :, i - 1], src[:, :, i], alpha=LOG2E, out=d[:, :, i])
-        if steps < C:
-            d[:, :, steps:].copy_(d[:, :, steps - 1:steps].expand_as(d[:, :, steps:]))
-    return out.view(N, B * H, C, K)
+    """G_t = log2(e) * (sum of g_s over the steps s <= t of t's chunk), chunk-major (N, B*H, C, K), from g (B, T, H, K):
+    the chunk-major copy (scaled as it is copied, zero past T) summed along the chunk's steps in place. C - 1
+    contiguous row additions ran about 3x faster than cumsum over a non-last dimension; summing while copying (one
+    sweep over g) saved 0.3-1.1 ms of 4-5 at T = 8192 but cost more per row operation: 1.2-1.35x slower at T <= 2048
+    (docs/performance.md). new(*shape, dtype=) allocates the result."""
+    G = _chunk_major(g, B, T, H, N, C, dtype, LOG2E, new)
+    for i in range(1, C):
+        G[..., i, :] += G[..., i - 1, :]
+    return G
 
 
 class _Lifted(NamedTuple):

@@ -241,7 +241,7 @@ def main() -> None:
                         verdicts.append(f"{fam} T={T}: chunked / fastest peer ({best_peer[1]}) = {ratio:.2f} "
                                         f"(target <= {TARGETS[fam]}) {'met' if ratio <= TARGETS[fam] else 'MISSED'}")
                     p = statistics.median(pct)
-                    verdicts.append(f"{fam} T={T}: {p:.0f}% of the same-run bmm rate (target >= {RATE_TARGETS[fam]}%) "
+                    verdicts.append(f"{fam} T={T}: {p:.1f}% of the same-run bmm rate (target >= {RATE_TARGETS[fam]}%) "
                                     f"{'met' if p >= RATE_TARGETS[fam] else 'MISSED'}")
     if "QED" in args.families and "GDN-2" in args.families:
         print("QED over GDN-2 (chunked medians, not paired): " + ", ".join(

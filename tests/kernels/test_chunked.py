@@ -353,7 +353,7 @@ def test_gradients_stay_finite_when_a_chunk_spans_decay_whose_square_overflows(f
 @pytest.mark.parametrize("T", [1, 31, 32, 33, 100])
 @pytest.mark.parametrize("g_dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_base2_decay_sums_equal_a_float64_cumsum(T, g_dtype):
-    """The no-graph per-channel decay sums (layout change, log2 e and the in-chunk sum in one sweep) equal a float64
+    """The no-graph per-channel decay sums (chunk-major copy scaled by log2 e, summed in place) equal a float64
     cumsum of the same g within each chunk, rows past T repeating the sum at T, for any dtype of g (cast before it is
     scaled, so bfloat16 is not rounded again) and a non-contiguous g."""
     from recurscope.kernels import chunked
