@@ -9,7 +9,42 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+import ast  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+def _wrap_loop_variable(self, node):
+    node = self.generic_visit(node)
+    if isinstance(node.target, ast.Name):
+        to_tensor = ast.Attribute(value=ast.Name(id="interpreter_semantic", ctx=ast.Load()), attr="to_tensor",
+                                  ctx=ast.Load())
+        assign = ast.Assign(targets=[ast.Name(id=node.target.id, ctx=ast.Store())],
+                            value=ast.Call(func=to_tensor, args=[ast.Name(id=node.target.id, ctx=ast.Load()),
+                                                                 ast.Constant(value=False)], keywords=[]))
+        node.body.insert(0, ast.copy_location(assign, node))
+        ast.fix_missing_locations(node)
+    return node
+
+
+@pytest.fixture(scope="module")
+def fla_interpreter():
+    """fla's Triton kernels in Triton's interpreter on a CPU, for one test module (nothing changes on a GPU), with two
+    test-only adjustments undone after it:
+      - autotuning picks the first config (the interpreter has no GPU driver to benchmark configs on);
+      - `for` loop variables are wrapped as interpreter tensors, as assignments already are (fla calls `i_t.to(...)`
+        on loop counters, which Triton's interpreter leaves as Python ints)."""
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    import triton.runtime.autotuner as autotuner
+    import triton.runtime.interpreter as interpreter
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(autotuner.Autotuner, "prune_configs", lambda self, kwargs: self.configs[:1])
+    mp.setattr(interpreter.ASTTransformer, "visit_For", _wrap_loop_variable, raising=False)
+    yield
+    mp.undo()
 
 
 @pytest.fixture(scope="session")

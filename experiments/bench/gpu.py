@@ -12,6 +12,10 @@ median ratios beside ratios of minima, CUDA synchronised around every timed call
 
 Shapes for 1-2: B=4, T=4096, H=16, K=V=128, bfloat16 inputs (float32 gates), fla's usual training shape.
 Run with the checkout on the path:  PYTHONPATH=. python experiments/bench/gpu.py [--repeats 10] [--skip-scan]
+
+The functions take the device and the shapes, so that tests/experiments/test_bench_gpu.py runs the whole script on
+tiny shapes on a CPU (fla's and our Triton kernels in Triton's interpreter) and the first GPU run does not stop
+on a mistake in the script itself; those CPU timings mean nothing.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import statistics
 import sys
 import time
 import warnings
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,22 +34,28 @@ import recurscope
 from recurscope import kernels
 from recurscope.kernels.fla_chunk import fallback_reason
 
-B, T, H, K, V = 4, 4096, 16, 128, 128
+SHAPE = dict(B=4, T=4096, H=16, K=128, V=128, dtype=torch.bfloat16)    # fla's usual training shape
+SCAN_LENGTH = 611
 
 
-def timed_rounds(fns: dict, repeats: int) -> dict:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_rounds(fns: dict, repeats: int, device: torch.device) -> dict:
     names = list(fns)
     for n in names:                                        # warm-up: compiles and autotunes every kernel
         fns[n]()
-    torch.cuda.synchronize()
+    sync(device)
     times = {n: [] for n in names}
     for r in range(repeats):
         shift = r % len(names)
         for n in names[shift:] + names[:shift]:
-            torch.cuda.synchronize()
+            sync(device)
             t0 = time.perf_counter()
             fns[n]()
-            torch.cuda.synchronize()
+            sync(device)
             times[n].append(time.perf_counter() - t0)
     return times
 
@@ -62,7 +73,7 @@ def report(title: str, times: dict, base: str, targets: dict) -> list[str]:
     return verdicts
 
 
-def inputs(device):
+def inputs(device, B, T, H, K, V, dtype):
     gen = torch.Generator(device=device).manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
     q, k, v = r(B, T, H, K), F.normalize(r(B, T, H, K), dim=-1), r(B, T, H, V)
@@ -73,17 +84,18 @@ def inputs(device):
     u, y = torch.zeros(B, T, H, K, device=device), torch.zeros(B, T, H, V, device=device)
     for t in (T // 3, 2 * T // 3):
         u[:, t], y[:, t] = r(B, H, K) * 0.1, r(B, H, V)
-    bf = lambda t: t.to(torch.bfloat16)  # noqa: E731
+    bf = lambda t: t.to(dtype)  # noqa: E731
     return dict(q=bf(q), k=bf(k), v=bf(v), beta=beta, g_chan=g_chan, g_head=g_head, ws=ws, extra=(u, y),
                 capture=[T // 4, T // 2, 3 * T // 4, T - 1])
 
 
-def recurrence_benches(repeats: int) -> list[str]:
+def recurrence_benches(repeats: int, device: torch.device, shape: dict = SHAPE) -> list[str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
         from fla.ops.gla import chunk_gla, fused_recurrent_gla
-    d = inputs(torch.device("cuda"))
+    B, T, H, K, V = (shape[n] for n in "BTHKV")
+    d = inputs(device, **shape)
     q, k, v, beta = d["q"], d["k"], d["v"], d["beta"]
     scale = K ** -0.5
     patches = dict(write_scale=d["ws"], extra_write=d["extra"], capture=d["capture"])
@@ -109,33 +121,38 @@ def recurrence_benches(repeats: int) -> list[str]:
                 "recurscope fla path, patches off": lambda: kernels.recurrence(*args_, scale=scale, backend="fla"),
                 "recurscope fla path, patches on": lambda: kernels.recurrence(*args_, scale=scale, backend="fla",
                                                                               **patches),
-            }, repeats)
-            verdicts += report(f"{fam} B={B} T={T} H={H} K=V={K} bf16: fla path vs fla's chunk call", times,
+            }, repeats, device)
+            verdicts += report(f"{fam} B={B} T={T} H={H} K={K} V={V} {str(q.dtype)[6:]}: fla path vs fla's chunk call",
+                               times,
                                "fla plain chunk", {"recurscope fla path, patches off": 1.25,
                                                    "recurscope fla path, patches on": 1.5})
             times = timed_rounds({
                 "fla fused recurrent": fla_fused_fn,
                 "recurscope triton kernel": lambda: kernels.recurrence(*args_, scale=scale, backend="triton"),
-            }, repeats)
+            }, repeats, device)
             verdicts += report(f"{fam}: our Triton kernel vs fla's fused recurrent", times, "fla fused recurrent",
                                {"recurscope triton kernel": 1.25})
     return verdicts
 
 
-def scan_bench(repeats: int) -> list[str]:
+def scan_bench(repeats: int, device: torch.device, model_shape: Optional[dict] = None,
+               length: int = SCAN_LENGTH) -> list[str]:
+    """The scan of every head against one clean + one donor forward; model_shape defaults to scan.py's GLA-340M."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from scan import LENGTHS, SHAPES, scan_vs_forward
 
     from recurscope.interp.data import build_pairs, build_word_tokenizer
     from recurscope.interp.models import ModelConfig, RecurrentLM
+    from recurscope.interp.scan import all_heads
 
     torch.manual_seed(0)
-    model = RecurrentLM(ModelConfig.from_dict(SHAPES["gla"])).eval().cuda()
+    model = RecurrentLM(ModelConfig.from_dict(model_shape or SHAPES["gla"])).eval().to(device)
     pairs = build_pairs(build_word_tokenizer(), split="dev", n_sources=1, presentations=3, gap_tokens=24,
-                        **LENGTHS[611])
-    times, paired = scan_vs_forward(model, pairs, torch.device("cuda"), repeats)
-    print(f"\n96-head scan vs one clean + one donor forward, GLA-340M shape, {pairs.recipient_ids.shape[1]} tokens, "
-          f"backend {kernels.resolve_backend('auto', torch.device('cuda'))}")
+                        **LENGTHS[length])
+    times, paired = scan_vs_forward(model, pairs, device, repeats)
+    print(f"\n{len(all_heads(model))}-head scan vs one clean + one donor forward, "
+          f"{'GLA-340M shape' if model_shape is None else 'given shape'}, {pairs.recipient_ids.shape[1]} tokens, "
+          f"backend {kernels.resolve_backend('auto', device)}")
     for n, ts in times.items():
         print(f"  {n:44s} median {statistics.median(ts):8.3f} s  min {min(ts):8.3f} s")
     ok = paired <= 1.5
@@ -151,9 +168,10 @@ def main():
         sys.exit("experiments/bench/gpu.py needs a CUDA GPU; the CPU benchmarks are recurrence.py and scan.py")
     print(f"GPU benchmark on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"recurscope code timed: {os.path.dirname(os.path.dirname(recurscope.__file__))}")
-    verdicts = recurrence_benches(args.repeats)
+    cuda = torch.device("cuda")
+    verdicts = recurrence_benches(args.repeats, cuda)
     if not args.skip_scan:
-        verdicts += scan_bench(max(3, args.repeats // 3))
+        verdicts += scan_bench(max(3, args.repeats // 3), cuda)
     print()
     for v in verdicts:
         print("target: " + v)

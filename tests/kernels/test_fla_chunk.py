@@ -1,13 +1,9 @@
 """The fla chunk-kernel path (kernels.fla_chunk) against the float64 reference, with every patch feature, on tiny
-shapes. On a CPU fla's Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest), with two
-test-only adjustments made by the `interpreter_for_fla` fixture and undone after this module:
-  - autotuning picks the first config (the interpreter has no GPU driver to benchmark configs on);
-  - `for` loop variables are wrapped as interpreter tensors, as assignments already are (fla calls `i_t.to(...)` on
-    loop counters, which Triton's interpreter leaves as Python ints).
+shapes. On a CPU fla's Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest), with the
+test-only adjustments of conftest's `fla_interpreter` fixture, undone after this module.
 Each fla call takes seconds in the interpreter, so the shapes are tiny and the cases few."""
 from __future__ import annotations
 
-import ast
 import os
 
 import pytest
@@ -16,42 +12,15 @@ import torch.nn.functional as F
 
 from recurscope import kernels
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                                reason="needs CUDA or TRITON_INTERPRET=1")
+pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                 reason="needs CUDA or TRITON_INTERPRET=1"),
+              pytest.mark.usefixtures("fla_interpreter")]
 
 fla_chunk = pytest.importorskip("recurscope.kernels.fla_chunk")
 if not fla_chunk.fla_available():
     pytest.skip("fla is not importable", allow_module_level=True)
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-
-
-def _wrap_loop_variable(self, node):
-    node = self.generic_visit(node)
-    if isinstance(node.target, ast.Name):
-        to_tensor = ast.Attribute(value=ast.Name(id="interpreter_semantic", ctx=ast.Load()), attr="to_tensor",
-                                  ctx=ast.Load())
-        assign = ast.Assign(targets=[ast.Name(id=node.target.id, ctx=ast.Store())],
-                            value=ast.Call(func=to_tensor, args=[ast.Name(id=node.target.id, ctx=ast.Load()),
-                                                                 ast.Constant(value=False)], keywords=[]))
-        node.body.insert(0, ast.copy_location(assign, node))
-        ast.fix_missing_locations(node)
-    return node
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter_for_fla():
-    if DEVICE == "cuda":
-        yield
-        return
-    import triton.runtime.autotuner as autotuner
-    import triton.runtime.interpreter as interpreter
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(autotuner.Autotuner, "prune_configs", lambda self, kwargs: self.configs[:1])
-    mp.setattr(interpreter.ASTTransformer, "visit_For", _wrap_loop_variable, raising=False)
-    yield
-    mp.undo()
 
 
 def make(family, B=1, T=21, H=2, K=8, V=4, seed=0):
