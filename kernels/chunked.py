@@ -86,7 +86,7 @@ def _pairwise_channel(xs, ym, G, max_span):
         out[..., rows, : i + SUB] = prod.unflatten(-2, (n, -1))
     if span > max_span:
         out = _exact_diagonal_blocks(out, X, ym[..., None, :, :], G[..., None, :, :])
-    return list(out.tril_().unbind(-3))                 # the upper triangles were never written
+    return list(out.tril_().unbind(-3))                 # above the diagonal: never written, or not wanted
 
 
 def _exact_diagonal_blocks(out, xm, ym, G):
