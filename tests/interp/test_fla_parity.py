@@ -9,18 +9,12 @@ from recurscope.interp.loading import load_model, state_from_fla
 fla_models = pytest.importorskip("fla.models")
 
 
+# fla's Triton kernels in the interpreter: conftest's one-config autotune and loop-counter adjustments
+pytestmark = pytest.mark.usefixtures("fla_interpreter")
+
+
 @pytest.fixture(autouse=True)
-def single_autotune_config(monkeypatch):
-    # Triton's interpreter cannot benchmark several autotune configs; keep the first one (test-only patch).
-    import triton.runtime.autotuner as autotuner
-
-    original = autotuner.Autotuner.run
-
-    def run_first_config(self, *args, **kwargs):
-        self.configs = self.configs[:1]
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(autotuner.Autotuner, "run", run_first_config)
+def interpreted():
     assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must set TRITON_INTERPRET=1 before triton loads"
 
 
