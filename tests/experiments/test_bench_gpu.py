@@ -18,23 +18,24 @@ pytest.importorskip("fla.ops.gla")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = dict(B=1, T=24, H=2, K=16, V=16, dtype=torch.float32)
-TINY_GLA = dict(model_type="gla", vocab_size=32000, hidden_size=32, num_hidden_layers=2, num_heads=2,
-                expand_k=0.5, expand_v=1.0, hidden_ratio=2, use_short_conv=False, use_output_gate=True,
-                gate_logit_normalizer=16, gate_low_rank_dim=4, tie_word_embeddings=False)
 
 
-def load_gpu_bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(ROOT, "experiments", "bench", "gpu.py"))
+def load_bench(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "experiments", "bench",
+                                                                               f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 def test_gpu_bench_runs_every_contender_and_gives_every_verdict(capsys):
-    gpu = load_gpu_bench()
+    gpu = load_bench("gpu")
+    # the scan bench's GLA-340M shape, shrunk to two layers of two heads
+    tiny_gla = dict(load_bench("scan").SHAPES["gla"], hidden_size=32, num_hidden_layers=2, num_heads=2,
+                    hidden_ratio=2, gate_low_rank_dim=4)
     device = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
                           else "cpu")
-    verdicts = gpu.recurrence_benches(1, device, TINY) + gpu.scan_bench(1, device, TINY_GLA, 307)
+    verdicts = gpu.recurrence_benches(1, device, TINY) + gpu.scan_bench(1, device, tiny_gla, 307)
     out = capsys.readouterr().out
     for fam in ("GLA", "GDN"):
         # write_scale, captures and extra writes are expressible on fla's kernels for both families: no fallback
