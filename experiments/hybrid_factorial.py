@@ -3,7 +3,7 @@ give the recipient the donor's recurrent caches (state and conv tails of every l
 KV (every attention layer), or both, run the recipient's suffix, and report each arm's donor-margin shift as a share of
 the full swap. The paper finds the KV cache carries more than 96% on Qwen3.5-4B.
 
-Usage:  python experiments/hybrid_factorial.py MODEL [--n-sources 128] [--out DIR]
+Usage:  python -m experiments.hybrid_factorial MODEL [--n-sources 128] [--out DIR]
 Works on any hybrid through the model protocol (a bundled fla hybrid or a transformers checkpoint).
 """
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """How the bundled tiny checkpoints were made: small GLA / Gated DeltaNet / hybrid / GDN-2 / QED models trained on a CPU
 on filler next-token prediction plus the key-value recall task, then scored on held-out recall at K=4, F=512.
 
-Usage:  python experiments/train_tiny.py --model tiny-gla [--max-minutes M] [--steps N] [--seed S] [--out DIR]
+Usage:  python -m experiments.train_tiny --model tiny-gla [--max-minutes M] [--steps N] [--seed S] [--out DIR]
                                           [--threads T] [--smoke]      # staged curriculum (the default)
-        python experiments/train_tiny.py --model tiny-gla --ramp       # the old scheduled ramp (500 steps)
-        python experiments/train_tiny.py --rewrite-summary DIR      # eval_summary.md again from DIR's json and log
+        python -m experiments.train_tiny --model tiny-gla --ramp       # the old scheduled ramp (500 steps)
+        python -m experiments.train_tiny --rewrite-summary DIR      # eval_summary.md again from DIR's json and log
 """
 from __future__ import annotations
 
@@ -715,7 +715,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     ev = evaluate(model, tokenizer, n_sources=4 if smoke else EVAL["n_sources"],
                   filler_tokens=32 if smoke else EVAL["filler_tokens"], progress=progress)
     eval_seconds = time.time() - t1
-    summary = {"model": name, "command": command or f"python experiments/train_tiny.py --model {name}",
+    summary = {"model": name, "command": command or f"python -m experiments.train_tiny --model {name}",
                "seed": seed, "steps": steps_done, "max_steps": steps, "max_minutes": max_minutes,
                "stopped_by": stopped, "threads": torch.get_num_threads(), "smoke": smoke,
                "train_seconds": round(train_seconds, 1), "eval_seconds": round(eval_seconds, 1),
@@ -786,7 +786,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--model is required (unless --rewrite-summary)")
     staged = not (args.ramp or args.gated)
     names = sorted(ARCHITECTURES) if args.model == "all" else [args.model]
-    command = "python experiments/train_tiny.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = "python -m experiments.train_tiny " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     for name in names:
         if args.out is None:
             out = CHECKPOINT_DIR / name

@@ -5,7 +5,7 @@ the staged recall curriculum of experiments/train_tiny.py, then scored on held-o
 The model is transformers' own `Qwen3_5ForCausalLM` on its PyTorch path (transformers would otherwise dispatch to
 fla's Triton kernels); the batches, losses, stage rule and evaluation are train_tiny's.
 
-Usage:  python experiments/train_tiny_qwen35.py --out runs/tiny-qwen35 [--max-minutes M] [--steps N] [--seed S]
+Usage:  python -m experiments.train_tiny_qwen35 --out runs/tiny-qwen35 [--max-minutes M] [--steps N] [--seed S]
 The run is resumable: it writes out/resume.pt every few minutes and continues from it when started again with
 the same --out (--max-minutes counts training time over all resumed runs).
 """
@@ -24,12 +24,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_tiny as tt  # noqa: E402  (the curriculum, losses and evaluation)
+from experiments import train_tiny as tt  # the curriculum, losses and evaluation
 
-from recurscope.interp.bridge.torch_path import use_torch_path  # noqa: E402
-from recurscope.interp.data import build_word_tokenizer, save_word_tokenizer  # noqa: E402
-from recurscope.interp.loading import CHECKPOINT_DIR  # noqa: E402
+from recurscope.interp.bridge.torch_path import use_torch_path
+from recurscope.interp.data import build_word_tokenizer, save_word_tokenizer
+from recurscope.interp.loading import CHECKPOINT_DIR
 
 NAME = "tiny-qwen35"
 ARCHITECTURE = dict(hidden_size=128, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
@@ -206,7 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--bundle", action="store_true", help=f"copy out/model to {CHECKPOINT_DIR / NAME} when done")
     args = p.parse_args(argv)
     summary = train(args.out, args.steps, args.seed, args.max_minutes, args.threads,
-                    command="python experiments/train_tiny_qwen35.py " + " ".join(argv or sys.argv[1:]),
+                    command="python -m experiments.train_tiny_qwen35 " + " ".join(argv or sys.argv[1:]),
                     stop_recall=args.stop_recall)
     o = summary["eval"]["overall"]
     print(f"{NAME}: clean recall {100 * o['accuracy']:.1f}% [{100 * o['ci_low']:.1f}, {100 * o['ci_high']:.1f}] "

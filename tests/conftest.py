@@ -5,13 +5,13 @@ import os
 # setdefault so that a GPU run can override it with TRITON_INTERPRET=0.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
 
-import ast  # noqa: E402
+import ast
 
-import pytest  # noqa: E402
+import pytest
 
 
 def _wrap_loop_variable(self, node):

@@ -6,7 +6,7 @@ The main job's confirmation is 128 held-out sources x 4 pairs x 14 arms; --n-sou
 run (the cost is linear in the pairs). --clock cpu times by this process's CPU time (at one thread, the time other
 jobs hold the core then does not count). `uptime` is printed before and after.
 
-Usage:  python experiments/bench/confirm.py [--model tiny-gla] [--n-sources 16] [--repeats 3] [--clock cpu|wall]
+Usage:  python -m experiments.bench.confirm [--model tiny-gla] [--n-sources 16] [--repeats 3] [--clock cpu|wall]
 """
 from __future__ import annotations
 

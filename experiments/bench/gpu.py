@@ -11,7 +11,7 @@ median ratios beside ratios of minima, CUDA synchronised around every timed call
    scan_vs_forward) at 611 tokens; targets <= 1.25x with the scan's patches counted as "on": <= 1.5x.
 
 Shapes for 1-2: B=4, T=4096, H=16, K=V=128, bfloat16 inputs (float32 gates), fla's usual training shape.
-Run with the checkout on the path:  PYTHONPATH=. python experiments/bench/gpu.py [--repeats 10] [--skip-scan]
+Run with the checkout on the path:  PYTHONPATH=. python -m experiments.bench.gpu [--repeats 10] [--skip-scan]
 
 The functions take the device and the shapes, so that tests/experiments/test_bench_gpu.py runs the whole script on
 tiny shapes on a CPU (fla's and our Triton kernels in Triton's interpreter) and the first GPU run does not stop
@@ -138,8 +138,7 @@ def recurrence_benches(repeats: int, device: torch.device, shape: dict = SHAPE) 
 def scan_bench(repeats: int, device: torch.device, model_shape: Optional[dict] = None,
                length: int = SCAN_LENGTH) -> list[str]:
     """The scan of every head against one clean + one donor forward; model_shape defaults to scan.py's GLA-340M."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from scan import LENGTHS, SHAPES, scan_vs_forward
+    from experiments.bench.scan import LENGTHS, SHAPES, scan_vs_forward
 
     from recurscope.interp.data import build_pairs, build_word_tokenizer
     from recurscope.interp.models import ModelConfig, RecurrentLM

@@ -20,8 +20,8 @@ each round, so that machine load hits both alike; each times a full forward of -
 step (one token continuing a cache of the prefix, where per-call overheads such as host reads weigh most). The
 table gives both medians and their ratio.
 
-Usage:  python experiments/bench/models.py [--families gla gdn] [--repeats 3] [--seq-len 512] [--threads N]
-        python experiments/bench/models.py --baseline /tmp/recurscope-before [--rounds 3] [--steps 32] ...
+Usage:  python -m experiments.bench.models [--families gla gdn] [--repeats 3] [--seq-len 512] [--threads N]
+        python -m experiments.bench.models --baseline /tmp/recurscope-before [--rounds 3] [--steps 32] ...
 """
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {
     "gla": dict(model_type="gla", expand_k=0.5, expand_v=1.0, tie_word_embeddings=True),
     "gdn": dict(model_type="gated_deltanet", head_dim=256, expand_v=1.0, use_short_conv=True),
@@ -147,7 +149,7 @@ def compare_worker(family: str, T: int, repeats: int, steps: int) -> dict:
             t0 = time.perf_counter()
             _, cache = model(tokens[:, T + i:T + i + 1], cache=cache, use_cache=True)
             step.append(time.perf_counter() - t0)
-    return dict(family=family, code=str(recurscope.__path__[-1]), forward=statistics.median(forward),
+    return dict(family=family, code=os.path.dirname(recurscope.__file__), forward=statistics.median(forward),
                 step=statistics.median(step[1:] if steps > 1 else step), threads=torch.get_num_threads())
 
 
@@ -191,7 +193,7 @@ def compare(args) -> None:
 
 def _run_worker(args: list[str], env_extra: dict | None = None) -> dict:
     env = dict(os.environ, **(env_extra or {}))
-    res = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", *args], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "experiments.bench.models", "--worker", *args], capture_output=True, cwd=ROOT,
                          text=True, env=env)
     if res.returncode != 0:
         raise RuntimeError(f"worker {args} failed:\n{res.stderr[-3000:]}")

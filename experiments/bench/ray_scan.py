@@ -9,7 +9,7 @@ overhead, (1-worker work time - in-process time) / units, i.e. what running a un
 actors' start (import, model build) is timed apart, as startup, since it is paid once per run. Rows of every run
 are checked against the in-process rows. Target on a 2-core machine: 2 workers at least 1.6x one worker.
 
-Usage:  python experiments/bench/ray_scan.py [--pairs 8] [--filler 256] [--layers 24] [--threads 1]
+Usage:  python -m experiments.bench.ray_scan [--pairs 8] [--filler 256] [--layers 24] [--threads 1]
                                              [--address ADDRESS] [--device cpu|cuda]
 """
 from __future__ import annotations

@@ -30,7 +30,7 @@ one fixed shape, (128, 64, 128) @ (128, 128, 128), whatever C is.
 --baseline DIR adds an older checkout's chunked kernel (DIR/kernels/chunked.py, e.g. from `git archive`) as a
 contender, called after the same input checks, so that old against new is a paired ratio of one run.
 
-Usage:  python experiments/bench/recurrence.py [--lengths 2048 8192] [--repeats 7] [--threads 1] [--reference]
+Usage:  python -m experiments.bench.recurrence [--lengths 2048 8192] [--repeats 7] [--threads 1] [--reference]
                                                [--baseline DIR]
 """
 from __future__ import annotations
@@ -183,10 +183,8 @@ def main() -> None:
           f"{args.repeats} interleaved rounds, order rotated per round, torch {torch.__version__}")
     print(f"clock: {args.clock}")
     print(f"uptime before: {uptime()}")
-    # A script's own folder comes first on sys.path, so `recurscope` is whatever is installed unless PYTHONPATH
-    # points at a checkout: say which code is being timed.
-    print(f"recurscope code timed: {os.path.dirname(os.path.dirname(recurscope.__file__))} "
-          "(set PYTHONPATH=<checkout> to time a checkout)")
+    # `python -m experiments.bench.X` from a checkout times that checkout; say which code is being timed.
+    print(f"recurscope code timed: {os.path.dirname(os.path.dirname(recurscope.__file__))}")
     a, b = torch.randn(BMM_SHAPE[0], BMM_SHAPE[1], BMM_SHAPE[2]), torch.randn(BMM_SHAPE[0], BMM_SHAPE[2], BMM_SHAPE[3])
     header = (f"{'family':6s} {'T':>5s} {'contender':26s} {'median':>9s} {'min':>9s} "
               f"{'paired med ratio':>16s} {'ratio of mins':>13s} {'faults/call':>11s}")

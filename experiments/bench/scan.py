@@ -30,7 +30,7 @@ the same rounds; its rows are checked against the current scan's, and the paired
 --clock cpu (CPU only) times by this process's CPU time: at one thread the time other jobs hold the core then
 does not count (cache and memory-bandwidth contention still does).
 
-Usage:  python experiments/bench/scan.py [--shapes gla gdn gdn_hybrid qwen35] [--lengths 611 307] [--repeats 3]
+Usage:  python -m experiments.bench.scan [--shapes gla gdn gdn_hybrid qwen35] [--lengths 611 307] [--repeats 3]
                                          [--threads 1] [--layers N] [--naive-heads 0] [--device cpu|cuda]
                                          [--clock wall|cpu] [--baseline-scan FILE]
 """
@@ -183,10 +183,8 @@ def main():
     print(f"scan benchmark: device {device}, threads {torch.get_num_threads()}, {args.repeats} interleaved rounds, "
           f"order rotated per round, batch_size {args.batch_size}, clock {args.clock}")
     print(f"uptime before: {uptime()}")
-    # A script's own folder comes first on sys.path, so `recurscope` is whatever is installed unless PYTHONPATH
-    # points at a checkout: say which code is being timed.
-    print(f"recurscope code timed: {os.path.dirname(os.path.dirname(recurscope.__file__))} "
-          "(set PYTHONPATH=<checkout> to time a checkout)")
+    # `python -m experiments.bench.X` from a checkout times that checkout; say which code is being timed.
+    print(f"recurscope code timed: {os.path.dirname(os.path.dirname(recurscope.__file__))}")
     baseline = None if args.baseline_scan is None else load_baseline(args.baseline_scan)
     if baseline is not None:
         print(f"baseline scan: {args.baseline_scan}")

@@ -30,11 +30,11 @@ checkpoint itself was not read): 24 layers, 3 Gated DeltaNet : 1 gated attention
 3584, GDN 16 key and 16 value heads of 128 x 128, conv 4, attention 8 query heads and 2 KV heads of 256 with the
 output gate, vocabulary 248320, tied embeddings, RoPE theta 1e7 on a quarter of each head.
 
-Usage:  python experiments/bench/transformers_run.py --ckpt /work/results/qwen08/ckpt [--config shape.json]
+Usage:  python -m experiments.bench.transformers_run --ckpt /work/results/qwen08/ckpt [--config shape.json]
             [--dtypes float32 bfloat16] [--confirm-pairs 2] [--arms state_swap write_block | all] [--batch-size 16]
             [--baseline-scan FILE]
             [--gpu-tflops 989] [--gpu-utilisation 0.2] [--json results.json]
-        python experiments/bench/transformers_run.py --report float32.json bfloat16.json
+        python -m experiments.bench.transformers_run --report float32.json bfloat16.json
 """
 from __future__ import annotations
 
@@ -133,7 +133,6 @@ def measure(args) -> dict:
     torch.set_num_threads(1)
     from recurscope.interp.confirm import confirm_arm
     from recurscope.interp.data import build_pairs
-    from recurscope.interp.distributed import take_rows
     from recurscope.interp.loading import load_model
     from recurscope.interp.scan import all_heads, run_scan
 
@@ -144,7 +143,7 @@ def measure(args) -> dict:
     out.update(load_wall=c.wall, load_cpu=c.cpu, rss_loaded_gib=rss_gib(), heads=len(all_heads(model)))
     dev = build_pairs(model.tokenizer, split="dev", n_sources=1, pairs_per_source=MAIN_JOB["pairs_per_source"],
                       **PAIR_LAYOUT)
-    scan_pair = take_rows(dev, [int(torch.nonzero(dev.is_target)[0, 0])])
+    scan_pair = dev.select([int(torch.nonzero(dev.is_target)[0, 0])])
     T = int(scan_pair.recipient_ids.shape[1])
     out["tokens"] = T
     with torch.no_grad():
@@ -172,7 +171,7 @@ def measure(args) -> dict:
         out.update(baseline_wall=c.wall, baseline_cpu=c.cpu, baseline_max_shift_diff=float(diff))
     held = build_pairs(model.tokenizer, split="heldout", n_sources=1, pairs_per_source=MAIN_JOB["pairs_per_source"],
                        **PAIR_LAYOUT)
-    held = take_rows(held, range(min(args.confirm_pairs, len(held))))
+    held = held.select(range(min(args.confirm_pairs, len(held))))
     head = all_heads(model)[0]
     out["arms"] = {}
     for arm in args.arms:
@@ -277,11 +276,11 @@ def main(argv=None) -> int:
     results = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     for dtype in args.dtypes:
-        cmd = [sys.executable, __file__, "--ckpt", str(ckpt), "--measure", dtype, "--confirm-pairs",
-               str(args.confirm_pairs), "--batch-size", str(args.batch_size), "--arms", *args.arms]
+        cmd = [sys.executable, "-m", "experiments.bench.transformers_run", "--ckpt", str(ckpt), "--measure", dtype,
+               "--confirm-pairs", str(args.confirm_pairs), "--batch-size", str(args.batch_size), "--arms", *args.arms]
         if args.baseline_scan:
             cmd += ["--baseline-scan", args.baseline_scan]
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)   # the child's progress: stderr
+        proc = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, text=True)   # the child's progress: stderr
         if proc.returncode != 0:
             raise SystemExit(f"{dtype} measurement failed (its traceback is above)")
         results.append(json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:]))

@@ -2,7 +2,7 @@
 the winner of a state-swap scan on dev sources, the arms run on held-out sources, and the summary gives the
 donor-margin, donor-specific and distractor shifts side by side. Resumable (one row log per model).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python experiments/protocols/controls_tiny.py --models tiny-gla tiny-gdn
+    OMP_NUM_THREADS=1 PYTHONPATH=. python -m experiments.protocols.controls_tiny --models tiny-gla tiny-gdn
 """
 from __future__ import annotations
 

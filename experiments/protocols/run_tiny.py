@@ -2,7 +2,7 @@
 thread, and writes one markdown file with every report section (the source of docs/results_tiny.md's protocol
 tables). Resumable: each protocol's result directory is reopened and finished arms are skipped.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python experiments/protocols/run_tiny.py --out results/protocols
+    OMP_NUM_THREADS=1 PYTHONPATH=. python -m experiments.protocols.run_tiny --out results/protocols
 """
 from __future__ import annotations
 

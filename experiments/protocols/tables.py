@@ -1,7 +1,7 @@
 """One markdown table per protocol across models, with the paper's numbers beside, from the result directories of
 run_tiny.py (<root>/<model>/<protocol>/<protocol>_summary.csv). Prints to stdout.
 
-    PYTHONPATH=. python experiments/protocols/tables.py results/protocols results/protocols_b
+    PYTHONPATH=. python -m experiments.protocols.tables results/protocols results/protocols_b
 """
 from __future__ import annotations
 

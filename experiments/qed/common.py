@@ -4,7 +4,6 @@ theta learning-rate groups, logits at chosen positions, and the per-token quanti
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -12,14 +11,12 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # so the scripts run as `python experiments/qed/x.py` and import each other
-    sys.path.insert(0, str(ROOT))
 
-from recurscope import kernels  # noqa: E402
-from recurscope.interp.models import ModelConfig, RecurrentLM  # noqa: E402
-from recurscope.hooks import hook_name  # noqa: E402
-from recurscope.interp.models.mixers import GatedDeltaNet2Mixer  # noqa: E402
-from recurscope.interp.models.optim import param_groups  # noqa: E402
+from recurscope import kernels
+from recurscope.interp.models import ModelConfig, RecurrentLM
+from recurscope.hooks import hook_name
+from recurscope.interp.models.mixers import GatedDeltaNet2Mixer
+from recurscope.interp.models.optim import param_groups
 
 #: Every arm, baseline first. "noproj" (gate without projection) is the arm the paper never ran.
 ARMS = ("gdn2", "full", "nogate", "nogate_noproj", "rand", "noproj")

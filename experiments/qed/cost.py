@@ -2,27 +2,25 @@
 recurrence call, and a whole model forward, on the chunked CPU path; the same on the Triton kernel when CUDA is
 available. Arms alternate within each repeat (interleaved, order flipped every repeat) and medians are compared.
 
-Usage:  python experiments/qed/cost.py [--repeats 15] [--out DIR] [--smoke]
+Usage:  python -m experiments.qed.cost [--repeats 15] [--out DIR] [--smoke]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
+import pandas as pd
+import torch
 
-from recurscope import kernels  # noqa: E402
-from recurscope.kernels.inputs import family_inputs  # noqa: E402
-from experiments.qed import common  # noqa: E402
-from recurscope.interp.data import build_word_tokenizer  # noqa: E402
-from recurscope.interp.models import RecurrentLM  # noqa: E402
+from recurscope import kernels
+from recurscope.kernels.inputs import family_inputs
+from experiments.qed import common
+from recurscope.interp.data import build_word_tokenizer
+from recurscope.interp.models import RecurrentLM
 
 DEFAULT_OUT = common.ROOT / "results" / "qed" / "cost"
 

@@ -2,7 +2,7 @@
 shared by every arm (95% Wilson intervals, Figure 1); paired exact McNemar contrasts (Figure 2); the inference-time
 strength sweep paired against s = 1; and eigenvalue / non-normality diagnostics from hook points and captured states.
 
-Usage:  python experiments/qed/evaluate.py [--train DIR] [--out DIR] [--n 500] [--jobs 2] [--smoke]
+Usage:  python -m experiments.qed.evaluate [--train DIR] [--out DIR] [--n 500] [--jobs 2] [--smoke]
 """
 from __future__ import annotations
 
@@ -16,22 +16,21 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import pandas as pd
+import torch
 
-from recurscope import kernels  # noqa: E402
-from experiments.qed import common  # noqa: E402
-from experiments.qed.train_arms import DEFAULT_OUT as DEFAULT_TRAIN, validation_loss  # noqa: E402
-from recurscope.hooks import hook_name  # noqa: E402
-from recurscope.interp.data import FillerSource, NiahBatch, build_niah  # noqa: E402
-from recurscope.interp.loading import load_model  # noqa: E402
-from recurscope.interp.models import RecurrentLM  # noqa: E402
-from recurscope.interp.plots import plot_accuracy_vs_length, plot_contrasts  # noqa: E402
-from recurscope.interp.results import RunDir  # noqa: E402
-from recurscope.interp.stats import binomial_ci, mcnemar_exact, mcnemar_table  # noqa: E402
+from recurscope import kernels
+from experiments.qed import common
+from experiments.qed.train_arms import DEFAULT_OUT as DEFAULT_TRAIN, validation_loss
+from recurscope.hooks import hook_name
+from recurscope.interp.data import FillerSource, NiahBatch, build_niah
+from recurscope.interp.loading import load_model
+from recurscope.interp.models import RecurrentLM
+from recurscope.interp.plots import plot_accuracy_vs_length, plot_contrasts
+from recurscope.interp.results import RunDir
+from recurscope.interp.stats import binomial_ci, mcnemar_exact, mcnemar_table
 
 DEFAULT_EVAL = common.ROOT / "results" / "qed" / "eval"
 EVAL_SEED = 20260813          # the fixed S-NIAH examples; training examples use seeds >= 1_000_003
@@ -417,7 +416,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name in ("n", "diag_length", "val_rows", "matrix_samples"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; received {getattr(args, name)}.")
-    print("command: python experiments/qed/evaluate.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
+    print("command: python -m experiments.qed.evaluate " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
     tables = run(args.train, args.out, args.arms, args.seeds, args.n, args.multipliers, args.strengths,
                  args.strength_arms, args.strength_multipliers, args.diag_sequences, args.diag_length,
                  args.matrix_samples, args.val_rows, args.jobs, args.threads)

@@ -1,26 +1,24 @@
 """The one command for the QED suite: train every arm on both seeds, evaluate, time the cost, and rewrite the
 generated tables of experiments/qed/README.md (between its `<!-- generated:start -->` and `<!-- generated:end -->`).
 
-Usage:  python experiments/qed/run_all.py                 # the full suite (300 steps, 500 examples per length)
-        python experiments/qed/run_all.py --profile reduced   # what fits about an hour on 2 shared cores
-        python experiments/qed/run_all.py --profile smoke     # a pipeline check in a couple of minutes
-        python experiments/qed/run_all.py --readme-only --profile reduced   # only rewrite the README tables
+Usage:  python -m experiments.qed.run_all                 # the full suite (300 steps, 500 examples per length)
+        python -m experiments.qed.run_all --profile reduced   # what fits about an hour on 2 shared cores
+        python -m experiments.qed.run_all --profile smoke     # a pipeline check in a couple of minutes
+        python -m experiments.qed.run_all --readme-only --profile reduced   # only rewrite the README tables
 """
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import pandas as pd  # noqa: E402
+import pandas as pd
 
-from experiments.qed import common, cost, evaluate, train_arms  # noqa: E402
+from experiments.qed import common, cost, evaluate, train_arms
 
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
@@ -52,7 +50,7 @@ def readme_tables(root: Path, profile: str) -> str:
            f"{' -> '.join(str(x) for x in train_arms.STAGE_LENGTHS)} tokens, lr {p['lr']:g}, {p['n']} S-NIAH "
            f"examples per length, strength sweep at {[common.TRAIN_LENGTH * m for m in p['strength_multipliers']]} "
            f"tokens, diagnostics on {p['diag_sequences']} sequences x {p['diag_length']} tokens per model. Written by "
-           f"`python experiments/qed/run_all.py --profile {profile}` from `{root.relative_to(common.ROOT)}/`.", ""]
+           f"`python -m experiments.qed.run_all --profile {profile}` from `{root.relative_to(common.ROOT)}/`.", ""]
     train = root / "train" / "train_summary.csv"
     if train.is_file():
         t = pd.read_csv(train)

@@ -14,11 +14,11 @@ committed as experiments/qed/results/<run>-s<seed>.json.gz, so the 12-hour study
   report  per-seed tables, McNemar per seed, seed-level contrasts (mean, exact seed-bootstrap interval, sign test),
           the forest plot and the lambda_max study; rewrites the generated block of experiments/qed/README.md.
 
-Usage:  python experiments/qed/seeds.py dev
-        python experiments/qed/seeds.py main [--worker]      # start one or two of these in the background
-        python experiments/qed/seeds.py sweep [--runs full,...]
-        python experiments/qed/seeds.py report
-        python experiments/qed/seeds.py all --profile smoke  # a pipeline check in about a minute
+Usage:  python -m experiments.qed.seeds dev
+        python -m experiments.qed.seeds main [--worker]      # start one or two of these in the background
+        python -m experiments.qed.seeds sweep [--runs full,...]
+        python -m experiments.qed.seeds report
+        python -m experiments.qed.seeds all --profile smoke  # a pipeline check in about a minute
 """
 from __future__ import annotations
 
@@ -26,20 +26,18 @@ import argparse
 import gzip
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import pandas as pd
+import torch
 
-from experiments.qed import common, tasks, train_arms  # noqa: E402
-from recurscope.interp.loading import load_model  # noqa: E402
-from recurscope.interp.stats import binomial_ci, mcnemar_exact, seed_contrast  # noqa: E402
+from experiments.qed import common, tasks, train_arms
+from recurscope.interp.loading import load_model
+from recurscope.interp.stats import binomial_ci, mcnemar_exact, seed_contrast
 
 HERE = Path(__file__).resolve().parent
 FROZEN = HERE / "frozen_task.json"
@@ -165,7 +163,7 @@ def dev_phase(profile: str) -> dict:
     stage_lengths = p["stage_lengths"] or train_arms.STAGE_LENGTHS
     if not (out / "summary.json").is_file():
         train_arms.train_one("gdn2", DEV_SEED, steps, out, snapshots=p["snapshots"], stage_lengths=stage_lengths,
-                             smoke=profile == "smoke", command=f"python experiments/qed/seeds.py dev --profile {profile}")
+                             smoke=profile == "smoke", command=f"python -m experiments.qed.seeds dev --profile {profile}")
     log = pd.read_csv(out / "train_log.csv")
     chosen_steps, curve = curve_steps(log, p["snapshots"], steps)
     dev = dev_scores(profile, out if chosen_steps == steps else out / f"at-step-{chosen_steps}")
@@ -187,7 +185,7 @@ def dev_phase(profile: str) -> dict:
 def read_frozen(profile: str) -> dict:
     f = frozen_path(profile)
     if not f.is_file():
-        raise FileNotFoundError(f"{f} does not exist: run `python experiments/qed/seeds.py dev --profile {profile}` "
+        raise FileNotFoundError(f"{f} does not exist: run `python -m experiments.qed.seeds dev --profile {profile}` "
                                 "first (it chooses and freezes the task and the step budget).")
     return json.loads(f.read_text())
 
@@ -241,7 +239,7 @@ def trained(run: str, seed: int, profile: str, frozen: dict, phase: str) -> Path
     out = root_for(profile) / "train" / f"{run}-s{seed}"
     if not (out / "summary.json").is_file():
         train_arms.train_one(run, seed, frozen["steps"], out, stage_lengths=frozen["stage_lengths"],
-                             smoke=profile == "smoke", command=f"python experiments/qed/seeds.py {phase} --profile {profile}")
+                             smoke=profile == "smoke", command=f"python -m experiments.qed.seeds {phase} --profile {profile}")
     return out
 
 
@@ -302,7 +300,7 @@ def sweep_job(run: str, seed: int, profile: str, frozen: dict) -> Optional[Path]
         return result
     committed = eval_dir(profile) / f"{run}-s{seed}.json.gz"
     if not committed.is_file():
-        raise FileNotFoundError(f"{committed} does not exist: run `python experiments/qed/seeds.py main` first "
+        raise FileNotFoundError(f"{committed} does not exist: run `python -m experiments.qed.seeds main` first "
                                 "(the sweep compares against the main result).")
     root = root_for(profile)
     lock = root / "locks" / f"sweep-{run}-s{seed}.lock"
@@ -553,7 +551,7 @@ def readme_block(profile: str, tables: dict[str, pd.DataFrame]) -> str:
     frozen = read_frozen(profile)
     done = set(zip(tables["train"]["run"], tables["train"]["seed"])) if len(tables["train"]) else set()
     todo = [f"{r}-s{s}" for r, s in jobs(profile) if (r, s) not in done]
-    out = [f"Written by `python experiments/qed/seeds.py report` from `{root_for(profile).relative_to(common.ROOT)}/`"
+    out = [f"Written by `python -m experiments.qed.seeds report` from `{root_for(profile).relative_to(common.ROOT)}/`"
            f" ({len(done)} of {len(jobs(profile))} jobs finished).", "",
            "**Finished:** " + (", ".join(f"{r}-s{s}" for r, s in jobs(profile) if (r, s) in done) or "none") + ".",
            "", "**Not finished:** " + (", ".join(todo) or "none") + ".", "",

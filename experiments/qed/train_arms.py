@@ -3,7 +3,7 @@ the same initial weights, data stream, step budget and schedule; only `erase_arm
 retrieval (weighted up) plus a floor of next-token loss on generated filler, with a staged curriculum over the
 haystack length (32 -> 64 -> 128 -> 256 tokens) that advances once the running training accuracy is >= 85%.
 
-Usage:  python experiments/qed/train_arms.py [--arms gdn2 full ...] [--seeds 0 1] [--steps N] [--max-minutes M]
+Usage:  python -m experiments.qed.train_arms [--arms gdn2 full ...] [--seeds 0 1] [--steps N] [--max-minutes M]
                                              [--jobs 2] [--smoke]
 """
 from __future__ import annotations
@@ -21,18 +21,17 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
 
-from experiments.qed import common, tasks  # noqa: E402
-from experiments.train_tiny import init_weights, should_advance, staged_learning_rate  # noqa: E402  (shared recipe)
-from recurscope.interp.data import FillerSource, build_word_tokenizer, save_word_tokenizer  # noqa: E402
-from recurscope.interp.loading import save_model  # noqa: E402
-from recurscope.interp.models import RecurrentLM  # noqa: E402
+from experiments.qed import common, tasks
+from experiments.train_tiny import init_weights, should_advance, staged_learning_rate  # (shared recipe)
+from recurscope.interp.data import FillerSource, build_word_tokenizer, save_word_tokenizer
+from recurscope.interp.loading import save_model
+from recurscope.interp.models import RecurrentLM
 
 DEFAULT_OUT = common.ROOT / "results" / "qed" / "train"
 # 300 steps: every arm is at 100% S-NIAH accuracy at the training length by then (the reduced run), and 12 models
@@ -404,7 +403,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--lr", type=float, default=PEAK_LR, help=f"peak learning rate (default {PEAK_LR})")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (SMOKE_STEPS if args.smoke else FULL_STEPS)
-    command = "python experiments/qed/train_arms.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = "python -m experiments.qed.train_arms " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     frame = run(args.arms, args.seeds, steps, args.out, args.jobs, args.threads, args.smoke, args.force, command,
                 args.lr, args.max_minutes)
     print(frame.to_string(index=False))

@@ -1,17 +1,12 @@
 """experiments/bench/transformers_run.py: the forward FLOP count behind its GPU estimate against torch's own
 FlopCounterMode on a bridged Qwen3.5 checkpoint, and the preset's shape against Qwen3.5-0.8B's published size."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments" / "bench"))
-from transformers_run import PRESET, forward_flops  # noqa: E402
-
-from recurscope.interp.data import build_word_tokenizer, save_word_tokenizer  # noqa: E402
-from recurscope.interp.loading import load_model  # noqa: E402
+from experiments.bench.transformers_run import PRESET, forward_flops
+from recurscope.interp.data import build_word_tokenizer, save_word_tokenizer
+from recurscope.interp.loading import load_model
 
 
 def test_forward_flops_matches_torch_flop_counter(tmp_path):

@@ -1,15 +1,10 @@
 """The hybrid cache factorial: swapping every part of the donor's cache at b reproduces the donor's own answer."""
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
-from hybrid_factorial import cache_factorial, shares  # noqa: E402
-
-from recurscope.interp.data import build_pairs  # noqa: E402
-from recurscope.interp.interventions import clean_run  # noqa: E402
-from recurscope.interp.loading import load_model  # noqa: E402
+from experiments.hybrid_factorial import cache_factorial, shares
+from recurscope.interp.data import build_pairs
+from recurscope.interp.interventions import clean_run
+from recurscope.interp.loading import load_model
 
 
 def test_full_swap_gives_the_donor_margin_and_shares_are_reported():

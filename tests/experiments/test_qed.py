@@ -9,7 +9,6 @@ import json
 import math
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +18,12 @@ import torch
 from scipy import stats as sps
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-from recurscope import kernels  # noqa: E402
-from experiments.qed import common, evaluate, seeds, tasks, train_arms  # noqa: E402
-from recurscope.interp.data import build_word_tokenizer  # noqa: E402
-from recurscope.interp.models import RecurrentLM  # noqa: E402
-from recurscope.interp.stats import mcnemar_exact, seed_bootstrap_ci, seed_contrast, sign_test  # noqa: E402
+from recurscope import kernels
+from experiments.qed import common, evaluate, seeds, tasks, train_arms
+from recurscope.interp.data import build_word_tokenizer
+from recurscope.interp.models import RecurrentLM
+from recurscope.interp.stats import mcnemar_exact, seed_bootstrap_ci, seed_contrast, sign_test
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Every intervention gives the same logits as before the patch/mask refactor (commit d7997da, where
 interp.interventions still had its own mask implementation): candidate logits on the bundled tiny-qed checkpoint
-were computed on that commit by `python tests/interp/test_intervention_regression.py --write` and stored beside
+were computed on that commit by `python -m tests.interp.test_intervention_regression --write` and stored beside
 this file. The refactor only moved where the masks are built, so anything beyond float rounding is a regression.
 """
 import json

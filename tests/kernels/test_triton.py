@@ -20,8 +20,8 @@ elif torch.cuda.is_available():
 else:
     pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py) or a CUDA device", allow_module_level=True)
 
-from recurscope.kernels import triton_recurrent  # noqa: E402  (after the interpreter switch is known)
-from recurscope.kernels.triton_recurrent import recurrence_triton, tile_config  # noqa: E402
+from recurscope.kernels import triton_recurrent  # (after the interpreter switch is known)
+from recurscope.kernels.triton_recurrent import recurrence_triton, tile_config
 
 FEATURES = ("none", "write_scale", "extra_write", "capture", "initial_state", "all")
 

@@ -2,7 +2,7 @@
 
 GPU-only failures (lowering errors, register spills) show up here without a GPU. The compile runs in a fresh
 subprocess without TRITON_INTERPRET, because the interpreter switch changes what triton.jit returns.
-Run `python tests/kernels/test_triton_aot.py` to print the per-size resource table.
+Run `python -m tests.kernels.test_triton_aot` to print the per-size resource table.
 """
 import json
 import os
@@ -13,6 +13,7 @@ import tempfile
 
 import pytest
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIZES = ((64, 64), (128, 128), (256, 256))
 INPUT_DTYPES = ("bf16", "fp32")
 TARGET_CAPABILITY = 90
@@ -83,7 +84,7 @@ def test_heavy_variant_compiles_for_sm90_without_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # a real compile, not a cache hit
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the launcher's default; silences triton 3.9's notice
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_triton_aot"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"AOT compile failed:\n{proc.stderr[-4000:]}"
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(rows) == len(SIZES) * len(INPUT_DTYPES)
@@ -97,5 +98,4 @@ def test_heavy_variant_compiles_for_sm90_without_spills(tmp_path):
 
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     main()

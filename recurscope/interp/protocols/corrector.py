@@ -160,7 +160,6 @@ def fit_corrector(model, pairs, head, *, rank: int = 4, ridges: Sequence[float] 
     the scale are chosen by cross-fitting inside dev: maps fitted on the even dev sources are scored on the odd ones
     (ties go to the smaller scale, so a correction that does not help there is not made); the chosen ridge is then
     refitted on every dev source."""
-    from recurscope.interp.distributed import take_rows
 
     splits = sorted(set(pairs.splits))
     if splits != ["dev"]:
@@ -175,7 +174,7 @@ def fit_corrector(model, pairs, head, *, rank: int = 4, ridges: Sequence[float] 
     if odd.all() or not odd.any():
         raise ValueError("the corrector cross-fits on even and odd dev sources; pass at least 2 dev sources")
     fit_i, sel_i = (~odd).nonzero()[:, 0], odd.nonzero()[:, 0]
-    sel_pairs = take_rows(pairs, sel_i.tolist())
+    sel_pairs = pairs.select(sel_i.tolist())
     best = (-1.0, 0.0, ridges[0])
     for ridge in ridges:
         mean, weight = _fit_map(X[fit_i], Y[fit_i], rank, ridge)

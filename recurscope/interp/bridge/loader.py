@@ -9,7 +9,7 @@ import torch
 
 from recurscope.interp.bridge.families import bridge_family, supported_model_types
 from recurscope.interp.bridge.model import TransformersBridge
-from recurscope.interp.loading import check_shards
+from recurscope.interp.checkpoint_files import check_shards
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 

@@ -17,7 +17,6 @@ Ray is optional: ``pip install 'recurscope[distributed]'``.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import socket
@@ -30,7 +29,7 @@ from typing import Callable, Optional, Sequence
 import pandas as pd
 import torch
 
-__all__ = ["DistributedError", "RayRunStats", "ModelSpec", "Unit", "require_ray", "connect", "take_rows",
+__all__ = ["DistributedError", "RayRunStats", "ModelSpec", "Unit", "require_ray", "connect",
            "scan_units", "confirm_units", "run_scan_ray", "run_confirm_ray", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'recurscope[distributed]' (or pip install 'ray>=2.9')"
@@ -75,15 +74,6 @@ def require_ray():
     return ray
 
 
-def _source_checkout_root() -> Optional[str]:
-    """The repository root when recurscope runs from a source checkout (its folders sit beside the package), so
-    that workers import the same code as the driver; None for an installed wheel."""
-    import recurscope
-
-    root = Path(recurscope.__file__).resolve().parent.parent
-    return str(root) if (root / "interp" / "distributed.py").is_file() else None
-
-
 def connect(address: Optional[str] = None, *, num_cpus: Optional[int] = None, num_gpus: Optional[int] = None):
     """Start or join Ray and return the ray module. address None or "local": a new local instance sized to the
     machine (or to num_cpus / num_gpus); "auto": the cluster this node belongs to (`ray start` ran here); an
@@ -91,14 +81,7 @@ def connect(address: Optional[str] = None, *, num_cpus: Optional[int] = None, nu
     ray = require_ray()
     if ray.is_initialized():
         return ray
-    runtime_env = {}
-    root = _source_checkout_root()
-    if root is not None:
-        # Workers start in their own directory; point them at the checkout the driver runs from (on a cluster it
-        # must be on a shared filesystem at the same path, as on most Slurm clusters).
-        runtime_env["env_vars"] = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH"))
-                                                                  if p)}
-    kwargs = dict(runtime_env=runtime_env or None, include_dashboard=False, logging_level="WARNING",
+    kwargs = dict(include_dashboard=False, logging_level="WARNING",
                   log_to_driver=True)
     if address in (None, "local"):
         # A local instance serves this machine only, so it listens on the loopback address.
@@ -163,22 +146,6 @@ class Unit:
             return f"source {self.source}, arm {self.arm}"
         first, last = self.heads[0], self.heads[-1]
         return f"source {self.source}, heads L{first[0]}H{first[1]}..L{last[0]}H{last[1]} ({len(self.heads)} heads)"
-
-
-def take_rows(pairs, rows: Sequence[int]):
-    """The PairBatch of `rows` of `pairs` (tensors indexed, per-row lists picked, the rest kept). Rows keep their
-    padded positions, so a row computes as it does in the whole batch."""
-    idx = torch.as_tensor(list(rows), dtype=torch.long)
-    n = len(pairs)
-    out = {}
-    for f in dataclasses.fields(pairs):
-        value = getattr(pairs, f.name)
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
-            value = value.index_select(0, idx.to(value.device))
-        elif isinstance(value, list) and len(value) == n:
-            value = [value[i] for i in idx.tolist()]
-        out[f.name] = value
-    return type(pairs)(**out)
 
 
 def _rows_by_source(pairs, rows: Optional[Sequence[int]] = None) -> dict[int, tuple]:
@@ -275,7 +242,7 @@ class UnitWorker:
     def scan(self, unit: Unit, batch_size: int, prefix_batch: int) -> list[dict]:
         from recurscope.interp.scan import run_scan
 
-        sub = take_rows(self.pairs, unit.rows)
+        sub = self.pairs.select(unit.rows)
         result = self._guarded(unit, f"--batch-size (now {batch_size}) or --head-block",
                                lambda: run_scan(self.model, sub, None, batch_size, heads=list(unit.heads),
                                                 prefix_batch=prefix_batch))
@@ -286,7 +253,7 @@ class UnitWorker:
     def confirm(self, unit: Unit, heads, scan_heads, seed: int, batch_size: int) -> list[dict]:
         from recurscope.interp.confirm import confirm_arm
 
-        sub = take_rows(self.pairs, unit.rows)
+        sub = self.pairs.select(unit.rows)
         frame = self._guarded(unit, f"--batch-size (now {batch_size})",
                               lambda: confirm_arm(self.model, sub, heads, unit.arm, scan_heads=scan_heads, seed=seed,
                                                   batch_size=batch_size, row_ids=unit.rows))

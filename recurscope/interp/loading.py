@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
+from recurscope.interp.checkpoint_files import CheckpointError, check_shards, read_json, read_weight_file
 from recurscope.interp.models import ModelConfig, RecurrentLM
 from recurscope.interp.models.families import fla_to_ours, ours_to_fla  # noqa: F401  (public names)
 
 CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: the message names the file, what is wrong with it and the fix."""
 
 
 def bundled_names() -> list[str]:
@@ -43,70 +39,13 @@ def resolve_checkpoint(path_or_name: Union[str, os.PathLike]) -> Path:
     )
 
 
-def check_shards(directory: Path) -> None:
-    """A sharded checkpoint's index must name existing files, and each file must hold exactly the index's keys."""
-    index = directory / "model.safetensors.index.json"
-    if not index.is_file():
-        return
-    from safetensors import safe_open
-
-    weight_map = json.loads(index.read_text()).get("weight_map", {})
-    by_file: dict[str, set] = {}
-    for key, fname in weight_map.items():
-        by_file.setdefault(fname, set()).add(key)
-    problems = []
-    for fname, keys in sorted(by_file.items()):
-        path = directory / fname
-        if not path.is_file():
-            problems.append(f"{fname} is named by the index but missing")
-            continue
-        with safe_open(str(path), "pt") as fh:
-            held = set(fh.keys())
-        if held - keys:
-            problems.append(f"{fname} holds {len(held - keys)} weights the index puts elsewhere or omits "
-                            f"(e.g. {sorted(held - keys)[:3]})")
-        if keys - held:
-            problems.append(f"{fname} lacks {len(keys - held)} weights the index puts in it (e.g. {sorted(keys - held)[:3]})")
-    stray = sorted(p.name for p in directory.glob("*.safetensors") if p.name not in by_file)
-    if stray:
-        problems.append(f"files not in the index: {stray}")
-    if problems:
-        raise CheckpointError(f"the shards of {directory} do not match model.safetensors.index.json: " + "; ".join(problems)
-                         + ". Re-download or re-save the checkpoint; nothing was loaded.")
-
-
-def _read_weight_file(path: Path) -> dict:
-    """One weight file's tensors; a truncated, empty or garbled file raises CheckpointError naming it."""
-    if path.stat().st_size == 0:
-        raise CheckpointError(f"{path} is empty (0 bytes); the download or save was interrupted: download or save "
-                              "the checkpoint again")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            return load_file(str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # safetensors and torch raise their own types for a damaged file
-        reason = " ".join(str(err).split()) or type(err).__name__
-        raise CheckpointError(f"{path} cannot be read as weights ({type(err).__name__}: {reason}); the file is "
-                              "truncated or corrupt: download or save the checkpoint again") from err
-
-
-def _read_json(path: Path, what: str):
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
-        raise CheckpointError(f"{path} is not valid JSON ({err}); it should be the checkpoint's {what}: restore it "
-                              "from the original checkpoint") from None
-
-
 def _read_state_dict(directory: Path) -> dict:
     files = sorted(directory.glob("*.safetensors"))
     if files:
         index = directory / "model.safetensors.index.json"
         check_shards(directory)
         if index.is_file():
-            weight_map = _read_json(index, "shard index").get("weight_map")
+            weight_map = read_json(index, "shard index").get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index} has no 'weight_map' object; restore it from the original checkpoint")
             names = sorted(set(weight_map.values()))
@@ -117,20 +56,20 @@ def _read_state_dict(directory: Path) -> dict:
                                       "shards")
         sd = {}
         for f in files:
-            sd.update(_read_weight_file(f))
+            sd.update(read_weight_file(f))
         return sd
     bins = sorted(directory.glob("pytorch_model*.bin"))
     if bins:
         sd = {}
         for f in bins:
-            sd.update(_read_weight_file(f))
+            sd.update(read_weight_file(f))
         return sd
     raise CheckpointError(f"{directory} has a config.json but no model.safetensors, sharded safetensors or "
                           "pytorch_model.bin; copy the weights beside config.json")
 
 
 def _read_config(cfg_file: Path) -> ModelConfig:
-    raw = _read_json(cfg_file, "model configuration")
+    raw = read_json(cfg_file, "model configuration")
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg_file} holds a JSON {type(raw).__name__}, not an object of model options; "
                               "restore it from the original checkpoint")
@@ -179,7 +118,7 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     cfg_file = directory / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{directory} has no config.json; copy the checkpoint's config.json beside its weights")
-    raw_config = _read_json(cfg_file, "model configuration")
+    raw_config = read_json(cfg_file, "model configuration")
     try:
         fmt = checkpoint_format(raw_config) if isinstance(raw_config, dict) else "fla"
     except ValueError as err:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Iterator, Sequence
 
 import torch
@@ -136,6 +136,22 @@ class PairBatch:
 
     def __len__(self) -> int:
         return int(self.recipient_ids.shape[0])
+
+    def select(self, rows: Sequence[int]) -> "PairBatch":
+        """The batch of `rows` (tensors indexed, per-row lists picked, the rest kept). Rows keep their padded
+        positions, so a row computes as it does in the whole batch."""
+        rows = [int(r) for r in rows]
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        n = len(self)
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
+                value = value.index_select(0, idx.to(value.device))
+            elif isinstance(value, list) and len(value) == n:
+                value = [value[i] for i in rows]
+            out[f.name] = value
+        return type(self)(**out)
 
     @property
     def recipient_answer_id(self) -> torch.Tensor:

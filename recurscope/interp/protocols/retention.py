@@ -47,7 +47,6 @@ def retention_pairs(tokenizer, layout: dict, *, n_sources: int, n_nontarget: int
     once under `seed` (all of them when K - 1 <= n_nontarget): at K = 64 every row costs a forward, so not every
     fact is queried."""
     from recurscope.interp.data import build_multifact_pairs
-    from recurscope.interp.distributed import take_rows
 
     if not isinstance(n_nontarget, int) or n_nontarget < 0:
         raise ValueError(f"n_nontarget must be an integer >= 0; got {n_nontarget!r}")
@@ -59,7 +58,7 @@ def retention_pairs(tokenizer, layout: dict, *, n_sources: int, n_nontarget: int
         target = [i for i in rows if bool(pairs.is_target[i])]
         others = [i for i in rows if not bool(pairs.is_target[i])]
         keep += target + sorted(rng.sample(others, min(n_nontarget, len(others))))
-    return take_rows(pairs, keep)
+    return pairs.select(keep)
 
 
 def _nan_rows(arm: str, reason: str) -> pd.DataFrame:

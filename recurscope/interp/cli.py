@@ -378,7 +378,7 @@ def cmd_patch(args):
     args.n_sources = args.source + 1
     pairs = _pairs(model, args)
     row = [i for i in range(len(pairs)) if int(pairs.source_id[i]) == args.source][:1]
-    pairs = _take(pairs, row)
+    pairs = pairs.select(row)
     heads = [(args.layer, h) for h in args.head]
     print(f"pair from {args.sources} source {args.source}: recipient answer "
           f"{pairs.candidates[0][int(pairs.recipient_answer_index[0])]!r}, donor answer "
@@ -392,17 +392,6 @@ def cmd_patch(args):
         m = example_metrics(pairs, res, intervention=arm).iloc[0]
         print(f"{arm:<18}{m['margin']:>+9.2f}{m['donor_margin_shift']:>+9.2f}  {[round(v, 2) for v in res.logits[0].tolist()]}")
     return 0
-
-
-def _take(pairs, rows):
-    import dataclasses
-
-    idx = torch.tensor(rows, dtype=torch.long)
-    out = {}
-    for f in dataclasses.fields(pairs):
-        v = getattr(pairs, f.name)
-        out[f.name] = v.index_select(0, idx) if isinstance(v, torch.Tensor) else ([v[i] for i in rows] if isinstance(v, list) else v)
-    return type(pairs)(**out)
 
 
 def cmd_run(args):
