@@ -9,7 +9,6 @@ Usage:  python -m experiments.train_tiny --model tiny-gla [--max-minutes M] [--s
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import random
@@ -29,6 +28,8 @@ from recurscope.interp.loading import CHECKPOINT_DIR, save_model
 from recurscope.interp.models.optim import param_groups as shared_param_groups
 from recurscope.interp.models import ModelConfig, RecurrentLM
 from recurscope.interp.stats import source_bootstrap_ci
+
+from experiments.training import finish_run, train_loop, warmup_constant, warmup_stable_decay
 
 # Architectures. Sizes are chosen so that one shared CPU core trains a model in about a quarter of an hour.
 ARCHITECTURES: dict[str, dict] = {
@@ -123,13 +124,13 @@ def staged_curriculum(early_templates: Optional[Sequence[str]] = None) -> tuple[
 ADVANCE_WINDOW, ADVANCE_ACCURACY = 20, 0.85   # advance when the last 20 steps of a stage average >= 85% recall
 FOCUS_FRACTION = 0.5                           # --focus-template: share of batches of that template
 PER_TEMPLATE_WINDOW = 8                        # --advance-per-template: each template's last 8 steps, too
+RESUME_EVERY = 100                        # steps between resume points (out/resume.pt, gone once the model is saved)
 STAGED_LR, STAGED_WARMUP_STEPS = 1e-3, 20     # constant after warmup: the run length is set by the clock
 STAGED_RECALL_ROWS, STAGED_RECALL_WEIGHT = 16, 4.0
 STAGED_MAX_STEPS = 2_000                      # default step cap of a staged run (--steps / --max-minutes override)
 #: --stop-recall: training ends once the last stage has run FINAL_MIN_STEPS steps and its last FINAL_WINDOW training
 #: batches average at least the given recall (training batches only: the held-out evaluation is never looked at).
 FINAL_MIN_STEPS, FINAL_WINDOW = 120, 80
-STOP_FILE = "STOP"                        # `touch <out>/STOP` ends training cleanly at the next step (then eval, save)
 TRAIN_SOURCE_OFFSET = 10 ** 9            # train-split source ids used for the pure filler rows
 
 
@@ -184,15 +185,8 @@ def _long_memory_gates(mixer: torch.nn.Module) -> None:
 
 
 def learning_rate(step: int, steps: int, peak: float = PEAK_LR) -> float:
-    """Warmup-stable-decay: linear warmup, constant, then a linear decay to FINAL_LR_FRACTION * peak."""
-    warmup = max(1, int(round(WARMUP_FRACTION * steps)))
-    decay_start = int(round((1 - DECAY_FRACTION) * steps))
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    if step < decay_start:
-        return peak
-    progress = (step - decay_start) / max(1, steps - decay_start)
-    return peak * (1 - (1 - FINAL_LR_FRACTION) * min(1.0, progress))
+    """The ramp recipe's warmup-stable-decay schedule."""
+    return warmup_stable_decay(step, steps, peak, WARMUP_FRACTION, DECAY_FRACTION, FINAL_LR_FRACTION)
 
 
 def curriculum_progress(step: int, steps: int) -> float:
@@ -313,8 +307,8 @@ def should_advance_every_template(stage_records: list[tuple[str, float]], window
 
 
 def staged_learning_rate(step: int, peak: float = STAGED_LR, warmup: int = STAGED_WARMUP_STEPS) -> float:
-    """Linear warmup over `warmup` steps, then constant (the staged run's length is not known in advance)."""
-    return peak * min(1.0, (step + 1) / max(1, warmup))
+    """Linear warmup, then constant (the staged run's length is not known in advance)."""
+    return warmup_constant(step, peak, warmup)
 
 
 def batch_losses(model: RecurrentLM, batch: dict, recall_weight: float = 1.0) -> dict:
@@ -433,17 +427,59 @@ def final_recall_reached(stage_accs: Sequence[tuple[str, float]], threshold: Opt
     return float(np.mean([acc for _, acc in stage_accs[-FINAL_WINDOW:]])) >= threshold - 1e-9
 
 
-class StagedCurriculum:
+LOG_COLUMNS = ["step", "loss", "lm_loss", "recall_loss", "recall_acc", "filler_len", "gap", "seq_len", "template",
+               "lr", "seconds"]
+
+
+class RecallRecipe:
+    """What every recall curriculum shares as a training recipe (experiments.training.Recipe): the losses of
+    batch_losses on `model` and the logged batch fields. Subclasses choose the batches and the schedule."""
+
+    extra_columns: list[str] = []
+
+    def __init__(self, model, recall_weight: float, data_rng: random.Random):
+        self.model, self.recall_weight, self.data_rng = model, recall_weight, data_rng
+
+    @property
+    def columns(self) -> list[str]:
+        return LOG_COLUMNS + self.extra_columns
+
+    def losses(self, batch: dict) -> dict:
+        return batch_losses(self.model, batch, recall_weight=self.recall_weight)
+
+    def row(self, batch: dict) -> dict:
+        return {"filler_len": batch["filler_tokens"], "gap": batch["gap"], "seq_len": int(batch["tokens"].shape[1]),
+                "template": batch["template"]}
+
+    def finished(self) -> bool:
+        return False
+
+    def record(self, row: dict) -> None:
+        pass
+
+    def postfix(self) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {"data_rng": self.data_rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.data_rng.setstate(state["data_rng"])
+
+
+class StagedCurriculum(RecallRecipe):
     """The STAGES curriculum: advance one stage once the training recall passes should_advance (or
-    should_advance_every_template), saving the weights that passed each stage under out/stages/."""
+    should_advance_every_template); `on_advance(stage_index, step)` runs before each advance (train() saves the
+    weights that passed the stage under out/stages/)."""
 
     extra_columns = ["stage"]
 
-    def __init__(self, model: RecurrentLM, tokenizer, out: Path, data_rng: random.Random, stages: tuple[dict, ...],
+    def __init__(self, model, tokenizer, data_rng: random.Random, stages: tuple[dict, ...],
                  start_stage: int, recall_rows: int, seed: int, peak_lr: float, focus_template: Optional[str],
                  advance_per_template: bool, early_templates: Optional[Sequence[str]], init_from: Optional[Path],
-                 stop_recall: Optional[float] = None):
-        self.model, self.tokenizer, self.out, self.data_rng = model, tokenizer, out, data_rng
+                 stop_recall: Optional[float] = None, recall_weight: float = 1.0, on_advance=None):
+        super().__init__(model, recall_weight, data_rng)
+        self.tokenizer, self.on_advance = tokenizer, on_advance
         self.stages, self.start_stage, self.stage_index = stages, start_stage, start_stage
         self.recall_rows, self.seed, self.peak_lr = recall_rows, seed, peak_lr
         self.focus_template, self.advance_per_template = focus_template, advance_per_template
@@ -454,17 +490,17 @@ class StagedCurriculum:
     def learning_rate(self, step: int) -> float:
         return staged_learning_rate(step, self.peak_lr)
 
-    def next_batch(self, step: int, history: list[dict], elapsed) -> tuple[dict, int]:
+    def next_batch(self, step: int, history: list[dict], elapsed) -> dict:
         ready = (should_advance_every_template(self.stage_accs) if self.advance_per_template
                  else should_advance([acc for _, acc in self.stage_accs]))
         if self.stage_index + 1 < len(self.stages) and ready:
-            _save_stage_snapshot(self.model, self.tokenizer, self.out, self.stage_index, step)
+            if self.on_advance is not None:
+                self.on_advance(self.stage_index, step)
             self.stage_index, self.stage_accs = self.stage_index + 1, []
             self.advances.append({"step": step, "stage": self.stage_index,
                                   "name": self.stages[self.stage_index]["name"], "seconds": round(elapsed(), 1)})
-        batch = make_stage_batch(self.tokenizer, self.data_rng, step, self.stages[self.stage_index],
-                                 n_recall=self.recall_rows, seed=self.seed, focus_template=self.focus_template)
-        return batch, batch["filler_tokens"]
+        return make_stage_batch(self.tokenizer, self.data_rng, step, self.stages[self.stage_index],
+                                n_recall=self.recall_rows, seed=self.seed, focus_template=self.focus_template)
 
     def finished(self) -> bool:
         return self.stage_index == len(self.stages) - 1 and final_recall_reached(self.stage_accs, self.stop_recall)
@@ -475,6 +511,14 @@ class StagedCurriculum:
 
     def postfix(self) -> dict:
         return {"stage": self.stage_index}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "stage_index": self.stage_index, "stage_accs": self.stage_accs,
+                "advances": self.advances}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.stage_index, self.stage_accs, self.advances = state["stage_index"], state["stage_accs"], state["advances"]
 
     def summary(self, recall_weight: float) -> dict:
         return {
@@ -500,16 +544,16 @@ class StagedCurriculum:
         return {"stage_reached": self.stage_index}
 
 
-class RampCurriculum:
+class RampCurriculum(RecallRecipe):
     """The original scheduled ramp (the recipe of the first bundled checkpoints): filler and gap ceilings grow with
     curriculum_progress, under the warmup-stable-decay learning rate."""
 
-    extra_columns: list[str] = []
     gated = False
 
-    def __init__(self, tokenizer, data_rng: random.Random, steps: int, recall_rows: int, seed: int, peak_lr: float,
-                 filler_end: int):
-        self.tokenizer, self.data_rng, self.steps = tokenizer, data_rng, steps
+    def __init__(self, model, tokenizer, data_rng: random.Random, steps: int, recall_rows: int, seed: int,
+                 peak_lr: float, filler_end: int, recall_weight: float = 1.0):
+        super().__init__(model, recall_weight, data_rng)
+        self.tokenizer, self.steps = tokenizer, steps
         self.recall_rows, self.seed, self.peak_lr, self.filler_end = recall_rows, seed, peak_lr, filler_end
 
     def learning_rate(self, step: int) -> float:
@@ -519,21 +563,14 @@ class RampCurriculum:
         """The longest filler before the query and the longest gap between presentations at `step`."""
         return filler_ceiling(step, self.steps, end=self.filler_end), gap_ceiling(step, self.steps)
 
-    def next_batch(self, step: int, history: list[dict], elapsed) -> tuple[dict, int]:
+    def next_batch(self, step: int, history: list[dict], elapsed) -> dict:
         ceiling, max_gap = self.ceilings(step, history)
         filler_len = self.data_rng.randint(max(FILLER_START, ceiling // 2), ceiling)
-        batch = make_batch(self.tokenizer, self.data_rng, step, filler_len, max_gap=max_gap,
-                           n_recall=self.recall_rows, seed=self.seed, easy=self.easy())
-        return batch, filler_len
+        return make_batch(self.tokenizer, self.data_rng, step, filler_len, max_gap=max_gap,
+                          n_recall=self.recall_rows, seed=self.seed, easy=self.easy())
 
     def easy(self) -> bool:
         return False
-
-    def record(self, row: dict) -> None:
-        pass
-
-    def postfix(self) -> dict:
-        return {}
 
     def summary(self, recall_weight: float) -> dict:
         return {"training": {
@@ -575,55 +612,12 @@ class GatedCurriculum(RampCurriculum):
     def easy(self) -> bool:
         return self.level == 0
 
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "level": self.level, "since_level": self.since_level}
 
-def _train_steps(model: RecurrentLM, optimizer, curriculum, name: str, steps: int, max_minutes: Optional[float],
-                 recall_weight: float, log_path: Path, progress: bool) -> tuple[list[dict], str, float]:
-    """The optimisation loop shared by the curricula; writes train_log.csv. Returns (log rows, what stopped the run,
-    training seconds). Each step asks the curriculum for its learning rate and batch (learning_rate, next_batch),
-    then lets it note the logged row (record); train() takes its summary and meta for the saved files."""
-    from tqdm import tqdm
-
-    columns = ["step", "loss", "lm_loss", "recall_loss", "recall_acc", "filler_len", "gap", "seq_len", "template",
-               "lr", "seconds"] + curriculum.extra_columns
-    history = []
-    stopped = "steps"
-    t0 = time.time()
-    with open(log_path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=columns)
-        writer.writeheader()
-        bar = tqdm(range(steps), desc=f"train {name}", disable=not progress)
-        for step in bar:
-            if max_minutes is not None and time.time() - t0 >= 60.0 * max_minutes:
-                stopped = "max_minutes"
-                break
-            if (log_path.parent / STOP_FILE).exists():      # a watcher saw the target reached: stop, evaluate, save
-                stopped = "stop_file"
-                break
-            if getattr(curriculum, "finished", lambda: False)():
-                stopped = "stop_recall"
-                break
-            lr = curriculum.learning_rate(step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group["lr_scale"]
-            batch, filler_len = curriculum.next_batch(step, history, lambda: time.time() - t0)
-            losses = batch_losses(model, batch, recall_weight=recall_weight)
-            if not torch.isfinite(losses["loss"]):
-                raise FloatingPointError(f"non-finite loss {losses['loss'].item()} at step {step} of {name}; "
-                                         "lower PEAK_LR or check the data")
-            optimizer.zero_grad(set_to_none=True)
-            losses["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-            optimizer.step()
-            row = {"step": step, **{k: round(float(v.detach()), 5) for k, v in losses.items()}, "filler_len": filler_len,
-                   "gap": batch["gap"], "seq_len": int(batch["tokens"].shape[1]), "template": batch["template"], "lr": f"{lr:.3e}",
-                   "seconds": round(time.time() - t0, 2)}
-            curriculum.record(row)
-            writer.writerow(row)
-            fh.flush()
-            history.append(row)
-            bar.set_postfix(loss=f"{row['loss']:.3f}", recall=f"{row['recall_loss']:.3f}",
-                            acc=f"{row['recall_acc']:.2f}", F=filler_len, **curriculum.postfix())
-    return history, stopped, time.time() - t0
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.level, self.since_level = state["level"], state["since_level"]
 
 
 def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[Path] = None, smoke: bool = False,
@@ -655,13 +649,9 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     if gated and staged:
         raise ValueError("gated and staged are two different curricula; pass at most one of them.")
     staged = (not gated) if staged is None else bool(staged)
-    if max_minutes is not None and not max_minutes > 0:
-        raise ValueError(f"max_minutes must be > 0 (a wall-clock limit on training); received {max_minutes!r}.")
     if steps is None:
         steps = SMOKE_STEPS if smoke else (STAGED_MAX_STEPS if staged else DEFAULT_STEPS[name])
     steps = int(steps)
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1; received {steps}.")
     peak_lr = (STAGED_LR if staged else PEAK_LR) if peak_lr is None else float(peak_lr)
     recall_rows = (STAGED_RECALL_ROWS if staged else BATCH_RECALL) if recall_rows is None else int(recall_rows)
     recall_weight = STAGED_RECALL_WEIGHT if staged else 1.0
@@ -693,19 +683,36 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     optimizer = torch.optim.AdamW(param_groups(model, peak_lr), lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
     filler_end = 64 if smoke else FILLER_END
     if staged:
-        curriculum = StagedCurriculum(model, tokenizer, out, data_rng, stages, start_stage, recall_rows, seed, peak_lr,
+        curriculum = StagedCurriculum(model, tokenizer, data_rng, stages, start_stage, recall_rows, seed, peak_lr,
                                       focus_template, advance_per_template, early_templates, init_from,
-                                      stop_recall)
+                                      stop_recall, recall_weight,
+                                      on_advance=lambda stage, step: _save_stage_snapshot(model, tokenizer, out,
+                                                                                          stage, step))
     else:
-        curriculum = (GatedCurriculum if gated else RampCurriculum)(tokenizer, data_rng, steps, recall_rows, seed,
-                                                                    peak_lr, filler_end)
+        curriculum = (GatedCurriculum if gated else RampCurriculum)(model, tokenizer, data_rng, steps, recall_rows,
+                                                                    seed, peak_lr, filler_end, recall_weight)
 
     log_path = out / "train_log.csv"
-    history, stopped, train_seconds = _train_steps(model, optimizer, curriculum, name, steps, max_minutes,
-                                                   recall_weight, log_path, progress)
+    resume_key = {"model": name, "seed": seed, "steps": steps, "smoke": smoke, "gated": gated, "staged": staged,
+                  "peak_lr": peak_lr, "recall_rows": recall_rows, "init_from": None if init_from is None
+                  else str(init_from), "start_stage": start_stage, "focus_template": focus_template,
+                  "early_templates": None if early_templates is None else list(early_templates),
+                  "advance_per_template": advance_per_template, "stop_recall": stop_recall,
+                  "max_minutes": max_minutes}
+    from tqdm import tqdm
+
+    bar = tqdm(total=steps, desc=f"train {name}", disable=not progress)
+
+    def show(row: dict) -> None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{row['loss']:.3f}", recall=f"{row['recall_loss']:.3f}", acc=f"{row['recall_acc']:.2f}",
+                        F=row["filler_len"], **curriculum.postfix())
+
+    loop = train_loop(model, optimizer, curriculum, steps=steps, run_dir=out, grad_clip=GRAD_CLIP, name=name,
+                      max_minutes=max_minutes, resume_key=resume_key, resume_every=RESUME_EVERY, on_row=show)
+    bar.close()
+    history, stopped, train_seconds = loop.history, loop.stopped_by, loop.seconds
     steps_done = len(history)
-    if steps_done == 0:
-        raise ValueError(f"max_minutes={max_minutes} left no time for a single training step; raise it.")
     model.eval()
     model.tokenizer = tokenizer
 
@@ -721,6 +728,8 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
                "train_seconds": round(train_seconds, 1), "eval_seconds": round(eval_seconds, 1),
                "parameters": n_params, "final_losses": final, "eval": ev}
     summary.update(curriculum.summary(recall_weight))
+    if loop.skipped_steps:
+        summary["skipped_steps"] = loop.skipped_steps
     meta = {k: summary[k] for k in ("model", "command", "seed", "steps", "train_seconds", "parameters", "smoke")}
     meta["clean_recall_k4_f512"] = ev["overall"]["accuracy"]
     meta.update(curriculum.meta())
@@ -728,6 +737,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     save_word_tokenizer(tokenizer, out)
     (out / "eval_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "eval_summary.md").write_text(_summary_markdown(name, summary, log_path))
+    finish_run(out)
     return model, summary
 
 

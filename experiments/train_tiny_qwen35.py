@@ -12,7 +12,6 @@ the same --out (--max-minutes counts training time over all resumed runs).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import random
 import shutil
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from experiments import train_tiny as tt  # the curriculum, losses and evaluation
+from experiments.training import train_loop
 
 from recurscope.interp.bridge.torch_path import use_torch_path
 from recurscope.interp.data import build_word_tokenizer, save_word_tokenizer
@@ -37,7 +37,7 @@ ARCHITECTURE = dict(hidden_size=128, num_hidden_layers=4, layer_types=["linear_a
                     intermediate_size=256, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.02,
                     max_position_embeddings=4096)
 EARLY_TEMPLATES = ("belongs",)        # as tiny-gdn-hybrid: a value-before-key format from the start
-RESUME_EVERY_S = 300
+RESUME_EVERY = 100                    # steps between resume points (out/resume.pt)
 
 
 def build_model(tokenizer):
@@ -89,6 +89,8 @@ class Logits(torch.nn.Module):
 
 def train(out: Path, steps: int = 100_000, seed: int = 0, max_minutes: Optional[float] = None,
           threads: int = 1, command: str = "", stop_recall: Optional[float] = None) -> dict:
+    """train_tiny's staged curriculum (per-template advances, belongs early) on transformers' Qwen3.5 modules, through
+    the shared loop; resumable from out/resume.pt, the finished model in out/model."""
     torch.set_num_threads(threads)
     use_torch_path()
     out.mkdir(parents=True, exist_ok=True)
@@ -99,98 +101,41 @@ def train(out: Path, steps: int = 100_000, seed: int = 0, max_minutes: Optional[
     optimizer = torch.optim.AdamW(tt.param_groups(model, tt.STAGED_LR), lr=tt.STAGED_LR, betas=(0.9, 0.95), eps=1e-8)
     stages = tt.staged_curriculum(EARLY_TEMPLATES)
     data_rng = random.Random(f"train-tiny/{NAME}/{seed}")
-    step, stage_index, stage_accs, advances, elapsed, history = 0, 0, [], [], 0.0, []
-    resume = out / "resume.pt"
-    if resume.is_file():
-        saved = torch.load(resume, weights_only=False)
-        hf.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        step, stage_index, stage_accs, advances = saved["step"], saved["stage"], saved["stage_accs"], saved["advances"]
-        elapsed, history = saved["elapsed"], saved["history"]
-        data_rng.setstate(saved["data_rng"])
-        torch.set_rng_state(saved["torch_rng"])
-        print(f"resumed at step {step}, stage {stage_index}, {elapsed:.0f} s trained", flush=True)
+    curriculum = tt.StagedCurriculum(model, tokenizer, data_rng, stages, 0, tt.STAGED_RECALL_ROWS, seed, tt.STAGED_LR,
+                                     None, True, EARLY_TEMPLATES, None, stop_recall, tt.STAGED_RECALL_WEIGHT)
 
-    def save_resume():
-        tmp = out / "resume.pt.tmp"
-        torch.save({"model": hf.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "stage": stage_index,
-                    "stage_accs": stage_accs, "advances": advances, "elapsed": elapsed, "history": history,
-                    "data_rng": data_rng.getstate(), "torch_rng": torch.get_rng_state()}, tmp)
-        tmp.replace(resume)
+    def announce(row: dict) -> None:
+        if curriculum.advances and curriculum.advances[-1]["step"] == row["step"]:
+            print(f"step {row['step']}: stage {row['stage']} {stages[row['stage']]['name']}", flush=True)
 
-    log_path = out / "train_log.csv"
-    columns = ["step", "loss", "lm_loss", "recall_loss", "recall_acc", "filler_len", "gap", "seq_len", "template",
-               "lr", "seconds", "stage"]
-    with open(log_path, "w", newline="") as fh:   # rewritten from the resumed history, so it never duplicates rows
-        writer = csv.DictWriter(fh, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(history)
-        fh.flush()
-        model.train()
-        stopped, start, last_save = "steps", time.time() - elapsed, time.time()
-        while step < steps:
-            elapsed = time.time() - start
-            if max_minutes is not None and elapsed >= 60.0 * max_minutes:
-                stopped = "max_minutes"
-                break
-            if (out / tt.STOP_FILE).exists():      # as train_tiny: a watcher saw the target reached
-                stopped = "stop_file"
-                break
-            if stage_index == len(stages) - 1 and tt.final_recall_reached(stage_accs, stop_recall):
-                stopped = "stop_recall"
-                break
-            lr = tt.staged_learning_rate(step, tt.STAGED_LR)
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group["lr_scale"]
-            if stage_index + 1 < len(stages) and tt.should_advance_every_template(stage_accs):
-                stage_index, stage_accs = stage_index + 1, []
-                advances.append({"step": step, "stage": stage_index, "name": stages[stage_index]["name"],
-                                 "seconds": round(elapsed, 1)})
-                print(f"step {step}: stage {stage_index} {stages[stage_index]['name']}", flush=True)
-            batch = tt.make_stage_batch(tokenizer, data_rng, step, stages[stage_index], n_recall=tt.STAGED_RECALL_ROWS,
-                                        seed=seed)
-            losses = tt.batch_losses(model, batch, recall_weight=tt.STAGED_RECALL_WEIGHT)
-            if not torch.isfinite(losses["loss"]):
-                raise FloatingPointError(f"non-finite loss at step {step}; lower the learning rate")
-            optimizer.zero_grad(set_to_none=True)
-            losses["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tt.GRAD_CLIP)
-            optimizer.step()
-            row = {"step": step, **{k: round(float(v.detach()), 5) for k, v in losses.items()},
-                   "filler_len": batch["filler_tokens"], "gap": batch["gap"], "seq_len": int(batch["tokens"].shape[1]),
-                   "template": batch["template"], "lr": f"{lr:.3e}", "seconds": round(time.time() - start, 2),
-                   "stage": stage_index}
-            stage_accs.append((row["template"], row["recall_acc"]))
-            writer.writerow(row)
-            fh.flush()
-            history.append(row)
-            step += 1
-            if time.time() - last_save >= RESUME_EVERY_S:
-                elapsed = time.time() - start
-                save_resume()
-                last_save = time.time()
-        elapsed = time.time() - start
-        save_resume()
+    model.train()
+    loop = train_loop(model, optimizer, curriculum, steps=steps, run_dir=out, grad_clip=tt.GRAD_CLIP, name=NAME,
+                      max_minutes=max_minutes, resume_key={"model": NAME, "seed": seed, "stop_recall": stop_recall},
+                      resume_every=RESUME_EVERY, on_row=announce)
+    history = loop.history
     model.eval()
     t1 = time.time()
     ev = tt.evaluate(model, tokenizer, progress=False)
     tail = history[-20:]
     final = {k: round(float(np.mean([r[k] for r in tail])), 4) for k in ("loss", "lm_loss", "recall_loss", "recall_acc")}
-    summary = {"model": NAME, "command": command, "seed": seed, "steps": step, "max_steps": steps,
-               "max_minutes": max_minutes, "stopped_by": stopped, "threads": threads, "smoke": False,
-               "train_seconds": round(elapsed, 1), "eval_seconds": round(time.time() - t1, 1),
+    summary = {"model": NAME, "command": command, "seed": seed, "steps": len(history), "max_steps": steps,
+               "max_minutes": max_minutes, "stopped_by": loop.stopped_by, "threads": threads, "smoke": False,
+               "train_seconds": round(loop.seconds, 1), "eval_seconds": round(time.time() - t1, 1),
                "parameters": sum(p.numel() for p in hf.parameters()), "final_losses": final, "eval": ev,
-               "curriculum": {"kind": "staged", "stage_reached": stage_index,
-                              "stage_reached_name": stages[stage_index]["name"], "advances": advances,
+               "curriculum": {"kind": "staged", "stage_reached": curriculum.stage_index,
+                              "stage_reached_name": stages[curriculum.stage_index]["name"],
+                              "advances": curriculum.advances,
                               "stages": [{k: (v if v is not tt.ALL else "all") for k, v in st.items()} for st in stages],
                               "early_templates": list(EARLY_TEMPLATES)},
                "architecture": ARCHITECTURE}
+    if loop.skipped_steps:
+        summary["skipped_steps"] = loop.skipped_steps
     final_dir = out / "model"
     hf.save_pretrained(final_dir)
     save_word_tokenizer(tokenizer, final_dir)
     (final_dir / "eval_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (final_dir / "eval_summary.md").write_text(tt._summary_markdown(NAME, summary, log_path))
-    shutil.copy(log_path, final_dir / "train_log.csv")
+    (final_dir / "eval_summary.md").write_text(tt._summary_markdown(NAME, summary, out / "train_log.csv"))
+    shutil.copy(out / "train_log.csv", final_dir / "train_log.csv")
     return summary
 
 

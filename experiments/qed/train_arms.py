@@ -9,13 +9,10 @@ Usage:  python -m experiments.qed.train_arms [--arms gdn2 full ...] [--seeds 0 1
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import math
 import random
 import shlex
 import sys
-import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
@@ -29,6 +26,7 @@ import torch.nn.functional as F
 
 from experiments.qed import common, tasks
 from experiments.train_tiny import init_weights, should_advance, staged_learning_rate  # (shared recipe)
+from experiments.training import finish_run, train_loop
 from recurscope.interp.data import FillerSource, build_word_tokenizer, save_word_tokenizer
 from recurscope.interp.loading import save_model
 from recurscope.interp.models import RecurrentLM
@@ -154,12 +152,8 @@ def initial_model(arm: str, seed: int, tokenizer) -> RecurrentLM:
 
 
 RESUME_EVERY = 25
-
-
-def _save_resume(path: Path, state: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)   # atomic: a kill mid-write leaves the previous resume point
+LOG_COLUMNS = ["step", "stage", "length", "loss", "lm_loss", "niah_loss", "niah_acc", "task_acc", "lr", "lam_mean",
+               "reference_fallback", "skipped", "seconds"]
 
 
 def _parse_stage_lengths(stage_lengths: Sequence[int]) -> tuple[int, ...]:
@@ -168,6 +162,63 @@ def _parse_stage_lengths(stage_lengths: Sequence[int]) -> tuple[int, ...]:
         raise ValueError(f"stage_lengths must be increasing and end at the training length {common.TRAIN_LENGTH}; "
                          f"received {tuple(stage_lengths)}.")
     return lengths
+
+
+class ArmRecipe:
+    """One arm's training recipe for experiments.training.train_loop: S-NIAH plus filler batches whose haystack
+    length follows the staged curriculum (stage_for_step), the warmup-then-constant schedule, and the reference
+    step loop as the fallback for a step whose chunked gradient is non-finite."""
+
+    columns = LOG_COLUMNS
+
+    def __init__(self, model: RecurrentLM, tokenizer, seed: int, stage_lengths: tuple[int, ...], niah_rows: int,
+                 niah_weight: float, peak_lr: float):
+        self.model, self.tokenizer, self.seed, self.stage_lengths = model, tokenizer, seed, stage_lengths
+        self.niah_rows, self.niah_weight, self.peak_lr = niah_rows, niah_weight, peak_lr
+        self.stage, self.stage_accs, self.advances, self.advanced = 0, [], [], False
+
+    def learning_rate(self, step: int) -> float:
+        return staged_learning_rate(step, self.peak_lr, WARMUP_STEPS)
+
+    def next_batch(self, step: int, history: list[dict], elapsed) -> dict:
+        self.stage, self.advanced = stage_for_step(self.stage, self.stage_accs, self.stage_lengths)
+        if self.advanced:
+            self.stage_accs = []
+            self.advances.append({"step": step, "stage": self.stage, "length": self.stage_lengths[self.stage],
+                                  "seconds": round(elapsed(), 1)})
+        length = self.stage_lengths[self.stage]
+        return {**training_batch(self.tokenizer, step, self.seed, length=length, niah_rows=self.niah_rows),
+                "length": length}
+
+    def losses(self, batch: dict) -> dict:
+        return batch_losses(self.model, batch, self.niah_weight)
+
+    def fallback_losses(self, batch: dict) -> dict:
+        # Guard kept after the chunked backward's overflow fix (commit 9b677e4): the step again through the
+        # reference step loop (its autograd graph is recorded before the backend is switched back).
+        self.model.set_backend("reference")
+        try:
+            return batch_losses(self.model, batch, self.niah_weight)
+        finally:
+            self.model.set_backend("chunked")
+
+    def row(self, batch: dict) -> dict:
+        lams = [x for v in common.qed_lambdas(self.model).values() if v for x in v]
+        return {"stage": self.stage, "length": batch["length"],
+                "lam_mean": round(float(np.mean(lams)), 5) if lams else ""}
+
+    def record(self, row: dict) -> None:
+        if row["niah_acc"] == row["niah_acc"]:   # a step without S-NIAH-1 rows (nan) leaves the window alone
+            self.stage_accs.append(row["niah_acc"])
+
+    def finished(self) -> bool:
+        return False
+
+    def state_dict(self) -> dict:
+        return {"stage": self.stage, "stage_accs": self.stage_accs, "advances": self.advances}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stage, self.stage_accs, self.advances = state["stage"], state["stage_accs"], state["advances"]
 
 
 def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smoke: bool = False,
@@ -183,10 +234,6 @@ def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smok
     At most `steps` optimizer steps, fewer if `max_minutes` of wall-clock training run out first (recorded in
     summary["stopped_by"]). The batch of a step is a pure function of (seed, step, stage length)."""
     common.check_run(arm)
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1; received {steps}.")
-    if max_minutes is not None and not max_minutes > 0:
-        raise ValueError(f"max_minutes must be > 0 (a wall-clock limit on training); received {max_minutes!r}.")
     stage_lengths = _parse_stage_lengths(stage_lengths)
     torch.set_num_threads(int(threads))
     out = Path(out)
@@ -198,99 +245,31 @@ def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smok
     model.set_backend("chunked")
     model.train()
     optimizer = torch.optim.AdamW(common.qed_param_groups(model, peak_lr), lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
-    columns = ["step", "stage", "length", "loss", "lm_loss", "niah_loss", "niah_acc", "task_acc", "lr", "lam_mean",
-               "reference_fallback", "skipped", "seconds"]
-    history, skipped_steps, fallback_steps, t0 = [], [], 0, time.time()
-    stage, stage_accs, advances, stopped_by = 0, [], [], "steps"
+    recipe = ArmRecipe(model, tokenizer, seed, stage_lengths, niah_rows, niah_weight, peak_lr)
     resume_key = {"arm": arm, "seed": seed, "steps": steps, "peak_lr": peak_lr, "stage_lengths": list(stage_lengths),
                   "niah_rows": niah_rows, "niah_weight": niah_weight, "max_minutes": max_minutes}
-    resume_file, start = out / "resume.pt", 0
-    if resume_file.is_file():
-        saved = torch.load(resume_file, weights_only=False)
-        if saved["key"] == resume_key:   # the same run, interrupted: continue from its last saved step
-            model.load_state_dict(saved["model"])
-            optimizer.load_state_dict(saved["optimizer"])
-            start, history, skipped_steps = saved["step"], saved["history"], saved["skipped_steps"]
-            fallback_steps, stage, stage_accs, advances = (saved["fallback_steps"], saved["stage"],
-                                                           saved["stage_accs"], saved["advances"])
-            t0 = time.time() - saved["elapsed"]
-            print(f"[{arm} s{seed}] resuming at step {start}", flush=True)
-    with open(out / "train_log.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(history)
-        for step in range(start, steps):
-            if step > start and step % RESUME_EVERY == 0:
-                _save_resume(resume_file, {"key": resume_key, "step": step, "model": model.state_dict(),
-                                           "optimizer": optimizer.state_dict(), "history": history,
-                                           "skipped_steps": skipped_steps, "fallback_steps": fallback_steps,
-                                           "stage": stage, "stage_accs": stage_accs, "advances": advances,
-                                           "elapsed": time.time() - t0})
-            if step in snapshots:   # the model after `step` steps, for choosing a step budget from the curve
-                snap = out / f"at-step-{step}"
-                model.eval()
-                model.tokenizer = tokenizer
-                save_model(model, snap)
-                save_word_tokenizer(tokenizer, snap)
-                model.train()
-            if max_minutes is not None and time.time() - t0 >= 60.0 * max_minutes:
-                stopped_by = "max_minutes"
-                break
-            stage, advanced = stage_for_step(stage, stage_accs, stage_lengths)
-            if advanced:
-                stage_accs = []
-                advances.append({"step": step, "stage": stage, "length": stage_lengths[stage],
-                                 "seconds": round(time.time() - t0, 1)})
-            length = stage_lengths[stage]
-            lr = staged_learning_rate(step, peak_lr, WARMUP_STEPS)
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group["lr_scale"]
-            batch = training_batch(tokenizer, step, seed, length=length, niah_rows=niah_rows)
-            losses = batch_losses(model, batch, niah_weight)
-            if not torch.isfinite(losses["loss"]):
-                raise FloatingPointError(f"non-finite loss {float(losses['loss'])} at step {step} of {arm} seed {seed}")
-            optimizer.zero_grad(set_to_none=True)
-            losses["loss"].backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-            fallback = not bool(torch.isfinite(grad_norm))
-            if fallback:
-                # Guard kept after the chunked backward's overflow fix (commit 9b677e4): a step with non-finite
-                # gradients is recomputed with the reference step loop and counted.
-                model.set_backend("reference")
-                optimizer.zero_grad(set_to_none=True)
-                losses = batch_losses(model, batch, niah_weight)
-                losses["loss"].backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-                model.set_backend("chunked")
-                fallback_steps += 1
-            skipped = not bool(torch.isfinite(grad_norm))
-            if skipped:
-                # A finite loss with a non-finite gradient: skip the update (as a loss scaler would) and record
-                # which parameters it hit; too many skips stop the run.
-                bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
-                skipped_steps.append({"step": step, "parameters": bad[:8]})
-                if len(skipped_steps) > max(3, steps // 10):
-                    raise FloatingPointError(f"{len(skipped_steps)} steps of {arm} seed {seed} had non-finite "
-                                             f"gradients (last at step {step}: {bad[:8]})")
-            else:
-                optimizer.step()
-            lams = [x for v in common.qed_lambdas(model).values() if v for x in v]
-            row = {"step": step, "stage": stage, "length": length,
-                   **{k: round(float(v.detach()), 5) for k, v in losses.items()}, "lr": f"{lr:.3e}",
-                   "lam_mean": round(float(np.mean(lams)), 5) if lams else "", "reference_fallback": int(fallback),
-                   "skipped": int(skipped), "seconds": round(time.time() - t0, 2)}
-            writer.writerow(row)
-            fh.flush()
-            history.append(row)
-            if row["niah_acc"] == row["niah_acc"]:   # a step without S-NIAH-1 rows (nan) leaves the window alone
-                stage_accs.append(row["niah_acc"])
-            if log_every and (step % log_every == 0 or step == steps - 1 or advanced):
-                print(f"[{arm} s{seed}] step {step}/{steps} len {length} loss {row['loss']:.3f} "
-                      f"niah_acc {row['niah_acc']:.2f} {row['seconds']:.0f}s", flush=True)
+
+    def snapshot(step: int) -> None:
+        if step in snapshots:   # the model after `step` steps, for choosing a step budget from the curve
+            snap = out / f"at-step-{step}"
+            model.eval()
+            model.tokenizer = tokenizer
+            save_model(model, snap)
+            save_word_tokenizer(tokenizer, snap)
+            model.train()
+
+    def show(row: dict) -> None:
+        step = row["step"]
+        if log_every and (step % log_every == 0 or step == steps - 1 or recipe.advanced):
+            print(f"[{arm} s{seed}] step {step}/{steps} len {row['length']} loss {row['loss']:.3f} "
+                  f"niah_acc {row['niah_acc']:.2f} {row['seconds']:.0f}s", flush=True)
+
+    loop = train_loop(model, optimizer, recipe, steps=steps, run_dir=out, grad_clip=GRAD_CLIP,
+                      name=f"{arm} seed {seed}", max_minutes=max_minutes, resume_key=resume_key,
+                      resume_every=RESUME_EVERY, on_step_start=snapshot, on_row=show)
+    history, stopped_by, stage, advances = loop.history, loop.stopped_by, recipe.stage, recipe.advances
+    skipped_steps, fallback_steps, train_seconds = loop.skipped_steps, loop.fallback_steps, loop.seconds
     steps_done = len(history)
-    if steps_done == 0:
-        raise ValueError(f"max_minutes={max_minutes} left no time for a single training step; raise it.")
-    train_seconds = time.time() - t0
     model.eval()
     model.tokenizer = tokenizer
     tail = history[-min(20, steps_done):]
@@ -319,7 +298,7 @@ def train_one(arm: str, seed: int, steps: int, out: Path, threads: int = 1, smok
     save_model(model, out, extra_config={"recurscope": {k: summary[k] for k in ("arm", "seed", "steps", "smoke")}})
     save_word_tokenizer(tokenizer, out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "resume.pt").unlink(missing_ok=True)
+    finish_run(out)
     return summary
 
 
