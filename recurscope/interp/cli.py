@@ -296,7 +296,8 @@ def cmd_scan(args):
     from recurscope.interp.plots import plot_head_scan
 
     plot_head_scan(result.scores, run.figure_path("scan_heatmap"), selected=result.winner,
-                   title=f"{args.model}: state-swap donor-margin shift per head")
+                   title=f"{args.model}: state-swap donor-margin shift per head",
+                   masked_layers={layer: "attention" for layer in model.attention_layers})
     best = result.heads.iloc[0]
     print(f"scan of {len(result.heads)} heads on {pairs.source_id.unique().numel()} {args.sources} sources: "
           f"winner L{result.winner[0]}H{result.winner[1]} (J = {best['J']:+.3f}, won {int(best['wins'])}/"

@@ -16,14 +16,18 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
+from matplotlib.text import Text
 from matplotlib.ticker import MaxNLocator, PercentFormatter
 
-from recurscope.interp.interventions import INTERVENTION_NAMES
+from recurscope.interp.interventions import INTERVENTION_NAMES, REGISTRY
 from recurscope.interp.stats import binomial_ci
 
 #: Row order of Figures 3/4 (How Linear Attention Remembers), from interventions.REGISTRY; other interventions
 #: follow in order of appearance.
 INTERVENTION_ORDER = INTERVENTION_NAMES
+#: The report's name for each intervention (the registry's label), so a figure's rows read as the report's table.
+INTERVENTION_LABELS = {i.name: i.label for i in REGISTRY}
+CONTROLS = frozenset(i.name for i in REGISTRY if i.is_control)
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
             "#17becf")
 _SEED_MARKERS = ("o", "s", "^", "D", "v", "P")
@@ -64,6 +68,37 @@ def _stem(out_path) -> Path:
     return path
 
 
+def overlapping_text(fig: Figure, pad: float = 1.0) -> list[tuple[str, str]]:
+    """Pairs of drawn, non-empty texts of `fig` whose boxes overlap when drawn at the figure's own size (titles,
+    axis labels, tick labels, legends, annotations); an empty list when a reader can read every label."""
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    # Tick labels exist for ticks outside the view too; only those inside the view limits are drawn.
+    all_ticks, drawn_ticks = set(), set()
+    for ax in fig.axes:
+        for axis, (lo, hi) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            lo, hi = min(lo, hi), max(lo, hi)
+            tol = 1e-9 * max(1.0, abs(hi - lo))
+            for ticks, locs in ((axis.get_major_ticks(), axis.get_majorticklocs()),
+                                (axis.get_minor_ticks(), axis.get_minorticklocs())):
+                for tick, loc in zip(ticks, locs):
+                    for label in (tick.label1, tick.label2):
+                        all_ticks.add(id(label))
+                        if lo - tol <= loc <= hi + tol and label.get_visible():
+                            drawn_ticks.add(id(label))
+    found = fig.findobj(Text)   # Text only: a legend's TextArea wraps the same Text again
+    texts = [t for t in dict((id(t), t) for t in found).values()
+             if t.get_visible() and str(t.get_text()).strip() and (id(t) not in all_ticks or id(t) in drawn_ticks)]
+    boxes = [(t, t.get_window_extent(renderer).padded(-pad)) for t in texts]
+    clashes = []
+    for i, (a, box_a) in enumerate(boxes):
+        for b, box_b in boxes[i + 1:]:
+            if box_a.width > 0 and box_b.width > 0 and box_a.overlaps(box_b):
+                clashes.append((str(a.get_text()), str(b.get_text())))
+    return clashes
+
+
 def _save(fig: Figure, out_path, data: pd.DataFrame, dpi: int) -> PlotResult:
     stem = _stem(out_path)
     FigureCanvasAgg(fig)
@@ -84,7 +119,7 @@ def _colours(keys: Sequence, colors: Optional[Mapping]) -> dict:
 
 
 def _label(name) -> str:
-    return str(name).replace("_", " ")
+    return INTERVENTION_LABELS.get(str(name), str(name).replace("_", " "))
 
 
 def _length_label(length: float) -> str:
@@ -151,6 +186,9 @@ def plot_intervention_effects(summary: pd.DataFrame, out_path, *, effect_metric:
     accuracy = summary[summary["metric"].isin([clean_metric, intervened_metric])]
     rows = list(interventions) if interventions is not None else _ordered(summary[intervention_col],
                                                                           INTERVENTION_ORDER)
+    # The controls below the interventions, under their own heading, so a reader never reads one as the other.
+    mains, controls = [r for r in rows if r not in CONTROLS], [r for r in rows if r in CONTROLS]
+    rows = mains + controls
     model_list = list(models) if models is not None else _ordered(summary[model_col])
     palette = _colours(model_list, colors)
     n_models = len(model_list)
@@ -158,7 +196,8 @@ def plot_intervention_effects(summary: pd.DataFrame, out_path, *, effect_metric:
     offsets = {m: (i - (n_models - 1) / 2) * dodge for i, m in enumerate(model_list)}
 
     panels = 2 if len(accuracy) else 1
-    fig = Figure(figsize=(4.2 * panels + 0.8, 0.55 * len(rows) + 1.6))
+    fig = Figure(figsize=(4.6 * panels + 1.6, 0.5 * len(rows) + 1.8), layout="constrained")
+    fig.get_layout_engine().set(wspace=0.08)   # the panels' outer tick labels ("20", "0%") must not touch
     axes = fig.subplots(1, panels, sharey=True, squeeze=False)[0]
     records = []
 
@@ -178,23 +217,32 @@ def plot_intervention_effects(summary: pd.DataFrame, out_path, *, effect_metric:
     ax.axvline(0.0, color="0.4", lw=0.8, ls="--")
     ax.set_yticks(range(len(rows)), [_label(r) for r in rows])
     ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xlabel(f"{_label(effect_metric)} (logits, 95% CI)")
+    ax.set_xlabel(f"{_label(effect_metric).replace('donor margin shift', 'donor-margin shift')} (logits, 95% CI)")
     # Few ticks, scientific notation for tiny effects, so labels never collide.
     ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
     ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 3))
-    ax.legend(loc="best", fontsize="small", frameon=False)
+    if n_models > 1:   # one model: its name is in the title, a one-entry legend says nothing
+        ax.legend(loc="best", fontsize="small", frameon=False)
     ax.grid(axis="x", alpha=0.3)
+    for axis in axes:
+        if mains and controls:
+            axis.axhline(len(mains) - 0.5, color="0.2", lw=0.8)
+            axis.axhspan(len(mains) - 0.5, len(rows) - 0.5, color="0.93", zorder=0)
+    if mains and controls:
+        ax.text(-0.02, len(mains) - 0.5, "controls ", transform=ax.get_yaxis_transform(), ha="right", va="top",
+                fontsize="small", fontstyle="italic", color="0.3", gid="controls-heading")
 
     if panels == 2:
         ax = axes[1]
         for model in model_list:
-            for metric, marker in ((clean_metric, "o"), (intervened_metric, "x")):
+            # Clean above, intervened below the row, so that both intervals show where they overlap.
+            for metric, marker, shift in ((clean_metric, "o", -0.17), (intervened_metric, "x", 0.17)):
                 sub = accuracy[(accuracy[model_col] == model) & (accuracy["metric"] == metric)]
                 sub = sub.set_index(intervention_col)
                 present = [r for r in rows if r in sub.index]
                 if not present:
                     continue
-                y = np.array([rows.index(r) for r in present], dtype=float) + offsets[model]
+                y = np.array([rows.index(r) for r in present], dtype=float) + offsets[model] + shift / n_models
                 est = sub.loc[present, "estimate"].to_numpy(float)
                 low, high = sub.loc[present, "low"].to_numpy(float), sub.loc[present, "high"].to_numpy(float)
                 ax.errorbar(est, y, xerr=np.vstack([est - low, high - est]), fmt=marker, color=palette[model],
@@ -205,11 +253,10 @@ def plot_intervention_effects(summary: pd.DataFrame, out_path, *, effect_metric:
                             for r, e, lo, hi, yy in zip(present, est, low, high, y)]
         ax.set_xlim(0, 1.02)
         ax.xaxis.set_major_formatter(PercentFormatter(xmax=1))
-        ax.set_xlabel("recall accuracy (o clean, x intervened)")
+        ax.set_xlabel("recall accuracy, 95% CI (o clean, x intervened)")
         ax.grid(axis="x", alpha=0.3)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
     return _save(fig, out_path, pd.DataFrame(records), dpi)
 
 
@@ -219,10 +266,13 @@ def plot_intervention_effects(summary: pd.DataFrame, out_path, *, effect_metric:
 
 
 def plot_head_scan(scores: pd.DataFrame, out_path, *, selected: Optional[tuple] = None, score_col: str = "score",
-                   source_col: str = "source", title: Optional[str] = None, dpi: int = 150) -> PlotResult:
+                   source_col: str = "source", title: Optional[str] = None, dpi: int = 150,
+                   masked_layers: Optional[Mapping[int, str]] = None) -> PlotResult:
     """Figure 9 style. ``scores`` has columns layer, head, score and (optionally) source. Left: layer × head heatmap
     of the mean score J(l, h) over sources (diverging colours centred on 0) with the selected head boxed (default:
     the largest mean). Right, when sources are given: the selected head's rank on each source (1 = best).
+    ``masked_layers`` ({layer: reason}, e.g. a hybrid's full-attention layers) are drawn as hatched rows named by
+    their reason, so that a layer with no recurrent state is visibly absent rather than silently dropped.
 
     Returned data: one row per head with layer, head, mean_score, selected; plus, when sources exist, rows with
     kind == "rank" holding source and rank of the selected head. Kind "mean" marks the heatmap rows.
@@ -241,21 +291,30 @@ def plot_head_scan(scores: pd.DataFrame, out_path, *, selected: Optional[tuple] 
     if selected not in mean.index:
         raise ValueError(f"selected head {selected} is not in scores; pass a (layer, head) present in the table")
 
+    masked = {int(k): str(v) for k, v in (masked_layers or {}).items() if int(k) not in set(grid.index)}
+    if masked:
+        grid = grid.reindex(sorted(set(grid.index) | set(masked)))
     panels = 2 if has_sources else 1
-    fig = Figure(figsize=(4.0 + 0.25 * grid.shape[1] + 3.2 * (panels - 1), 0.22 * grid.shape[0] + 2.0))
+    fig = Figure(figsize=(4.4 + 0.3 * grid.shape[1] + 3.4 * (panels - 1), 0.28 * grid.shape[0] + 2.4),
+                 layout="constrained")
     axes = fig.subplots(1, panels, squeeze=False, gridspec_kw={"width_ratios": [2, 1.3][:panels]})[0]
     ax = axes[0]
     values = grid.to_numpy(float)
-    bound = float(np.max(np.abs(values))) or 1.0
-    image = ax.imshow(values, aspect="auto", cmap="RdBu_r", norm=TwoSlopeNorm(0.0, -bound, bound),
-                      interpolation="nearest")
+    bound = float(np.nanmax(np.abs(values))) or 1.0
+    image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap="RdBu_r",
+                      norm=TwoSlopeNorm(0.0, -bound, bound), interpolation="nearest")
     fig.colorbar(image, ax=ax, label=f"mean {_label(score_col)} J(l, h)")
+    for layer in masked:
+        r = list(grid.index).index(layer)
+        ax.add_patch(Rectangle((-0.5, r - 0.5), grid.shape[1], 1, facecolor="0.85", hatch="///", ec="0.6", lw=0,
+                               gid=f"masked:{layer}"))
     row = list(grid.index).index(selected[0])
     col = list(grid.columns).index(selected[1])
     ax.add_patch(Rectangle((col - 0.5, row - 0.5), 1, 1, fill=False, ec="black", lw=2, gid="selected"))
     ax.set_xticks(range(grid.shape[1]), [str(h) for h in grid.columns])
     step = max(1, grid.shape[0] // 12)
-    ax.set_yticks(range(0, grid.shape[0], step), [str(layer) for layer in grid.index[::step]])
+    ax.set_yticks(range(0, grid.shape[0], step),
+                  [f"{layer} ({masked[layer]})" if layer in masked else str(layer) for layer in grid.index[::step]])
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     ax.set_title(f"selected L{selected[0]}H{selected[1]}")
@@ -271,17 +330,17 @@ def plot_head_scan(scores: pd.DataFrame, out_path, *, selected: Optional[tuple] 
         ax.plot(x, mine["rank"].to_numpy(), "o", color="black", gid="ranks")
         ax.set_xticks(x, [str(s) for s in mine[source_col]], rotation=90, fontsize="small")
         ax.set_ylim(mine["rank"].max() + 0.5 if len(mine) else 2, 0.5)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))   # ranks are whole numbers
         ax.set_xlabel(source_col)
-        ax.set_ylabel("rank of selected head (1 = best)")
+        ax.set_ylabel("rank of the selected head")
         wins = int((mine["rank"] == 1).sum())
-        ax.set_title(f"ranked first on {wins}/{len(mine)} sources")
+        ax.set_title(f"ranked first (1) on {wins}/{len(mine)} sources")
         ax.grid(axis="y", alpha=0.3)
         rank_rows = mine[[source_col, "rank"]].rename(columns={source_col: "source"}).assign(
             kind="rank", layer=selected[0], head=selected[1])
         data = pd.concat([data, rank_rows], ignore_index=True)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
     return _save(fig, out_path, data, dpi)
 
 

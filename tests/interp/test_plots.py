@@ -24,6 +24,7 @@ def _check_files(result):
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
     root = ET.parse(result.svg).getroot()
     assert root.tag.endswith("svg")
+    assert P.overlapping_text(result.figure) == [], "labels overlap at the saved size"
 
 
 def _errorbars(ax):
@@ -59,7 +60,10 @@ def test_intervention_effects_draws_the_summary(tmp_path):
     _check_files(result)
     effect_ax, accuracy_ax = result.figure.axes[:2]
     labels = [t.get_text() for t in effect_ax.get_yticklabels()]
-    assert labels == [name.replace("_", " ") for name in P.INTERVENTION_ORDER]  # paper row order
+    from recurscope.interp.interventions import REGISTRY
+
+    # Paper row order, the interventions above their controls, each row named as the report names it.
+    assert labels == [i.label for i in REGISTRY if not i.is_control] + [i.label for i in REGISTRY if i.is_control]
     bars = _errorbars(effect_ax)
     assert len(bars) == 3
     effect = summary[summary.metric == "donor_margin_shift"].set_index(["model", "intervention"])
@@ -177,3 +181,48 @@ def test_contrasts_are_differences_in_points(tmp_path):
     assert set(zip(default.data.arm_a, default.data.arm_b)) == {("qed", "gdn2"), ("qed_rand", "gdn2")}
     with pytest.raises(ValueError, match="arm_a, arm_b"):
         P.plot_contrasts(table, tmp_path / "bad", contrasts=[("qed", "nope")])
+
+
+def test_effects_figure_groups_controls_offsets_recall_and_has_no_clashing_text(tmp_path):
+    from recurscope.interp.interventions import REGISTRY
+
+    one_model = _summary().query("model == 'GLA-340M'")
+    result = P.plot_intervention_effects(one_model, tmp_path / "one", title="GLA-340M: L0H1 on held-out sources")
+    effect_ax, accuracy_ax = result.figure.axes[:2]
+    assert effect_ax.get_legend() is None            # one model: the title names it
+    n_main = sum(not i.is_control for i in REGISTRY)
+    separators = [line for line in effect_ax.lines if list(line.get_ydata()) == [n_main - 0.5] * 2]
+    assert len(separators) == 1
+    heading = [t for t in effect_ax.texts if t.get_gid() == "controls-heading"]
+    assert len(heading) == 1 and heading[0].get_text().strip() == "controls"
+    acc = result.data[result.data.panel == "accuracy"].pivot(index="intervention", columns="metric", values="y")
+    assert (acc["intervened_accuracy"] - acc["clean_accuracy"] > 0.2).all()   # never on one line
+    assert P.overlapping_text(result.figure) == []
+    many = P.plot_intervention_effects(_summary(), tmp_path / "many", title="three models")
+    assert many.figure.axes[0].get_legend() is not None and P.overlapping_text(many.figure) == []
+
+
+def test_overlapping_text_finds_a_clash():
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(3, 2))
+    ax = fig.subplots()
+    ax.text(0.5, 0.5, "first label")
+    ax.text(0.52, 0.5, "second label")
+    assert ("first label", "second label") in P.overlapping_text(fig)
+
+
+def test_head_scan_rank_ticks_are_whole_and_attention_layers_are_masked_rows(tmp_path):
+    rows = [{"source": s, "layer": layer, "head": head, "score": float(layer == 0 and head == 1) * 5 + 0.01 * s}
+            for s in range(4) for layer in (0, 2) for head in range(2)]
+    result = P.plot_head_scan(pd.DataFrame(rows), tmp_path / "scan", masked_layers={1: "attention"},
+                              title="a hybrid: state-swap donor-margin shift per head")
+    heat_ax = result.figure.axes[0]
+    (rank_ax,) = [ax for ax in result.figure.axes if ax.get_ylabel() == "rank of the selected head"]
+    labels = [t.get_text() for t in heat_ax.get_yticklabels()]
+    assert labels == ["0", "1 (attention)", "2"]
+    assert [p.get_gid() for p in heat_ax.patches if p.get_gid() and p.get_gid().startswith("masked")] == ["masked:1"]
+    assert np.isnan(np.asarray(heat_ax.images[0].get_array().filled(np.nan))[1]).all()
+    ticks = [t for t in rank_ax.get_yticks() if rank_ax.get_ylim()[1] <= t <= rank_ax.get_ylim()[0]]
+    assert ticks and all(float(t).is_integer() for t in ticks)      # every rank is 1 here: no 0.6-1.4 ticks
+    assert P.overlapping_text(result.figure) == []

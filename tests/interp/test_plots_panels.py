@@ -2,7 +2,7 @@
 import pandas as pd
 import pytest
 
-from recurscope.interp.plots import plot_interval_panels
+from recurscope.interp.plots import overlapping_text, plot_interval_panels
 
 
 def _summary():
@@ -20,6 +20,7 @@ def test_lines_follow_x_and_keep_the_numbers(tmp_path):
     res = plot_interval_panels(s, tmp_path / "f", row_col="x", panels=["acc"], hue_col="task", kind="lines",
                                percent=["acc"])
     assert res.png.is_file() and res.svg.is_file()
+    assert overlapping_text(res.figure) == []
     for task in ("a", "b"):
         got = res.data[res.data.hue == task]
         assert list(got["row"]) == [0, 1, 2]
@@ -31,6 +32,7 @@ def test_points_and_errors(tmp_path):
     s = _summary()[lambda f: f.task == "a"]
     res = plot_interval_panels(s, tmp_path / "g", row_col="x", panels=["acc", "shift"], rows=[2, 1, 0])
     assert len(res.data) == 6
+    assert overlapping_text(res.figure) == []
     with pytest.raises(ValueError, match="no rows for metrics"):
         plot_interval_panels(s, tmp_path / "h", row_col="x", panels=["missing"])
     bad = s.assign(low=s["estimate"] + 1)
