@@ -28,6 +28,7 @@ def load_bench(name):
     return mod
 
 
+@pytest.mark.slow  # end to end
 def test_gpu_bench_runs_every_contender_and_gives_every_verdict(capsys):
     gpu = load_bench("gpu")
     # the scan bench's GLA-340M shape, shrunk to two layers of two heads

@@ -547,6 +547,7 @@ def test_every_training_task_fits_from_its_minimum_length(suite_tok):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # end to end
 def test_interrupted_training_resumes_to_the_same_model(tmp_path, monkeypatch):
     monkeypatch.setattr(train_arms, "RESUME_EVERY", 2)
     straight = train_arms.train_one("full", 0, 5, tmp_path / "a", smoke=True, log_every=0, stage_lengths=(32, 256))

@@ -542,6 +542,7 @@ def test_refuses_shards_that_do_not_match_the_index(dense, tmp_path):
         load_model(tmp_path)
 
 
+@pytest.mark.slow  # end to end
 def test_recurscope_run_completes_on_a_tiny_qwen35(dense, tmp_path):
     from recurscope.interp.cli import main
 
@@ -553,6 +554,7 @@ def test_recurscope_run_completes_on_a_tiny_qwen35(dense, tmp_path):
     assert "Head selection" in report and "Confirmation on held-out sources" in report
 
 
+@pytest.mark.slow  # end to end
 def test_recurscope_scan_then_confirm_from_the_scan_on_a_tiny_qwen35(dense, tmp_path):
     """`recurscope scan` then `recurscope confirm --from-scan` as two commands: the scan rows cover every
     (target pair, recurrent head) once and no attention layer; the confirmation runs every arm on every held-out
@@ -595,6 +597,7 @@ def test_recurscope_scan_then_confirm_from_the_scan_on_a_tiny_qwen35(dense, tmp_
     assert (scan_dir / "figures" / "scan_heatmap.png").is_file() and (confirm_dir / "figures" / "effects.png").is_file()
 
 
+@pytest.mark.slow  # end to end
 def test_recurscope_patch_runs_the_five_interventions_on_a_tiny_qwen35(dense, capsys):
     from recurscope.interp.cli import main
 

@@ -123,6 +123,7 @@ def test_model_spec_makes_a_relative_checkpoint_path_absolute(ckpt, tmp_path, mo
     assert dist.ModelSpec("tiny-gla").path == "tiny-gla"
 
 
+@pytest.mark.slow  # end to end
 def test_ray_driver_loads_on_the_cpu_and_workers_get_the_device(ckpt, tmp_path, monkeypatch):
     """`run --ray --device cuda` (scan and confirm): the driver's own load is asked for the CPU, the workers' model
     spec carries --device and the checkpoint's absolute path. No GPU or Ray needed: the device check, Ray and the
