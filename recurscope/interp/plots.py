@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator, PercentFormatter
 
-from recurscope.interp.interventions import INTERVENTION_NAMES
+from recurscope.interp.interventions.registry import INTERVENTION_NAMES
 from recurscope.interp.stats import binomial_ci
 
 #: Row order of Figures 3/4 (How Linear Attention Remembers), from interventions.REGISTRY; other interventions

@@ -242,10 +242,10 @@ def test_full_logits_hold_the_candidates(model, pairs):
 def test_random_update_scales_to_the_donor_change_and_is_seeded_per_row():
     delta = torch.randn(3, 4, 5)
     rows = torch.tensor([7, 2, 9])
-    g = iv._random_like_delta(delta, rows, 1, 0, seed=3)
+    g = iv.random_like_delta(delta, rows, 1, 0, seed=3)
     torch.testing.assert_close(g.flatten(1).norm(dim=1), delta.double().flatten(1).norm(dim=1))
-    assert torch.equal(iv._random_like_delta(delta[1:2], rows[1:2], 1, 0, seed=3), g[1:2])   # batching-independent
-    assert not torch.allclose(iv._random_like_delta(delta, rows, 1, 0, seed=4), g)
+    assert torch.equal(iv.random_like_delta(delta[1:2], rows[1:2], 1, 0, seed=3), g[1:2])   # batching-independent
+    assert not torch.allclose(iv.random_like_delta(delta, rows, 1, 0, seed=4), g)
     cos = (g.flatten(1) * delta.double().flatten(1)).sum(1) / g.flatten(1).norm(dim=1) / delta.flatten(1).norm(dim=1)
     assert bool((cos.abs() < 0.99).all())   # a direction of its own, not the donor's
 
