@@ -16,7 +16,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from recurscope.interp.interventions import candidate_logits, model_device, prefix_caches
+from recurscope.interp.interventions.clean_runs import prefix_caches
+from recurscope.interp.interventions.common import candidate_logits, model_device
 from recurscope.interp.metrics import example_metrics
 
 ARMS = {"recurrent": ("state", "conv"), "kv": ("kv",), "both": ("state", "conv", "kv")}

@@ -263,7 +263,7 @@ def main(argv=None) -> int:
     if args.measure:
         print("RESULT " + json.dumps(measure(args)))
         return 0
-    from recurscope.interp.interventions import named_intervention
+    from recurscope.interp.interventions.registry import named_intervention
 
     if args.arms == ["all"]:
         from recurscope.interp.confirm import ARMS

@@ -18,8 +18,8 @@ from recurscope.hooks import hook_name
 from recurscope.interp.models.mixers import GatedDeltaNet2Mixer
 from recurscope.interp.models.optim import param_groups
 
-#: Every arm, baseline first. "noproj" (gate without projection) is the arm the paper never ran.
-ARMS = ("gdn2", "full", "nogate", "nogate_noproj", "rand", "noproj")
+#: Every arm, baseline first (kernels.ERASE_ARMS). "noproj" (gate without projection) is the arm the paper never ran.
+ARMS = kernels.ERASE_ARMS
 QED_ARMS = tuple(a for a in ARMS if a != "gdn2")
 #: Figure-2 contrasts (arm_a, arm_b): the paper's four, plus the two the noproj arm makes possible.
 CONTRASTS = (("full", "gdn2"), ("full", "rand"), ("full", "nogate"), ("nogate", "nogate_noproj"),
@@ -41,12 +41,6 @@ LAMBDA_STUDY = {f"full-lm{lm:g}-l{l0:g}": (lm, l0) for lm in (0.25, 0.5) for l0 
                 if (lm, l0) != (0.25, 0.03)}
 #: Every trainable run name: the six arms and the lambda-study variants of full.
 RUNS = ARMS + tuple(LAMBDA_STUDY)
-
-
-def check_arm(arm: str) -> str:
-    if arm not in ARMS:
-        raise ValueError(f"arm must be one of {ARMS}; received {arm!r}.")
-    return arm
 
 
 def check_run(run: str) -> str:

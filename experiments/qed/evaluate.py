@@ -27,7 +27,7 @@ from experiments.qed.train_arms import DEFAULT_OUT as DEFAULT_TRAIN, validation_
 from recurscope.hooks import hook_name
 from recurscope.interp.data import FillerSource, NiahBatch, build_niah
 from recurscope.interp.loading import load_model
-from recurscope.interp.models import RecurrentLM
+from recurscope.interp.models import RecurrentLM, qed_strength
 from recurscope.interp.plots import plot_accuracy_vs_length, plot_contrasts
 from recurscope.interp.results import RunDir
 from recurscope.interp.stats import binomial_ci, mcnemar_exact, mcnemar_table
@@ -246,7 +246,7 @@ def evaluate_model(train_root: str, arm: str, seed: int, lengths: Sequence[int],
         result["niah"] += _rows(arm, seed, L, score_niah(model, sets[L]))
     if strengths and arm != "gdn2":
         for s in strengths:
-            with model.qed_strength(s):
+            with qed_strength(model, s):
                 for L in strength_lengths:
                     result["strength"] += _rows(arm, seed, L, score_niah(model, sets[L]), strength=float(s))
     if diag_sequences:

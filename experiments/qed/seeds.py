@@ -37,6 +37,7 @@ import torch
 
 from experiments.qed import common, tasks, train_arms
 from recurscope.interp.loading import load_model
+from recurscope.interp.models import qed_strength
 from recurscope.interp.stats import binomial_ci, mcnemar_exact, seed_contrast
 
 HERE = Path(__file__).resolve().parent
@@ -206,7 +207,7 @@ def evaluate_one(model, run: str, seed: int, profile: str, task: str) -> dict:
         L = common.TRAIN_LENGTH * p["strength_multiplier"]
         batch = tasks.build_task(model.tokenizer, task, p["strength_n"], L, split="eval", seed=1)
         for s in STRENGTHS:
-            with model.qed_strength(s):
+            with qed_strength(model, s):
                 correct = score(model, batch)
             strength += [{"run": run, "seed": seed, "task": task, "length": L, "strength": s, "item": i,
                           "correct": bool(c)} for i, c in enumerate(correct)]
@@ -316,7 +317,7 @@ def sweep_job(run: str, seed: int, profile: str, frozen: dict) -> Optional[Path]
         main_correct = np.array([r["correct"] for r in sorted(main_rows, key=lambda r: r["item"])], dtype=bool)
         rows, agree = [], None
         for s in STRENGTHS:
-            with model.qed_strength(s):
+            with qed_strength(model, s):
                 correct = score(model, batch)
             if s == 1.0:
                 agree = int((correct == main_correct).sum())

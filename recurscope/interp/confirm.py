@@ -71,8 +71,8 @@ def confirm_arm(model, pairs, heads: Sequence, arm: str, *, scan_heads: Optional
     row_ids: when `pairs` is a subset of a larger batch (a distributed work unit), each row's index in that batch;
     it fills the "row" column and seeds the random control, so a subset gives the rows the whole batch would."""
     entry = iv.named_intervention(arm)
-    result = entry.run(model, pairs, heads, batch_size=batch_size, seed=seed, scan=scan_heads, row_ids=row_ids)
-    frame = example_metrics(pairs, result, intervention=arm)
+    frame = entry.run(model, pairs, heads, batch_size=batch_size, seed=seed, scan=scan_heads, row_ids=row_ids,
+                      metric=lambda p, result: example_metrics(p, result, intervention=arm))
     frame["row"] = list(range(len(frame))) if row_ids is None else [int(i) for i in row_ids]
     return frame
 

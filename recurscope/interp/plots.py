@@ -19,7 +19,7 @@ from matplotlib.patches import Rectangle
 from matplotlib.text import Text
 from matplotlib.ticker import MaxNLocator, PercentFormatter
 
-from recurscope.interp.interventions import INTERVENTION_NAMES, REGISTRY
+from recurscope.interp.interventions.registry import INTERVENTION_NAMES, REGISTRY
 from recurscope.interp.stats import binomial_ci
 
 #: Row order of Figures 3/4 (How Linear Attention Remembers), from interventions.REGISTRY; other interventions

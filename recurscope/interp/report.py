@@ -8,7 +8,7 @@ from typing import Optional
 
 import pandas as pd
 
-from recurscope.interp.interventions import INTERVENTIONS, REGISTRY, controls_of, named_intervention
+from recurscope.interp.interventions.registry import INTERVENTIONS, REGISTRY, controls_of, named_intervention
 
 #: Report names of the interventions, in protocol order (from interventions.REGISTRY).
 LABELS = {entry.name: entry.label for entry in REGISTRY}

@@ -30,7 +30,7 @@ import pandas as pd
 import torch
 
 from recurscope.interp import stats
-from recurscope.interp.interventions import candidate_logits, check_pairs, model_device, normalise_heads
+from recurscope.interp.interventions.common import candidate_logits, check_pairs, model_device, normalise_heads
 from recurscope.interp.models.cache import LayerCache, RecurrentCache
 
 __all__ = ["ScanResult", "SCAN_KEY", "all_heads", "run_scan", "summarise_scan", "naive_head_shifts"]

@@ -9,7 +9,9 @@ from typing import Optional
 
 import torch
 
-ERASE_ARMS = ("gdn2", "full", "nogate", "nogate_noproj", "noproj", "rand")
+#: Every arm, in the order the QED suite reports them: the GDN-2 baseline, the paper's four QED arms, then
+#: "noproj" (the gate without the projection), the arm the paper never ran.
+ERASE_ARMS = ("gdn2", "full", "nogate", "nogate_noproj", "rand", "noproj")
 
 
 def project_out(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

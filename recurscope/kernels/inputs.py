@@ -18,9 +18,6 @@ import torch.nn.functional as F
 
 from recurscope.kernels.erase import ERASE_ARMS, erase_vector
 
-FAMILIES = ("gla", "gdn", "deltanet", "kda", "gdn2", "qed")
-
-
 @dataclass
 class FamilyInputs:
     """The recurrence's inputs (q, k, x, g, a) and the parts they were built from (None where a family has none):
@@ -45,6 +42,57 @@ class FamilyInputs:
         return self.q, self.k, self.x, self.g, self.a
 
 
+class _Draws:
+    """The seeded float64 draws of one call, and QED's erase arm."""
+
+    def __init__(self, gen: torch.Generator, arm: str):
+        self.gen, self.arm = gen, arm
+
+    def normal(self, *shape):
+        return torch.randn(*shape, generator=self.gen, dtype=torch.float64)
+
+    def uniform(self, *shape):
+        return torch.rand(*shape, generator=self.gen, dtype=torch.float64)
+
+
+def _gla(draw, q, k, v, g_head, g_chan):
+    return q, k * k.shape[-1] ** -0.5, v, g_chan, None, {}
+
+
+def _delta_rule(decay: str):
+    """GDN (per-head decay), DeltaNet (no decay), KDA (per-channel decay): a = beta k, x = beta v."""
+    def build(draw, q, k, v, g_head, g_chan):
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        beta = draw.uniform(*g_head.shape)
+        g = {"head": g_head, "none": torch.zeros_like(g_head), "channel": g_chan}[decay]
+        return q, k, beta[..., None] * v, g, beta[..., None] * k, {"beta": beta}
+    return build
+
+
+def _gdn2_gates(draw, q, k, v):
+    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    draw.uniform(*q.shape[:3])   # beta's draw, unused here: every non-GLA family draws it, so a seed's b and w agree
+    return q, k, draw.uniform(*k.shape), draw.uniform(*v.shape)
+
+
+def _gdn2(draw, q, k, v, g_head, g_chan):
+    q, k, b, w = _gdn2_gates(draw, q, k, v)
+    return q, k, w * v, g_chan, b * k, {"b": b, "w": w}
+
+
+def _qed(draw, q, k, v, g_head, g_chan):
+    q, k, b, w = _gdn2_gates(draw, q, k, v)
+    lam = 0.25 * torch.sigmoid(draw.normal(q.shape[2]))
+    z = F.normalize(draw.normal(q.shape[2], q.shape[3]), dim=-1) if draw.arm == "rand" else None
+    return q, k, w * v, g_chan, erase_vector(k, q, b, lam, draw.arm, z), {"b": b, "w": w, "lam": lam, "z": z}
+
+
+#: One builder per family of inputs, returning (q, k, x, g, a, the parts they came from).
+_BUILDERS = {"gla": _gla, "gdn": _delta_rule("head"), "deltanet": _delta_rule("none"), "kda": _delta_rule("channel"),
+             "gdn2": _gdn2, "qed": _qed}
+FAMILIES = tuple(_BUILDERS)
+
+
 def family_inputs(family: str, B: int, T: int, H: int, K: int, V: int, *, dtype: torch.dtype = torch.float64,
                   device=None, seed: int = 0, decay: tuple[float, float] = (0.0, 1.0),
                   arm: str = "full") -> FamilyInputs:
@@ -62,35 +110,13 @@ def family_inputs(family: str, B: int, T: int, H: int, K: int, V: int, *, dtype:
     if not 0.0 <= lo <= hi:
         raise ValueError(f"decay must be (lo, hi) with 0 <= lo <= hi (log decays in [-hi, -lo]), got {decay!r}")
     gen = torch.Generator().manual_seed(seed)
-    normal = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    uniform = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    # Draw order is fixed whatever the family (q, k, v, both decays, beta, then the GDN-2 gates and lam), so a
-    # seed gives every family the same q, k, v and decays.
-    q, k, v = normal(B, T, H, K), normal(B, T, H, K), normal(B, T, H, V)
-    g_head = -(lo + (hi - lo) * uniform(B, T, H))
-    g_chan = -(lo + (hi - lo) * uniform(B, T, H, K))
-    parts: dict = {}
-    if family == "gla":
-        k = k * K ** -0.5
-        g, a, x = g_chan, None, v
-    else:
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        beta = uniform(B, T, H)
-        if family in ("gdn", "deltanet", "kda"):
-            g = {"gdn": g_head, "deltanet": torch.zeros_like(g_head), "kda": g_chan}[family]
-            x, a = beta[..., None] * v, beta[..., None] * k
-            parts["beta"] = beta
-        else:
-            b, w = uniform(B, T, H, K), uniform(B, T, H, V)
-            g, x = g_chan, w * v
-            parts.update(b=b, w=w)
-            if family == "gdn2":
-                a = b * k
-            else:
-                lam = 0.25 * torch.sigmoid(normal(H))
-                z = F.normalize(normal(H, K), dim=-1) if arm == "rand" else None
-                a = erase_vector(k, q, b, lam, arm, z)
-                parts.update(lam=lam, z=z)
+    draw = _Draws(gen, arm)
+    # Draw order is fixed whatever the family (q, k, v, both decays, then each family's own gates in the order
+    # beta, b, w, lam), so a seed gives every family the same q, k, v and decays.
+    q, k, v = draw.normal(B, T, H, K), draw.normal(B, T, H, K), draw.normal(B, T, H, V)
+    g_head = -(lo + (hi - lo) * draw.uniform(B, T, H))
+    g_chan = -(lo + (hi - lo) * draw.uniform(B, T, H, K))
+    q, k, x, g, a, parts = _BUILDERS[family](draw, q, k, v, g_head, g_chan)
     out = FamilyInputs(family, q, k, x, g, a, v, **parts)
     for f in fields(out):
         t = getattr(out, f.name)

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 from recurscope import kernels
 from experiments.qed import common, evaluate, seeds, tasks, train_arms
 from recurscope.interp.data import build_word_tokenizer
-from recurscope.interp.models import RecurrentLM
+from recurscope.interp.models import RecurrentLM, qed_strength
 from recurscope.interp.stats import mcnemar_exact, seed_bootstrap_ci, seed_contrast, sign_test
 
 
@@ -124,7 +124,7 @@ def test_strength_zero_reduces_qed_to_gdn2_with_the_same_weights(tokenizer):
     tokens = torch.randint(0, len(tokenizer), (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = base(tokens)
-        with qed.qed_strength(0.0):
+        with qed_strength(qed, 0.0):
             zero = qed(tokens)
             # prefill + step-by-step decoding also runs at s = 0
             logits, cache = qed(tokens[:, :30], use_cache=True)

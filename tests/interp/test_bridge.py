@@ -366,7 +366,7 @@ def test_conv_tail_spans_reach_as_far_as_the_conv_transformers_runs(checkpoint):
     model = load_model(path)
     kernel = model.blocks[model.recurrent_layers[0]].mixer.conv1d.weight.shape[-1]
     pairs = build_pairs(model.tokenizer, split="heldout", n_sources=2, n_facts=2, presentations=2, filler_tokens=8)
-    fact, wide = iv._spans(pairs, "fact"), iv.spans_with_conv_tail(model, pairs)
+    fact, wide = iv.resolve_spans(pairs, "fact"), iv.spans_with_conv_tail(model, pairs)
     assert kernel > 1 and torch.equal(wide[..., 0], fact[..., 0])
     assert torch.equal(wide[..., 1], torch.minimum(fact[..., 1] + kernel - 1, pairs.query_start[:, None]))
     assert max_length(model) == model.hf.config.get_text_config(decoder=True).max_position_embeddings

@@ -131,10 +131,10 @@ def test_aligned_write_keeps_the_original_key_in_the_erase(word_tok):
     p = build_pairs(word_tok, split="heldout", n_sources=2, **SMALL)
     rows = torch.arange(len(p))
     T = p.recipient_ids.shape[1]
-    pos_mask = iv._span_mask(overlap.interfering_spans(p), T)
+    pos_mask = iv.span_mask(overlap.interfering_spans(p), T)
     patches = overlap.overlap_patches(m, p, rows, (1, 0), "aligned", pos_mask, torch.device("cpu"))
     names = [hook_name("hook_write_key", 1), hook_name("hook_erase", 1)]
-    clean, patched = iv._Collector(names), iv._Collector(names)
+    clean, patched = iv.Collector(names), iv.Collector(names)
     with torch.no_grad():
         with m.hooks(fwd_hooks=clean.hooks()):
             m(p.recipient_ids)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers_models import tiny_model
+from recurscope.hooks.patches import patch_hooks
 from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp.confirm import ARMS, CONTROLS, run_confirm
@@ -54,17 +55,13 @@ def test_rank_one_random_write_has_the_donor_write_norms(model, pairs):
     donor = {}
     with model.hooks(fwd_hooks=[(n, lambda t, hook: donor.__setitem__(hook.name, t.detach().clone())) for n in names]):
         model(pairs.donor_ids)
-    # the patch's hooks run first (registered inside the intervention); ours, added after, see the patched write
-    original = iv.patch_hooks
-
-    def with_capture(model_, patches):
-        return list(original(model_, patches)) + [(n, keep) for n in names]
-    iv.patch_hooks = with_capture
-    try:
-        iv.random_write(model, pairs, [(0, 1)], variant="rank_one", batch_size=len(pairs))
-    finally:
-        iv.patch_hooks = original
-    mask = iv._span_mask(iv._spans(pairs, "fact"), pairs.recipient_ids.shape[1])
+    # the spec's patches for the whole batch, our capture hooks added after them, so that they see the patched write
+    spec = iv.random_write_spec(model, pairs, [(0, 1)], variant="rank_one")
+    mask = iv.span_mask(spec.spans, pairs.recipient_ids.shape[1])
+    patches = spec.patches(torch.arange(len(pairs)), mask, pairs.recipient_ids.device)
+    with model.hooks(fwd_hooks=patch_hooks(model, patches) + [(n, keep) for n in names]):
+        model(pairs.recipient_ids)
+    assert torch.equal(mask, iv.span_mask(iv.resolve_spans(pairs, "fact"), pairs.recipient_ids.shape[1]))
     for name in names:
         got = seen[name][:, :, 1].norm(dim=-1)[mask]
         want = donor[name][:, :, 1].norm(dim=-1)[mask]
@@ -72,7 +69,7 @@ def test_rank_one_random_write_has_the_donor_write_norms(model, pairs):
 
 
 def test_spans_with_conv_tail(model, pairs, tok):
-    fact = iv._spans(pairs, "fact")
+    fact = iv.resolve_spans(pairs, "fact")
     wide = iv.spans_with_conv_tail(model, pairs)
     reach = model.cfg.conv_size - 1
     assert torch.equal(wide[..., 0], fact[..., 0])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers_models import tiny_model
-from recurscope.hooks.patches import ReadoutReplace, StateReplace, WriteReplace, WriteScale, run_with_patches
+from recurscope.hooks.patches import ReadoutReplace, StateReplace, WriteReplace, WriteScale, head_mask, run_with_patches
 from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp import metrics
@@ -242,10 +242,10 @@ def test_full_logits_hold_the_candidates(model, pairs):
 def test_random_update_scales_to_the_donor_change_and_is_seeded_per_row():
     delta = torch.randn(3, 4, 5)
     rows = torch.tensor([7, 2, 9])
-    g = iv._random_like_delta(delta, rows, 1, 0, seed=3)
+    g = iv.random_like_delta(delta, rows, 1, 0, seed=3)
     torch.testing.assert_close(g.flatten(1).norm(dim=1), delta.double().flatten(1).norm(dim=1))
-    assert torch.equal(iv._random_like_delta(delta[1:2], rows[1:2], 1, 0, seed=3), g[1:2])   # batching-independent
-    assert not torch.allclose(iv._random_like_delta(delta, rows, 1, 0, seed=4), g)
+    assert torch.equal(iv.random_like_delta(delta[1:2], rows[1:2], 1, 0, seed=3), g[1:2])   # batching-independent
+    assert not torch.allclose(iv.random_like_delta(delta, rows, 1, 0, seed=4), g)
     cos = (g.flatten(1) * delta.double().flatten(1)).sum(1) / g.flatten(1).norm(dim=1) / delta.flatten(1).norm(dim=1)
     assert bool((cos.abs() < 0.99).all())   # a direction of its own, not the donor's
 
@@ -368,3 +368,45 @@ def test_one_registry_names_every_intervention_everywhere(model, pairs):
     assert last.name == "output_restore_last" and torch.equal(last.logits, direct.logits)
     rand = iv.named_intervention("random_update").run(model, pairs, [(1, 0)], seed=5)
     assert torch.equal(rand.logits, iv.random_update(model, pairs, [(1, 0)], "state_swap", seed=5).logits)
+
+
+# ---- the driver: pairs x patch spec x metric ----------------------------------------------------------------------
+
+def test_a_hand_made_write_spec_runs_through_the_driver_like_the_intervention(model, pairs):
+    """A WriteSpec written here, scaling the writes by 0 on the fact spans, is write_block; scaling by 1 is clean."""
+    heads = [(0, 1), (1, 0)]
+    H = model.n_state_heads
+
+    def scaled(scale):
+        def patches(rows, pos_mask, device):
+            return [WriteScale(layer, scale=scale, mask=head_mask(pos_mask, H, [h]).to(device))
+                    for layer, h in heads]
+        return iv.WriteSpec(f"scale{scale}", heads, iv.resolve_spans(pairs, "fact"), patches)
+    blocked = iv.run_intervention(model, pairs, scaled(0.0), batch_size=2)
+    ref = iv.write_block(model, pairs, heads, batch_size=2)
+    assert torch.equal(blocked.logits, ref.logits) and torch.equal(blocked.clean, ref.clean)
+    same = iv.run_intervention(model, pairs, scaled(1.0))
+    torch.testing.assert_close(same.logits, same.clean, atol=ATOL, rtol=0)
+    assert (ref.logits - ref.clean).abs().max() > 1e-3
+
+
+def test_the_driver_returns_the_metric_of_the_result_and_refuses_anything_but_a_spec(model, pairs):
+    spec = iv.state_swap_spec(model, pairs, [(1, 0)])
+    frame = iv.run_intervention(model, pairs, spec, metric=lambda p, r: metrics.example_metrics(p, r))
+    ref = metrics.example_metrics(pairs, iv.state_swap(model, pairs, [(1, 0)]))
+    pd.testing.assert_frame_equal(frame, ref)
+    with pytest.raises(TypeError, match="WriteSpec or a SuffixSpec"):
+        iv.run_intervention(model, pairs, iv.state_swap)
+
+
+def test_every_registry_entry_is_a_spec_builder_with_no_adapter(model, pairs):
+    """Each entry builds its spec from the builder and fixed options alone; the run-time arguments reach only the
+    builders that take them (the random controls' seed, the control heads' scan)."""
+    for entry in iv.REGISTRY:
+        spec = entry.spec(model, pairs, [(1, 0)], seed=1)
+        assert isinstance(spec, (iv.WriteSpec, iv.SuffixSpec)), entry.name
+        assert entry.build.__name__.endswith("_spec"), entry.name
+    seeded = [e.name for e in iv.REGISTRY
+              if not torch.equal(e.run(model, pairs, [(1, 0)], seed=1).logits,
+                                 e.run(model, pairs, [(1, 0)], seed=2).logits)]
+    assert sorted(seeded) == ["random_output_patch", "random_update", "random_write", "random_write_rank_one"]

@@ -43,7 +43,7 @@ class BridgedDeltaRule(RecurrentMixer):
     state_dtype: Optional[torch.dtype] = None   # the dtype transformers stores the state in (None: the initial one)
 
     def __init__(self, hf_layer: torch.nn.Module):
-        super().__init__()
+        super().__init__(hf_layer.layer_idx)
         _adopt(self, hf_layer)
         self._dimensions(hf_layer)
         self.head_k, self.head_v = self.head_k_dim, self.head_v_dim

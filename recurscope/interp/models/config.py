@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Optional
 
-from recurscope.interp.models.families import FAMILIES, SHARED_KEYS, FamilySpec, family, owner_of
+from recurscope.interp.models.families import FAMILIES, SHARED_KEYS, FamilySpec, family, option_default, owner_of
 
 RECURRENT_TYPES = tuple(FAMILIES)
 
@@ -58,11 +58,22 @@ class ModelConfig:
     use_gate: bool = True
     allow_neg_eigval: bool = False
     output_gate_activation: str = "swish"
-    # QED (GDN-2 only): erase arm, lam = lambda_max * sigmoid(theta)
-    erase_arm: str = "gdn2"
-    qed_lambda_max: float = 0.25
-    qed_theta_init: float = -2.0
+    # the family's own options (FamilySpec.option_defaults), read as attributes: cfg.erase_arm for GDN-2
+    options: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
+
+    def __getattr__(self, name: str):
+        """A family's own option: its value from config.json, else the spec's default (only reached when `name` is
+        no field)."""
+        if name.startswith("__") or name in ("options", "model_type"):
+            raise AttributeError(name)
+        options = self.__dict__.get("options", {})
+        if name in options:
+            return options[name]
+        spec = FAMILIES.get(self.__dict__.get("model_type"))
+        if spec is not None and name in spec.option_defaults:
+            return spec.option_defaults[name]
+        raise AttributeError(f"ModelConfig of model_type {self.__dict__.get('model_type')!r} has no option {name!r}")
 
     # ---- derived sizes -------------------------------------------------
     @property
@@ -105,6 +116,7 @@ class ModelConfig:
         """The options this family reads (SHARED_KEYS and its spec's config_keys), then `extra`."""
         keep = SHARED_KEYS | self.family.config_keys
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name in keep}
+        out.update({key: getattr(self, key) for key in self.family.option_defaults})
         out.update(self.extra)
         return out
 
@@ -117,18 +129,21 @@ class ModelConfig:
         if "model_type" not in raw:
             raise ValueError(f"config.json has no model_type; recurscope's fla-format families are {RECURRENT_TYPES}")
         spec = family(raw["model_type"])
-        declared = {f.name: f for f in fields(cls) if f.name != "extra"}
+        declared = {f.name: f for f in fields(cls) if f.name not in ("options", "extra")}
         allowed = SHARED_KEYS | spec.config_keys
-        kwargs, unknown, foreign = {}, [], []
+        kwargs, options, unknown, foreign = {}, dict(spec.option_defaults), [], []
         for key, value in raw.items():
-            if key in allowed:
+            if key in spec.option_defaults:
+                options[key] = value
+            elif key in allowed:
                 kwargs[key] = value
             elif key in _IGNORED_KEYS:
                 continue
-            elif key in declared:
+            elif key in declared or option_default(key) is not None:
                 # Another family's option: harmless at its default (older recurscope wrote every field), an error
                 # otherwise, since this family would silently ignore it.
-                if value != _default(declared[key]):
+                default = _default(declared[key]) if key in declared else option_default(key)[1]
+                if value != default:
                     foreign.append(f"{key}={value!r} (a {owner_of(key)} option)")
             else:
                 unknown.append(key)
@@ -144,7 +159,7 @@ class ModelConfig:
         if missing:
             raise ValueError(f"config.json lacks the required key(s) {missing} for model_type {spec.name!r}; "
                              "add them (fla's save_pretrained writes every one).")
-        cfg = cls(**kwargs)
+        cfg = cls(**kwargs, options=options)
         problems = cfg._unsupported()
         if problems:
             raise ValueError("unsupported config.json: " + "; ".join(problems)

@@ -2,7 +2,6 @@
 (RMSNorm, token mixer, residual, RMSNorm, SwiGLU MLP, residual), a final RMSNorm and the LM head."""
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Optional, Sequence
 
 import torch
@@ -14,7 +13,7 @@ from recurscope.interp.models.cache import RecurrentCache
 from recurscope.interp.models.config import ModelConfig
 from recurscope.interp.models.layers import GatedMLP, RMSNorm
 from recurscope.interp.models.protocol import ProtocolMethods, at_positions
-from recurscope.interp.models.mixers import AttentionMixer, GatedDeltaNet2Mixer, RecurrentMixer
+from recurscope.interp.models.mixers import AttentionMixer, RecurrentMixer
 
 
 class Block(nn.Module):
@@ -23,11 +22,10 @@ class Block(nn.Module):
         self.layer = layer
         spec = cfg.attention_spec(layer)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        mixer = cfg.family.mixer_class
         if spec is not None:
             self.mixer = AttentionMixer(cfg, spec)
-        else:  # GDN-2 takes its layer to seed the rand arm's directions per (layer, head)
-            self.mixer = mixer(cfg, layer=layer) if mixer is GatedDeltaNet2Mixer else mixer(cfg)
+        else:   # the family's mixer (interp/models/families.py), built by the mixer contract
+            self.mixer = cfg.family.mixer_class(cfg, layer=layer)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.mlp_intermediate)
         self.hook_resid_pre = HookPoint()
@@ -113,21 +111,6 @@ class RecurrentLM(ProtocolMethods, HookedRootModule):
         for b in self.blocks:
             if b.is_recurrent:
                 b.mixer.backend = backend
-
-    @contextmanager
-    def qed_strength(self, s: float):
-        """Multiplies every QED lam_h by s through prefill and decoding, then restores it."""
-        mixers = [b.mixer for b in self.blocks if isinstance(b.mixer, GatedDeltaNet2Mixer)]
-        if not mixers or all(m.erase_arm == "gdn2" for m in mixers):
-            raise ValueError("qed_strength needs a GDN-2 model with a QED erase arm (erase_arm other than 'gdn2')")
-        old = [m.strength for m in mixers]
-        try:
-            for m in mixers:
-                m.strength = float(s)
-            yield self
-        finally:
-            for m, o in zip(mixers, old):
-                m.strength = o
 
     # ---- forward ------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: Optional[RecurrentCache] = None, use_cache: bool = False,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
 
 from recurscope.kernels import ERASE_ARMS
 
@@ -71,7 +71,9 @@ SHARED_KEYS = frozenset({
 class FamilySpec:
     """Everything recurscope knows about one family, in one place.
 
-    name: config.json's model_type. config_keys: the options it reads beyond SHARED_KEYS (ModelConfig fields).
+    name: config.json's model_type. config_keys: the options it reads beyond SHARED_KEYS: ModelConfig fields, or
+    its own options, declared with their defaults in option_defaults (ModelConfig holds their values and reads
+    them as attributes, cfg.<option>), so that a new family's options live in its spec.
     kernel_inputs: how its projections become the kernel's q, k, x, g, a (documentation, rendered in the docs).
     mixer: the mixer class's name in `recurscope.interp.models.mixers` (resolved lazily: mixers import the config).
     absent_hooks: hook points of the recurrent vocabulary that this family lacks (GLA has no erase).
@@ -93,6 +95,13 @@ class FamilySpec:
     readout_norm: Optional[Callable] = None
     readout_gate: Optional[Callable] = None
     mixer_module: str = "recurscope.interp.models.mixers"
+    option_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        stray = sorted(set(self.option_defaults) - set(self.config_keys))
+        if stray:
+            raise ValueError(f"family {self.name!r}: option_defaults names {stray}, which config_keys lacks; list "
+                             "every option the family reads in config_keys")
 
     @property
     def format(self) -> str:
@@ -214,6 +223,8 @@ GATED_DELTANET2 = FamilySpec(
     state_heads=lambda cfg: cfg.num_v_heads or cfg.num_heads, validate=_gdn2_validate,
     label=lambda cfg: "gated_deltanet2" + ("" if cfg.erase_arm == "gdn2" else f"/{cfg.erase_arm}"),
     readout_norm=lambda mixer: mixer.o_norm, readout_gate=_gdn2_gate,
+    # QED: the erase arm and lam_h = qed_lambda_max * sigmoid(theta_h), theta_h starting at qed_theta_init
+    option_defaults={"erase_arm": "gdn2", "qed_lambda_max": 0.25, "qed_theta_init": -2.0},
 )
 
 #: fla-format families, by config.json model_type.
@@ -227,6 +238,14 @@ def family(model_type: str) -> FamilySpec:
             f"unknown model_type {model_type!r} in config.json; recurscope loads {tuple(FAMILIES)} "
             "(fla's 'gla' and 'gated_deltanet', and recurscope's 'gated_deltanet2' for GDN-2/QED)")
     return FAMILIES[model_type]
+
+
+def option_default(key: str):
+    """(owner, default) of a family's own option (FamilySpec.option_defaults), or None."""
+    for spec in FAMILIES.values():
+        if key in spec.option_defaults:
+            return spec.name, spec.option_defaults[key]
+    return None
 
 
 def owner_of(key: str) -> Optional[str]:

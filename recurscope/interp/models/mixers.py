@@ -6,6 +6,7 @@ their own (g, a, x); the hook points sit on exactly those inputs, on the states 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -30,10 +31,20 @@ def _repeat_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class RecurrentMixer(nn.Module):
-    """Shared plumbing: hook points, write patches, state patches that carry forward, output norm and o_proj."""
+    """Shared plumbing: hook points, write patches, state patches that carry forward, output norm and o_proj.
 
-    def __init__(self):
+    The contract of a family's mixer (docs/adding_a_family.md), which the decoder relies on and nothing else:
+    - `__init__(cfg, layer)`: built from the ModelConfig and its layer index (`self.layer`), e.g. to seed per-layer
+      constants; it calls `super().__init__(layer)` and deletes the hook points its family lacks;
+    - `forward(h, layer_cache, state_positions) -> (out, LayerCache)`: computes q, k, x, g, a through their hook
+      points, runs `self._recur(...)` and returns `self._finish(o, gate, ...)`;
+    - `o_norm`, the per-head output norm, applied as o_norm(o, gate) when `forward` passes a gate and o_norm(o)
+      when it passes None, and `o_proj`, the output projection.
+    """
+
+    def __init__(self, layer: int = 0):
         super().__init__()
+        self.layer = layer
         self.backend = "auto"
         self.check_finite = False            # the model's debug flag (RecurrentLM.debug) sets it
         # False when a caller needs only the outputs (the head scan's suffix rows): the kernel then skips the last
@@ -136,7 +147,7 @@ class RecurrentMixer(nn.Module):
 
     def _finish(self, o, gate, layer_cache, new_state, new_conv):
         o = self.hook_head_out(o)
-        z = self.hook_z(self._norm_and_gate(o, gate))
+        z = self.hook_z(self.o_norm(o) if gate is None else self.o_norm(o, gate))
         out = self.o_proj(z.reshape(*z.shape[:2], -1))
         return out, LayerCache("recurrent", state=new_state, conv=new_conv)
 
@@ -144,8 +155,8 @@ class RecurrentMixer(nn.Module):
 class GLAMixer(RecurrentMixer):
     """Gated Linear Attention: g = logsigmoid(gk_proj x) / 16 per channel, no erase, x = v."""
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
+        super().__init__(layer)
         del self.hook_erase  # GLA has no erase term
         d = cfg.hidden_size
         self.num_heads = cfg.num_heads
@@ -175,9 +186,10 @@ class GLAMixer(RecurrentMixer):
         self.gate_logit_normalizer = cfg.gate_logit_normalizer
         self.clamp_min = cfg.clamp_min
 
-    def _norm_and_gate(self, o, gate):
-        norm = getattr(self, self.norm_name)
-        return norm(o, gate) if self.use_output_gate else norm(o)
+    @property
+    def o_norm(self) -> nn.Module:
+        """The output norm, under fla's name for it (which says whether it is fused with the gate)."""
+        return getattr(self, self.norm_name)
 
     def forward(self, h, layer_cache: Optional[LayerCache] = None, state_positions=None):
         new_conv = {}
@@ -203,8 +215,8 @@ class GLAMixer(RecurrentMixer):
 class _DeltaBase(RecurrentMixer):
     """Shared by Gated DeltaNet and GDN-2: q/k/v projections with short conv + SiLU, L2-normalised q and k."""
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
+        super().__init__(layer)
         d = cfg.hidden_size
         self.num_heads = cfg.num_heads
         self.num_v_heads = cfg.num_v_heads or cfg.num_heads
@@ -237,8 +249,8 @@ class _DeltaBase(RecurrentMixer):
 class GatedDeltaNetMixer(_DeltaBase):
     """Gated DeltaNet: g = -exp(A_log) softplus(a_proj x + dt_bias) per head, a = beta k, x = beta v."""
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
+        super().__init__(cfg, layer)
         d = cfg.hidden_size
         self.a_proj = nn.Linear(d, self.num_v_heads, bias=False)
         self.b_proj = nn.Linear(d, self.num_v_heads, bias=False)
@@ -254,9 +266,6 @@ class GatedDeltaNetMixer(_DeltaBase):
             self.o_norm = RMSNorm(self.head_v, cfg.norm_eps)
         self.o_proj = nn.Linear(self.value_dim, d, bias=False)
         self.allow_neg_eigval = cfg.allow_neg_eigval
-
-    def _norm_and_gate(self, o, gate):
-        return self.o_norm(o, gate) if self.use_gate else self.o_norm(o)
 
     def forward(self, h, layer_cache: Optional[LayerCache] = None, state_positions=None):
         new_conv = {}
@@ -293,7 +302,7 @@ class GatedDeltaNet2Mixer(_DeltaBase):
     """
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
-        super().__init__(cfg)
+        super().__init__(cfg, layer)
         self.hook_erase_gate = HookPoint()   # b: (B, T, H, K), the erase gate entering the erase vector
         d = cfg.hidden_size
         self._convs(cfg)
@@ -321,9 +330,6 @@ class GatedDeltaNet2Mixer(_DeltaBase):
             return None
         return self.lambda_max * torch.sigmoid(self.qed_theta.float()) * self.strength
 
-    def _norm_and_gate(self, o, gate):
-        return self.o_norm(o, gate)
-
     def forward(self, h, layer_cache: Optional[LayerCache] = None, state_positions=None):
         new_conv = {}
         q, k, v = self._qkv(h, layer_cache, new_conv)
@@ -345,6 +351,23 @@ class GatedDeltaNet2Mixer(_DeltaBase):
         o, S = self._recur(q, k, x, g, a, init, state_positions, self.head_k ** -0.5)
         gate = _split_heads(self.g_proj(h), self.head_v)
         return self._finish(o.to(h.dtype), gate, layer_cache, S, new_conv)
+
+
+@contextmanager
+def qed_strength(model, s: float):
+    """Multiplies every QED lam_h of `model` by s through prefill and decoding, then restores it (the QED paper's
+    strength test): `with qed_strength(model, 0.5): ...`."""
+    mixers = [m for m in model.modules() if isinstance(m, GatedDeltaNet2Mixer)]
+    if not mixers or all(m.erase_arm == "gdn2" for m in mixers):
+        raise ValueError("qed_strength needs a GDN-2 model with a QED erase arm (erase_arm other than 'gdn2')")
+    old = [m.strength for m in mixers]
+    try:
+        for m in mixers:
+            m.strength = float(s)
+        yield model
+    finally:
+        for m, o in zip(mixers, old):
+            m.strength = o
 
 
 def grouped_scores(qg: torch.Tensor, k: torch.Tensor, past_k: Optional[torch.Tensor] = None,
@@ -441,5 +464,3 @@ class AttentionMixer(nn.Module):
             v = torch.cat([layer_cache.values, v], dim=1)
         return out, LayerCache("attention", keys=k, values=v)
 
-
-MIXERS = {"gla": GLAMixer, "gated_deltanet": GatedDeltaNetMixer, "gated_deltanet2": GatedDeltaNet2Mixer}

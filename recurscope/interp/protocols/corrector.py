@@ -101,8 +101,8 @@ def collect_features(model, pairs, heads: Sequence[tuple], *, batch_size: int = 
     readout = {tuple(h): [] for h in heads}
     resid, clean = [], []
     with torch.no_grad():
-        for rows in iv._chunks(torch.arange(n), batch_size):
-            col = iv._Collector(names)
+        for rows in iv.chunks(torch.arange(n), batch_size):
+            col = iv.Collector(names)
             with model.hooks(fwd_hooks=col.hooks()):
                 logits = model(pairs.recipient_ids[rows].to(device))
             qp = pairs.query_pos[rows]

@@ -116,8 +116,9 @@ def run_coupling(model, pairs=None, head: Optional[Sequence[int]] = None, *, run
             cos = _frobenius_cos(delta_a, delta_b)
             edits = {"full": delta_a, "parallel": parallel, "orthogonal": orthogonal}
             for part in ("full", "parallel", "orthogonal"):
-                noise = torch.stack([iv._gaussian(S.shape[1:], seed, int(g) * 64 + j * 8 + _ARM_CODE["random_" + part],
-                                                  layer, h) for j in range(nB)])
+                noise = torch.stack([iv.seeded_gaussian(S.shape[1:], seed,
+                                                        int(g) * 64 + j * 8 + _ARM_CODE["random_" + part], layer, h)
+                                     for j in range(nB)])
                 scale = edits[part].flatten(1).norm(dim=1) / noise.flatten(1).norm(dim=1)
                 edits["random_" + part] = noise * scale[:, None, None]
             # Suffix runs: for each B, its query on the clean recipient cache and on each edited cache.

@@ -76,12 +76,12 @@ def overlap_patches(model, pairs, rows: torch.Tensor, head, mode: str, pos_mask:
     `pos_mask` (B, T) become replace_keys(...) against the target direction, the values stay clean."""
     layer, h = head
     names = (hook_name("hook_write_key", layer), hook_name("hook_write_value", layer))
-    clean = iv._Collector(names)
+    clean = iv.Collector(names)
     with model.hooks(fwd_hooks=clean.hooks()):
         model(pairs.recipient_ids[rows].to(device))
     keys, values = clean.values[names[0]], clean.values[names[1]]
     T = keys.shape[1]
-    value_mask = iv._span_mask(pairs.target_value_spans[rows].cpu(), T).to(keys.device)
+    value_mask = iv.span_mask(pairs.target_value_spans[rows].cpu(), T).to(keys.device)
     new_keys = replace_keys(keys, target_direction(keys, value_mask), mode)
     return [WriteReplace(layer, key=new_keys, value=values,
                          mask=head_mask(pos_mask, model.n_state_heads, [h]).to(device))]
@@ -89,10 +89,11 @@ def overlap_patches(model, pairs, rows: torch.Tensor, head, mode: str, pos_mask:
 
 def overlap_write(model, pairs, head, mode: str = "aligned", *, batch_size: int = 16) -> iv.InterventionResult:
     """The key replacement on the interfering writes of `head`; logits and clean logits per row."""
+    iv.check_pairs(model, pairs)
     head = iv.normalise_heads(model, [tuple(head)])[0]
-    return iv._write_intervention(f"overlap_{mode}", model, pairs, [head], interfering_spans(pairs), batch_size,
-                                  False, lambda rows, pos_mask, device: overlap_patches(model, pairs, rows, head, mode,
-                                                                                        pos_mask, device))
+    spec = iv.WriteSpec(f"overlap_{mode}", [head], iv.resolve_spans(pairs, interfering_spans(pairs)),
+                        lambda rows, pos_mask, device: overlap_patches(model, pairs, rows, head, mode, pos_mask, device))
+    return iv.run_intervention(model, pairs, spec, batch_size=batch_size)
 
 
 def run_overlap(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_dir=None, from_scan=None,

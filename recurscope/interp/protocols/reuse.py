@@ -71,8 +71,8 @@ def edit_deltas(model, pairs, head, *, batch_size: int = 16) -> torch.Tensor:
     pos = torch.arange(T)[None]
     out = []
     with torch.no_grad():
-        for rows in iv._chunks(torch.arange(len(pairs)), batch_size):
-            col = iv._Collector([name])
+        for rows in iv.chunks(torch.arange(len(pairs)), batch_size):
+            col = iv.Collector([name])
             with model.hooks(fwd_hooks=col.hooks()):
                 model(torch.cat([pairs.recipient_ids[rows], pairs.donor_ids[rows]]).to(device))
             o = col.values[name].cpu()[..., h, :].double()
@@ -99,10 +99,11 @@ def projected_output_patch(model, pairs, head, basis: Optional[torch.Tensor], *,
     """The output patch of `head` (every query position) keeping only the edit's component in span(basis):
     o = o(recipient) + (o(donor) - o(recipient)) B B^T. basis=None is the full output patch."""
     layer, h = iv.normalise_heads(model, [tuple(head)])[0]
+    iv.check_pairs(model, pairs)
     P = None if basis is None else basis.double() @ basis.double().T
     H = model.n_state_heads
 
-    def body(ctx, R, D, heads):
+    def suffix(ctx, R, D):
         m = ctx.m
         where = torch.zeros(3 * m, ctx.rec.shape[1], dtype=torch.bool)
         where[2 * m:] = ctx.query_mask
@@ -115,10 +116,10 @@ def projected_output_patch(model, pairs, head, basis: Optional[torch.Tensor], *,
             out[2 * m:] = o[:m] + delta
             return out
         patches = [ReadoutReplace(layer, value=value, mask=head_mask(where, H, [h]).to(ctx.device))]
-        (clean, _, patched), _ = iv._stack(ctx, [ctx.rec, ctx.don, ctx.rec], [R, D, R], patches)
-        return {"clean": clean, "logits": patched}
+        return iv.SuffixRun([ctx.rec, ctx.don, ctx.rec], [R, D, R], ("clean", None, "logits"), patches)
     name = "output_patch" if basis is None else f"projected_output_patch:rank{basis.shape[1]}"
-    return iv._query_time(name, model, pairs, [(layer, h)], None, batch_size, False, body)
+    spec = iv.SuffixSpec(name, [(layer, h)], iv.resolve_boundaries(pairs, None), suffix)
+    return iv.run_intervention(model, pairs, spec, batch_size=batch_size)
 
 
 def _metric_rows(pairs, result, arm: str, **extra) -> pd.DataFrame:
