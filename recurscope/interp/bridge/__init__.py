@@ -2,9 +2,9 @@
 checkpoints in transformers' format, on recurscope's hooks, cache edits, interventions and CLI. `load_model` sends a
 transformers checkpoint here (see loader.py)."""
 from recurscope.interp.bridge.families import BRIDGE_FAMILIES, bridge_family, supported_model_types
-from recurscope.interp.bridge.model import BridgeConfig, TransformersBridge
+from recurscope.interp.bridge.model import BridgeConfig, BridgedLM, TransformersBridge
 
-__all__ = ["BRIDGE_FAMILIES", "BridgeConfig", "TransformersBridge", "bridge_family", "load_transformers",
+__all__ = ["BRIDGE_FAMILIES", "BridgeConfig", "BridgedLM", "TransformersBridge", "bridge_family", "load_transformers",
            "supported_model_types"]
 
 

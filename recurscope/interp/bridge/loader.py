@@ -1,4 +1,4 @@
-"""Loading a local transformers checkpoint directory into a TransformersBridge, with every problem named."""
+"""Loading a local transformers checkpoint directory into a BridgedLM, with every problem named."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from typing import Optional, Union
 import torch
 
 from recurscope.interp.bridge.families import bridge_family, supported_model_types
-from recurscope.interp.bridge.model import TransformersBridge
+from recurscope.interp.bridge.model import BridgedLM
 from recurscope.interp.checkpoint_files import check_shards
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -27,7 +27,7 @@ def _tokenizer(directory: Path, auto):
 
 
 def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu", dtype: Optional[torch.dtype] = None,
-                      backend: str = "auto") -> TransformersBridge:
+                      backend: str = "auto") -> BridgedLM:
     directory = Path(directory)
     family = bridge_family(raw_config.get("model_type"))
     if family is None:
@@ -41,7 +41,7 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
 
     tokenizer = _tokenizer(directory, AutoTokenizer)
     hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or torch.float32)
-    model = TransformersBridge(hf, family, tokenizer)
+    model = BridgedLM(hf, family, tokenizer)
     model.to(device)
     model.set_backend(backend)
     model.checkpoint_dir = directory

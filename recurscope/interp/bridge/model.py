@@ -26,10 +26,11 @@ from recurscope.interp.bridge.families import BridgeFamily
 from recurscope.interp.bridge.mixers import add_attention_hooks
 from recurscope.interp.models.cache import LayerCache, RecurrentCache
 from recurscope.interp.models.protocol import ProtocolMethods, at_positions
+from recurscope.interp.models.tl_compat import TLConfigAliases
 
 
 @dataclass
-class BridgeConfig:
+class BridgeConfig(TLConfigAliases):
     """The few facts about a bridged model that the protocol users read (as from a native ModelConfig)."""
     model_type: str
     vocab_size: int
@@ -50,6 +51,10 @@ class BridgeConfig:
     @property
     def family(self):
         return self.family_spec
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.hf_config.hidden_size)
 
 
 class BridgeBlock(nn.Module):
@@ -140,13 +145,31 @@ class _LayerView:
 
 
 _HOOK_PATH = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:(\w+)\.)?(hook_\w+)$")
+_BLOCKS_KEY = re.compile(r"(?:^|\.)blocks\.\d+\.")
 
 
-class TransformersBridge(ProtocolMethods, HookedRootModule):
+def _drop_block_aliases(module, state_dict, prefix, local_metadata) -> None:
+    """`blocks` holds transformers' own layers a second time (as `hf.model.layers`): its entries are left out of
+    the state dict, whose names stay transformers' own under `hf.`."""
+    for key in [k for k in state_dict if k.startswith(prefix + "blocks.")]:
+        del state_dict[key]
+
+
+def _ignore_block_aliases(module, incompatible_keys) -> None:
+    """load_state_dict: the `blocks.` entries are not in a state dict (see _drop_block_aliases); the same tensors
+    load through `hf.`."""
+    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if not _BLOCKS_KEY.search(k)]
+
+
+class BridgedLM(ProtocolMethods, HookedRootModule):
     """A transformers causal LM (`hf`) with recurscope's hooks; implements the model protocol (interp.models.protocol).
 
     `model(tokens)` returns logits; `model(tokens, cache=c, use_cache=True)` returns (logits, RecurrentCache);
     `state_positions` asks every linear-attention layer for S_t at those positions (`blocks.{l}.mixer.hook_state`).
+    `blocks` is an `nn.ModuleList` of the decoder layers (each a `BridgeBlock` over transformers' own layer, also
+    reachable as `hf.model.layers.{l}`), so every hook name is a module path: `get_submodule(name)` and nnsight's
+    envoys (`model_nn.blocks[l].mixer.hook_state`) resolve it. Parameters and the state dict keep transformers'
+    names under `hf.` (the `blocks.` aliases are left out of the state dict).
     """
 
     def __init__(self, hf: nn.Module, family: BridgeFamily, tokenizer=None):
@@ -173,7 +196,10 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
             blocks.append(block)
         self.hf = hf
         self.text_model = [text]      # a plain list: not a second registration of the same modules
-        self.blocks_list = blocks
+        # Registered after `hf`, so that named_parameters and named_modules list transformers' paths first.
+        self.blocks = nn.ModuleList(blocks)
+        self.register_state_dict_post_hook(_drop_block_aliases)
+        self.register_load_state_dict_post_hook(_ignore_block_aliases)
         self.hook_embed = HookPoint()
         text.embed_tokens.register_forward_hook(lambda module, args, out: self.hook_embed(out))
         self.cfg = BridgeConfig(family.spec.name, int(text_cfg.vocab_size), int(text_cfg.num_hidden_layers),
@@ -202,35 +228,10 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
             self.mod_dict[name] = hp
         self.hook_dict = renamed
 
-    # ---- facts ------------------------------------------------------------------------------------------------
-    @property
-    def family(self):
-        return self.bridge_family.spec
-
-    @property
-    def blocks(self):
-        return self.blocks_list
-
-    @property
-    def recurrent_layers(self) -> list[int]:
-        return [i for i, b in enumerate(self.blocks_list) if b.is_recurrent]
-
-    @property
-    def attention_layers(self) -> list[int]:
-        return [i for i, b in enumerate(self.blocks_list) if not b.is_recurrent]
-
-    @property
-    def n_state_heads(self) -> int:
-        return self.cfg.state_heads
-
-    def set_backend(self, backend: str) -> None:
-        from recurscope import kernels
-
-        if backend not in kernels.BACKENDS:
-            raise ValueError(f"backend must be one of {kernels.BACKENDS}, got {backend!r}")
-        for b in self.blocks_list:
-            if b.is_recurrent:
-                b.mixer.backend = backend
+    # The facts (recurrent_layers, attention_layers, family, n_state_heads), the debug switch, set_backend,
+    # run_with_cache and TransformerLens's methods come from ProtocolMethods (interp.models.protocol).
+    def _embedding(self) -> nn.Embedding:
+        return self.text_model[0].embed_tokens
 
     # ---- the cache: RecurrentCache <-> transformers' DynamicCache ----------------------------------------------
     def _to_hf_cache(self, cache: Optional[RecurrentCache]):
@@ -239,8 +240,8 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
         hf_cache = DynamicCache(config=self.cfg.hf_config)
         if cache is None:
             return hf_cache
-        if len(cache.layers) != len(self.blocks_list):
-            raise ValueError(f"the cache has {len(cache.layers)} layers but the model has {len(self.blocks_list)}")
+        if len(cache.layers) != len(self.blocks):
+            raise ValueError(f"the cache has {len(cache.layers)} layers but the model has {len(self.blocks)}")
         for i, lc in enumerate(cache.layers):
             layer = hf_cache.layers[i]
             if lc.kind == "recurrent":
@@ -261,7 +262,7 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
 
     def _from_hf_cache(self, hf_cache, seen: int) -> RecurrentCache:
         layers = []
-        for i, block in enumerate(self.blocks_list):
+        for i, block in enumerate(self.blocks):
             layer = hf_cache.layers[i]
             if block.is_recurrent:
                 conv = {str(k): v for k, v in layer.conv_states.items() if v is not None}
@@ -272,12 +273,13 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
 
     # ---- forward --------------------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: Optional[RecurrentCache] = None, use_cache: bool = False,
-                state_positions: Optional[Sequence[int]] = None, logit_positions: Optional[torch.Tensor] = None):
-        """As RecurrentLM.forward: `logit_positions` ((B,) or (B, P)) gives logits at those positions only."""
-        if tokens.dim() == 1:
-            tokens = tokens[None]
-        if tokens.dtype not in (torch.long, torch.int32, torch.int64):
-            raise ValueError(f"tokens must be an integer tensor of shape (B, T), got dtype {tokens.dtype}")
+                state_positions: Optional[Sequence[int]] = None, logit_positions: Optional[torch.Tensor] = None,
+                return_type: Optional[str] = "logits", loss_per_token: bool = False,
+                prepend_bos: Optional[bool] = None, padding_side: Optional[str] = None):
+        """As RecurrentLM.forward: `logit_positions` ((B,) or (B, P)) gives logits at those positions only; text
+        input and `return_type` as in TransformerLens."""
+        self._check_return_type(return_type)
+        tokens = self._input_tokens(tokens, prepend_bos, padding_side)
         vocab = self.cfg.vocab_size
         if int(tokens.max()) >= vocab or int(tokens.min()) < 0:
             raise ValueError(f"token ids must lie in [0, {vocab - 1}]; got ids in [{int(tokens.min())}, "
@@ -286,7 +288,7 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
         B, T = tokens.shape
         hf_cache = self._to_hf_cache(cache) if (cache is not None or use_cache) else None
         positions = torch.arange(offset, offset + T, device=tokens.device)[None].expand(B, T)
-        mixers = [b.mixer for b in self.blocks_list if b.is_recurrent]
+        mixers = [b.mixer for b in self.blocks if b.is_recurrent]
         for m in mixers:
             m.state_positions = state_positions
         try:
@@ -299,9 +301,8 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
         if logit_positions is not None:
             hidden = at_positions(hidden, logit_positions)
         logits = self.hf.lm_head(hidden)
-        if use_cache:
-            return logits, self._from_hf_cache(hf_cache, offset + T)
-        return logits
+        new_cache = self._from_hf_cache(hf_cache, offset + T) if use_cache else None
+        return self._output(logits, tokens, return_type, loss_per_token, logit_positions, new_cache, use_cache)
 
     # ---- layer by layer (the protocol's embed_suffix / run_layer / unembed) -----------------------------------
     def embed_suffix(self, tokens: torch.Tensor, cache: RecurrentCache):
@@ -316,19 +317,19 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
         positions = torch.arange(cache.seen_tokens, cache.seen_tokens + T, device=tokens.device)[None]
         embeds = torch.zeros(1, T, self.cfg.hf_config.hidden_size, dtype=text.embed_tokens.weight.dtype,
                              device=tokens.device)
-        for block in self.blocks_list:
+        for block in self.blocks:
             block.recorded = []
         try:
             text(inputs_embeds=embeds, position_ids=positions, cache=self._to_hf_cache(one), use_cache=True)
-            context = [block.recorded[0] for block in self.blocks_list]
+            context = [block.recorded[0] for block in self.blocks]
         finally:
-            for block in self.blocks_list:
+            for block in self.blocks:
                 block.recorded = None
         return text.embed_tokens(tokens), (context, cache.seen_tokens)
 
     def run_layer(self, layer: int, resid: torch.Tensor, layer_cache: LayerCache, context) -> torch.Tensor:
         kwargs, seen = context
-        block = self.blocks_list[layer]
+        block = self.blocks[layer]
         keys = layer_cache.keys
         # Rows continuing one cached row as a batch-expanded view (the head scan's growing batch): the attention
         # function reads that row's K/V once for all rows instead of a per-row concatenation (hooked_attention).
@@ -352,7 +353,6 @@ class TransformersBridge(ProtocolMethods, HookedRootModule):
         """(vocab, D): the LM head's weight, which `unembed` applies after the final norm."""
         return self.hf.lm_head.weight
 
-    def run_with_cache(self, *args, state_positions: Optional[Sequence[int]] = None, **kwargs):
-        if state_positions is not None:
-            kwargs["state_positions"] = state_positions
-        return super().run_with_cache(*args, **kwargs)
+
+#: the earlier name (TransformerLens 4 has a `TransformerBridge` of its own)
+TransformersBridge = BridgedLM

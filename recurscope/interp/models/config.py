@@ -5,6 +5,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Optional
 
 from recurscope.interp.models.families import FAMILIES, SHARED_KEYS, FamilySpec, family, option_default, owner_of
+from recurscope.interp.models.tl_compat import TLConfigAliases
 
 RECURRENT_TYPES = tuple(FAMILIES)
 
@@ -21,7 +22,7 @@ _IGNORED_KEYS = {
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(TLConfigAliases):
     model_type: str
     vocab_size: int
     hidden_size: int

@@ -72,53 +72,21 @@ class RecurrentLM(ProtocolMethods, HookedRootModule):
         self.name_or_path: Optional[str] = None
         self.setup()
 
-    # ---- facts researchers ask for ------------------------------------------
-    @property
-    def recurrent_layers(self) -> list[int]:
-        return [b.layer for b in self.blocks if b.is_recurrent]
-
-    @property
-    def attention_layers(self) -> list[int]:
-        return [b.layer for b in self.blocks if not b.is_recurrent]
-
-    @property
-    def family(self):
-        """The FamilySpec of this model (interp.models.families): its config keys, mixer, weights and hooks."""
-        return self.cfg.family
-
-    @property
-    def n_state_heads(self) -> int:
-        return self.cfg.state_heads
-
-    @property
-    def debug(self) -> bool:
-        """When True, every recurrent layer checks its kernel inputs for NaN/inf (one host sync per tensor) and
-        names the first bad one; off by default, so that a forward on a GPU never waits on the host."""
-        return any(b.mixer.check_finite for b in self.blocks if b.is_recurrent)
-
-    @debug.setter
-    def debug(self, on: bool) -> None:
-        for b in self.blocks:
-            if b.is_recurrent:
-                b.mixer.check_finite = bool(on)
-
-    def set_backend(self, backend: str) -> None:
-        """Recurrence backend for every recurrent mixer: 'auto', 'reference', 'chunked' or 'triton'."""
-        from recurscope import kernels
-
-        if backend not in kernels.BACKENDS:
-            raise ValueError(f"backend must be one of {kernels.BACKENDS}, got {backend!r}")
-        for b in self.blocks:
-            if b.is_recurrent:
-                b.mixer.backend = backend
+    # The facts (recurrent_layers, attention_layers, family, n_state_heads), the debug switch, set_backend,
+    # run_with_cache and TransformerLens's methods come from ProtocolMethods (interp.models.protocol).
+    def _embedding(self) -> nn.Embedding:
+        return self.embed
 
     # ---- forward ------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: Optional[RecurrentCache] = None, use_cache: bool = False,
-                state_positions: Optional[Sequence[int]] = None, logit_positions: Optional[torch.Tensor] = None):
-        if tokens.dim() == 1:
-            tokens = tokens[None]
-        if tokens.dtype not in (torch.long, torch.int32, torch.int64):
-            raise ValueError(f"tokens must be an integer tensor of shape (B, T), got dtype {tokens.dtype}")
+                state_positions: Optional[Sequence[int]] = None, logit_positions: Optional[torch.Tensor] = None,
+                return_type: Optional[str] = "logits", loss_per_token: bool = False,
+                prepend_bos: Optional[bool] = None, padding_side: Optional[str] = None):
+        """`tokens`: (B, T) or (T,) ids, or text (tokenised by `to_tokens` with `prepend_bos`, `padding_side`).
+        `return_type` as in TransformerLens: 'logits', 'loss' (next-token cross-entropy, per token with
+        `loss_per_token`), 'both' (logits, loss) or None."""
+        self._check_return_type(return_type)
+        tokens = self._input_tokens(tokens, prepend_bos, padding_side)
         lo, hi = (int(v) for v in torch.stack(torch.aminmax(tokens)).tolist())   # the call's one host sync
         if hi >= self.cfg.vocab_size or lo < 0:
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size - 1}]; got ids in [{lo}, {hi}] "
@@ -135,9 +103,8 @@ class RecurrentLM(ProtocolMethods, HookedRootModule):
         if logit_positions is not None:
             resid = at_positions(resid, logit_positions)
         logits = self.unembed(resid)
-        if use_cache:
-            return logits, RecurrentCache(new_layers, offset + tokens.shape[1])
-        return logits
+        new_cache = RecurrentCache(new_layers, offset + tokens.shape[1]) if use_cache else None
+        return self._output(logits, tokens, return_type, loss_per_token, logit_positions, new_cache, use_cache)
 
     # ---- layer by layer (the protocol's embed_suffix / run_layer / unembed) ----
     def embed_suffix(self, tokens: torch.Tensor, cache: RecurrentCache):
@@ -155,9 +122,3 @@ class RecurrentLM(ProtocolMethods, HookedRootModule):
     def unembed_weight(self) -> torch.Tensor:
         """(vocab, D): the LM head's weight, which `unembed` applies after the final norm."""
         return self.lm_head.weight
-
-    def run_with_cache(self, *args, state_positions: Optional[Sequence[int]] = None, **kwargs):
-        """TransformerLens's run_with_cache, plus `state_positions` for `hook_state` (no other state is kept)."""
-        if state_positions is not None:
-            kwargs["state_positions"] = state_positions
-        return super().run_with_cache(*args, **kwargs)

@@ -16,6 +16,11 @@ Both the native `RecurrentLM` (fla format) and the `TransformersBridge` (transfo
 - `heads()`, the (layer, head) inventory of recurrent heads, and `check_head`;
 - `tokenizer`; plus `cfg.vocab_size`, `cfg.state_shape()`, `n_state_heads`, `recurrent_layers`, `attention_layers`,
   `family` (its FamilySpec) and TransformerLens's `hooks()` / `hook_dict` with recurscope's hook names.
+
+`ProtocolMethods` holds everything the two kinds share (both subclass it): the runs above, the facts read from
+`blocks` (an `nn.ModuleList` on both, each block with `is_recurrent` and `mixer`), the `debug` switch, the backend
+choice, `run_with_cache` with `state_positions`, and TransformerLens's user-facing surface (`tl_compat`).
+`RecurrentModel` is the checked type: `isinstance(model, RecurrentModel)` holds for both kinds.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 import torch
 
 from recurscope.interp.models.cache import RecurrentCache
+from recurscope.interp.models.tl_compat import TransformerLensMethods
 
 
 def at_positions(resid: torch.Tensor, positions) -> torch.Tensor:
@@ -41,8 +47,32 @@ def at_positions(resid: torch.Tensor, positions) -> torch.Tensor:
 
 @runtime_checkable
 class RecurrentModel(Protocol):
+    """What interventions, scans, confirmations and protocols may use of a model; `RecurrentLM` and the bridge both
+    satisfy it (isinstance checks every member's presence, not its signature)."""
     tokenizer: object
     cfg: object
+    blocks: object
+    hook_dict: dict
+
+    @property
+    def recurrent_layers(self) -> list[int]: ...
+
+    @property
+    def attention_layers(self) -> list[int]: ...
+
+    @property
+    def n_state_heads(self) -> int: ...
+
+    @property
+    def family(self): ...
+
+    debug: bool
+
+    def set_backend(self, backend: str) -> None: ...
+
+    def hooks(self, *args, **kwargs): ...
+
+    def run_with_cache(self, *args, **kwargs): ...
 
     def run_prefix(self, tokens: torch.Tensor, state_positions: Optional[Sequence[int]] = None) -> RecurrentCache: ...
 
@@ -62,8 +92,50 @@ class RecurrentModel(Protocol):
     def unembed_weight(self) -> torch.Tensor: ...
 
 
-class ProtocolMethods:
-    """The protocol's runs in terms of `forward(tokens, cache=, use_cache=, state_positions=)` and `hooks()`."""
+class ProtocolMethods(TransformerLensMethods):
+    """The protocol's runs in terms of `forward(tokens, cache=, use_cache=, state_positions=)` and `hooks()`, and the
+    facts both model kinds read the same way from `self.blocks` and `self.cfg`."""
+
+    # ---- facts ----------------------------------------------------------------------------------------------
+    @property
+    def recurrent_layers(self) -> list[int]:
+        return [i for i, b in enumerate(self.blocks) if b.is_recurrent]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, b in enumerate(self.blocks) if not b.is_recurrent]
+
+    @property
+    def family(self):
+        """The family spec of this model: a FamilySpec (interp.models.families) or the bridge's spec."""
+        return self.cfg.family
+
+    @property
+    def n_state_heads(self) -> int:
+        return self.cfg.state_heads
+
+    def _recurrent_mixers(self) -> list:
+        return [b.mixer for b in self.blocks if b.is_recurrent]
+
+    @property
+    def debug(self) -> bool:
+        """When True, every recurrent layer checks its kernel inputs for NaN/inf (one host sync per tensor) and
+        names the first bad one; off by default, so that a forward on a GPU never waits on the host."""
+        return any(m.check_finite for m in self._recurrent_mixers())
+
+    @debug.setter
+    def debug(self, on: bool) -> None:
+        for m in self._recurrent_mixers():
+            m.check_finite = bool(on)
+
+    def set_backend(self, backend: str) -> None:
+        """Recurrence backend for every recurrent mixer: one of kernels.BACKENDS ('auto', 'reference', ...)."""
+        from recurscope import kernels
+
+        if backend not in kernels.BACKENDS:
+            raise ValueError(f"backend must be one of {kernels.BACKENDS}, got {backend!r}")
+        for m in self._recurrent_mixers():
+            m.backend = backend
 
     def run_prefix(self, tokens: torch.Tensor, state_positions: Optional[Sequence[int]] = None) -> RecurrentCache:
         # Only the cache is used, so no position gets logits: on the tiny models the unembedding is half the prefix.
@@ -76,6 +148,7 @@ class ProtocolMethods:
             return self(tokens, cache=cache, use_cache=True)
 
     def heads(self) -> list[tuple[int, int]]:
+        """Every (layer, head) with a recurrent state, in (layer, head) order."""
         return [(layer, head) for layer in self.recurrent_layers for head in range(self.n_state_heads)]
 
     def check_head(self, layer: int, head: int) -> None:

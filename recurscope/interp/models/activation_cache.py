@@ -1,0 +1,64 @@
+"""The cache `run_with_cache` returns: TransformerLens's ActivationCache, plus the recurrent state and the per-head
+readouts stacked over the recurrent layers (what TransformerLens's own accessors do for attention heads)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from transformer_lens.ActivationCache import ActivationCache
+
+READOUTS = ("hook_head_out", "hook_z")
+
+
+class RecurrentActivationCache(ActivationCache):
+    """An ActivationCache whose `state_positions` are those the run captured `hook_state` at (sorted)."""
+
+    def __init__(self, cache_dict: dict, model, state_positions: Optional[tuple] = None, has_batch_dim: bool = True):
+        super().__init__(cache_dict, model, has_batch_dim=has_batch_dim)
+        self.state_positions = state_positions
+
+    def _stack(self, point: str, what: str) -> tuple[torch.Tensor, list[int]]:
+        layers = [l for l in self.model.recurrent_layers if f"blocks.{l}.mixer.{point}" in self.cache_dict]
+        if not layers:
+            raise ValueError(f"the cache holds no {point}: run run_with_cache with {what}")
+        return torch.stack([self.cache_dict[f"blocks.{l}.mixer.{point}"] for l in layers]), layers
+
+    def _position_index(self, position: int) -> int:
+        if not self.state_positions or position not in self.state_positions:
+            raise ValueError(f"position {position} was not captured: the run's state_positions are "
+                             f"{self.state_positions}; pass it to run_with_cache(..., state_positions=[...])")
+        return self.state_positions.index(position)
+
+    def stack_states(self, position: Optional[int] = None, return_labels: bool = False):
+        """S of every recurrent layer in the cache: (layers, B, P, H, K, V) over the captured positions, or
+        (layers, B, H, K, V) at one of them. Labels: the layer indices."""
+        stacked, layers = self._stack("hook_state", "state_positions=[...]")
+        if position is not None:
+            stacked = stacked[:, :, self._position_index(position)] if self.has_batch_dim \
+                else stacked[:, self._position_index(position)]
+        return (stacked, layers) if return_labels else stacked
+
+    def stack_head_states(self, position: int, return_labels: bool = False):
+        """S_t of every (layer, head) at one captured position: (layers x heads, B, K, V), ordered as
+        `model.heads()`; labels "L{layer}H{head}" (TransformerLens's style)."""
+        stacked, layers = self.stack_states(position, return_labels=True)
+        heads_axis = 2 if self.has_batch_dim else 1
+        per_head = stacked.movedim(heads_axis, 1).flatten(0, 1)
+        labels = [f"L{l}H{h}" for l in layers for h in range(stacked.shape[heads_axis])]
+        return (per_head, labels) if return_labels else per_head
+
+    def stack_readouts(self, point: str = "hook_head_out", return_labels: bool = False):
+        """A per-head readout of every recurrent layer: (layers, B, T, H, V); `point` is 'hook_head_out' (o_t before
+        norm and gate) or 'hook_z' (after them)."""
+        if point not in READOUTS:
+            raise ValueError(f"point must be one of {READOUTS}, got {point!r}")
+        stacked, layers = self._stack(point, f"{point} in names_filter")
+        return (stacked, layers) if return_labels else stacked
+
+    def stack_head_readouts(self, point: str = "hook_head_out", return_labels: bool = False):
+        """The same per (layer, head): (layers x heads, B, T, V), labels "L{layer}H{head}"."""
+        stacked, layers = self.stack_readouts(point, return_labels=True)
+        heads_axis = 3 if self.has_batch_dim else 2
+        per_head = stacked.movedim(heads_axis, 1).flatten(0, 1)
+        labels = [f"L{l}H{h}" for l in layers for h in range(stacked.shape[heads_axis])]
+        return (per_head, labels) if return_labels else per_head
