@@ -58,7 +58,7 @@ class ScanResult:
 
 def all_heads(model) -> list[tuple[int, int]]:
     """Every (layer, head) with a recurrent state, in (layer, head) order."""
-    return [(l, h) for l in model.recurrent_layers for h in range(model.n_state_heads)]
+    return model.heads()
 
 
 def _target_rows(pairs) -> torch.Tensor:

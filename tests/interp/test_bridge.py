@@ -176,6 +176,74 @@ def _hand_swapped_suffix(ref, recipient, donor, b, parts):
     return ref(input_ids=recipient[:, b:], cache=rec, use_cache=True).logits
 
 
+def test_every_hook_name_is_a_module_path_and_an_nnsight_envoy(checkpoint):
+    """get_submodule(name) and nnsight's envoy of every hook name are that hook point; `blocks` and each block's
+    `mixer` are modules; the state dict and the parameters keep transformers' names (under `hf.`) and reload."""
+    from recurscope.hooks.nnsight import RecurscopeNNsight
+
+    _, path, _ = checkpoint
+    model = load_model(path)
+    assert isinstance(model.blocks, torch.nn.ModuleList) and len(model.blocks) == model.cfg.n_layers
+    model_nn = RecurscopeNNsight(model)
+    for name, point in model.hook_dict.items():
+        assert model.get_submodule(name) is point, name
+        assert model_nn.get(name)._module is point, name
+    for layer, block in enumerate(model.blocks):
+        assert model.get_submodule(f"blocks.{layer}.mixer") is block.mixer
+    from transformers import AutoModelForCausalLM
+
+    theirs = {f"hf.{k}" for k in AutoModelForCausalLM.from_pretrained(str(path)).state_dict()}   # what load_model wraps
+    assert set(model.state_dict()) == theirs
+    assert {n for n, _ in model.named_parameters()} <= theirs
+    model.load_state_dict(model.state_dict(), strict=True)
+
+
+def test_a_state_patch_through_nnsight_equals_run_with_patches(checkpoint):
+    """The nnsight doc's donor -> recipient state patch (one batched trace with a barrier) on every layout."""
+    from recurscope.hooks.nnsight import RecurscopeNNsight
+
+    _, path, _ = checkpoint
+    model = load_model(path)
+    donor, recipient = _tokens(model.cfg.vocab_size, B=1, seed=6), _tokens(model.cfg.vocab_size, B=1, seed=7)
+    layer, head, t = 1, 1, 8
+    model_nn = RecurscopeNNsight(model)
+    with torch.no_grad():
+        with model_nn.trace(state_positions=[t]) as tracer:
+            barrier = tracer.barrier(2)
+            with tracer.invoke(donor):
+                donor_state = model_nn.blocks[layer].mixer.hook_state.output[:, 0].clone().save()
+                barrier()
+            with tracer.invoke(recipient):
+                barrier()
+                model_nn.blocks[layer].mixer.hook_state.output[:, 0, head] = donor_state[:, head]
+                patched = model_nn.output.save()
+        _, cache = model.run_with_cache(donor, state_positions=[t])
+        reference = run_with_patches(model, recipient,
+                                     [StateReplace(layer, head, t, cache[f"blocks.{layer}.mixer.hook_state"][:, 0])])
+        clean = model(recipient)
+    torch.testing.assert_close(patched, reference, rtol=0, atol=1e-5)
+    assert float((reference - clean)[:, t:].abs().max()) > 1e-3
+
+
+def test_greedy_generate_equals_transformers_generate(checkpoint):
+    """generate on the recurrent cache == transformers' own greedy generate (its torch path), == generate rerunning
+    the whole sequence each step, and each new token is the full forward's argmax at the position before it."""
+    _, path, cls = checkpoint
+    model, ref = load_model(path), _reference(path, cls)
+    prompt, new = _tokens(model.cfg.vocab_size, B=2, T=9, seed=8), 7
+    with torch.no_grad(), torch_reference_path():
+        theirs = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                              min_new_tokens=new, do_sample=False)
+        ours = model.generate(prompt, max_new_tokens=new, do_sample=False, stop_at_eos=False)
+        rerun = model.generate(prompt, max_new_tokens=new, do_sample=False, stop_at_eos=False,
+                               use_past_kv_cache=False)
+        full = model(ours)
+    assert ours.shape == (2, 9 + new)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(rerun, ours)
+    assert torch.equal(full[:, 8:-1].argmax(-1), ours[:, 9:])
+
+
 def test_component_swaps_equal_the_same_swaps_in_transformers_cache(checkpoint):
     """swap_from(donor, parts) at a boundary, then the suffix == the same parts swapped by hand in transformers'
     cache and transformers' own suffix run, for the recurrent states, the conv tails, the KV and all three; each

@@ -11,7 +11,9 @@ the refusal of a transformers hybrid the bridge does not know, and one CLI smoke
 import pytest
 import torch
 from test_bridge import (  # noqa: F401  (collected here with this module's checkpoint fixture)
-    _randomise, test_component_swaps_equal_the_same_swaps_in_transformers_cache,
+    _randomise, test_a_state_patch_through_nnsight_equals_run_with_patches,
+    test_component_swaps_equal_the_same_swaps_in_transformers_cache,
+    test_every_hook_name_is_a_module_path_and_an_nnsight_envoy, test_greedy_generate_equals_transformers_generate,
     test_conv_tail_spans_reach_as_far_as_the_conv_transformers_runs,
     test_corrected_logits_equal_the_hooked_forward, test_hook_state_at_requested_positions_is_transformers_own_state,
     test_interventions_run_through_the_protocol, test_the_bridge_hook_tables_of_the_docs_are_the_models_hook_points,
