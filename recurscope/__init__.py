@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from recurscope import hooks, interp, kernels
 from recurscope.interp.confirm import run_confirm
+from recurscope.interp.bridge.torch_path import torch_reference
 from recurscope.interp.data import build_pairs
 from recurscope.interp.interventions import (
     donor_write, output_patch, output_restore, state_swap, write_block,
@@ -25,5 +26,5 @@ __version__ = "0.2.0"
 
 __all__ = [
     "hooks", "interp", "kernels", "build_pairs", "donor_write", "load_model", "output_patch", "output_restore", "recurrence", "run_confirm",
-    "run_scan", "state_swap", "write_block",
+    "run_scan", "state_swap", "torch_reference", "write_block",
 ]

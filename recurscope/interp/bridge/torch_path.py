@@ -40,10 +40,16 @@ def _torch_functions(module):
 
 def use_torch_path(module_names=None) -> dict:
     """Permanently points the named modeling modules (default: all known) at transformers' torch functions;
-    returns {(module, name): dispatching function} so that `restore` can undo it."""
+    returns {(module, name): dispatching function} so that `restore` can undo it. Without names, a family this
+    transformers version lacks is skipped; a named module must import."""
     saved = {}
     for module_name in module_names or DISPATCHED:
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            if module_names:
+                raise
+            continue
         for name, (wrapper, inner) in _torch_functions(module).items():
             saved[(module, name)] = wrapper
             setattr(module, name, inner)
@@ -63,3 +69,17 @@ def torch_reference_path(module_names=None):
         yield
     finally:
         restore(saved)
+
+
+@contextmanager
+def torch_reference():
+    """transformers' own forward of every family the bridge knows (Qwen3.5, Qwen3-Next, OLMo-hybrid, Kimi-Linear)
+    on its PyTorch functions, on any device, within the block: the baseline against which the bridge is checked.
+    Without it transformers hands the recurrence and the short convolution to fla's Triton kernels or the
+    causal-conv1d package whenever those import, which fails on a CPU. Public as `recurscope.torch_reference()`.
+
+        with rs.torch_reference():
+            logits = AutoModelForCausalLM.from_pretrained(path)(input_ids=tokens).logits
+    """
+    with torch_reference_path():
+        yield

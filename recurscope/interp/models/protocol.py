@@ -137,6 +137,22 @@ class ProtocolMethods(TransformerLensMethods):
         for m in self._recurrent_mixers():
             m.backend = backend
 
+    def run_with_cache(self, *args, state_positions: Optional[Sequence[int]] = None,
+                       return_cache_object: bool = True, **kwargs):
+        """TransformerLens's run_with_cache, plus `state_positions` for `hook_state` (no other state is kept). The
+        cache is a `RecurrentActivationCache` (a TransformerLens ActivationCache with state and readout
+        accessors), or a plain dict with `return_cache_object=False`."""
+        if state_positions is not None:
+            kwargs["state_positions"] = state_positions
+        out, cache_dict = super().run_with_cache(*args, **kwargs)
+        if not return_cache_object:
+            return out, cache_dict
+        from recurscope.interp.models.activation_cache import RecurrentActivationCache
+
+        positions = None if state_positions is None else tuple(sorted({int(p) for p in state_positions}))
+        return out, RecurrentActivationCache(cache_dict, self, state_positions=positions,
+                                             has_batch_dim=not kwargs.get("remove_batch_dim", False))
+
     def run_prefix(self, tokens: torch.Tensor, state_positions: Optional[Sequence[int]] = None) -> RecurrentCache:
         # Only the cache is used, so no position gets logits: on the tiny models the unembedding is half the prefix.
         no_logits = torch.empty(tokens.shape[0], 0, dtype=torch.long, device=tokens.device)
