@@ -113,7 +113,7 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     """Loads a local checkpoint directory (or a bundled name) strictly: every mismatch is listed.
 
     fla's format gives a RecurrentLM; a transformers checkpoint of a family the bridge knows (Qwen3.5 dense, MoE or
-    multimodal, Qwen3-Next, OLMo-hybrid, Kimi-Linear) gives a TransformersBridge. Both implement the same model protocol (interp.models.protocol)."""
+    multimodal, Qwen3-Next, OLMo-hybrid, Kimi-Linear) gives a BridgedLM. Both implement the same model protocol (interp.models.protocol)."""
     directory = resolve_checkpoint(path_or_name)
     cfg_file = directory / "config.json"
     if not cfg_file.is_file():

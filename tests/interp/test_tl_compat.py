@@ -127,6 +127,8 @@ def test_generate_steps_equal_the_full_forward_and_sampling_is_seeded(model):
     assert torch.equal(top1, greedy)                                   # top_k=1 leaves only the argmax
     assert torch.equal(a, b) and a.shape == greedy.shape
     assert isinstance(text, str) and text.startswith("the cat")
+    with pytest.raises(ValueError, match="generate prompts of one length together"):
+        model.generate(["the cat", "the cat sat on"], max_new_tokens=2)
 
 
 def test_generate_stops_rows_at_eos():
@@ -249,3 +251,16 @@ def test_quickstart_nnsight_cell_runs_on_tiny_qwen35(tmp_path):
         scope = runpy.run_path(str(script), run_name="__main__")
     assert type(scope["model"]).__name__ == "BridgedLM"
     assert float((scope["nn_logits"] - scope["hooked"]).abs().max()) < 1e-5
+
+
+@pytest.mark.slow
+def test_the_transformer_lens_doc_runs_against_transformer_lens_own_bridge(tmp_path):
+    """docs/transformer_lens.md's script as it stands: TransformerLens 4's own bridge of tiny-qwen35 gives the same
+    logits, its state patch changes one readout while recurscope's carries forward, the write block keeps the
+    erase, and the scan, interventions, TransformerLens's patching and generate run."""
+    text = (ROOT / "docs" / "transformer_lens.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    script = tmp_path / "transformer_lens_doc.py"
+    script.write_text(code)
+    scope = runpy.run_path(str(script), run_name="__main__")
+    assert scope["effect"].shape == (scope["model"].cfg.n_layers, 8)

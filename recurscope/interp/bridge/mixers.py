@@ -194,7 +194,7 @@ def hooked_attention(module, query, key, value, attention_mask, scaling=None, dr
     """Softmax attention with recurscope's hook points, in the signature of transformers' attention interface:
     query (B, H, T, D), key/value (B, Hkv, S, D) -> (output (B, T, H, D), weights (B, H, T, S)).
 
-    With module.shared_kv set (TransformersBridge.run_layer, for rows that all continue one cached row), key/value
+    With module.shared_kv set (BridgedLM.run_layer, for rows that all continue one cached row), key/value
     are the new tokens' alone and the cached ones, shared, come first: every row's queries meet them in one product
     per KV head. A hook on hook_k or hook_v sees every cached and new key, so then they are concatenated as usual."""
     from recurscope.hooks.points import is_intercepted

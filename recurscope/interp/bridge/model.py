@@ -1,4 +1,4 @@
-"""TransformersBridge: a transformers linear-attention hybrid with recurscope's hook names, cache and model protocol.
+"""BridgedLM: a transformers linear-attention hybrid with recurscope's hook names, cache and model protocol.
 
 transformers' modules do the work (embeddings, norms, attention, MLP/MoE, rotary tables, masks, the cache object);
 the bridge swaps in
@@ -71,7 +71,7 @@ class BridgeBlock(nn.Module):
         for name, child in hf_layer.named_children():
             setattr(self, name, child)
         self.mixer_attr, self.is_recurrent, self.norm_layout = mixer_attr, recurrent, norm
-        # A list while TransformersBridge.embed_suffix records the arguments transformers' model passes to each
+        # A list while BridgedLM.embed_suffix records the arguments transformers' model passes to each
         # layer (masks, rotary tables, positions); the layer then computes nothing.
         self.recorded: Optional[list] = None
         self.hook_resid_pre = HookPoint()
@@ -118,7 +118,7 @@ class _LayerView:
 
     def __init__(self, lc: LayerCache, seen: int, new_kv_only: bool = False):
         # new_kv_only: `update` returns the new K/V alone; the attention function reads the cached ones itself
-        # (the module's shared_kv, set by TransformersBridge.run_layer)
+        # (the module's shared_kv, set by BridgedLM.run_layer)
         self.lc, self.seen, self.new_kv_only = lc, seen, new_kv_only
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -1,6 +1,6 @@
 """The model protocol that interventions, scans and confirmations use, so that they never ask which model they hold.
 
-Both the native `RecurrentLM` (fla format) and the `TransformersBridge` (transformers format) implement it:
+Both the native `RecurrentLM` (fla format) and the `BridgedLM` (transformers format) implement it:
 - `run_prefix(tokens)` -> a `RecurrentCache` after the tokens;
 - the cache's per-layer / per-head edits (`RecurrentCache.swap_from`, `set_head_state`, `select`, `cat`: states,
   conv tails and attention K/V);

@@ -224,6 +224,11 @@ class TransformerLensMethods:
                              f"top_p={top_p}, top_k={top_k}")
         text_input = isinstance(input, str) or (isinstance(input, (list, tuple)) and input
                                                 and isinstance(input[0], str))
+        if text_input and not isinstance(input, str):
+            lengths = {len(self.to_tokens(text, prepend_bos, move_to_device=False)[0]) for text in input}
+            if len(lengths) > 1:   # no attention mask: a padded row would read its padding as text
+                raise ValueError(f"generate: the prompts have {sorted(lengths)} tokens; generate prompts of one "
+                                 "length together, or one at a time")
         tokens = self._input_tokens(input, prepend_bos, padding_side)
         if eos_token_id is None and stop_at_eos:
             eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
