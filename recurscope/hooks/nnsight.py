@@ -37,7 +37,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 class RecurscopeNNsight(NNsight):
-    """`nnsight.NNsight` for a recurscope `RecurrentLM` in which several invokes (token tensors of equal length) run
+    """`nnsight.NNsight` for a recurscope model (`RecurrentLM`, or `BridgedLM` on a transformers checkpoint) in which several invokes (token tensors of equal length) run
     as one batch, each invoke seeing only its own rows. (A plain `NNsight(model)` reads and writes every hook point
     too: the mixers call each of them on every forward; it only cannot batch several invokes.)
 
@@ -59,9 +59,9 @@ class RecurscopeNNsight(NNsight):
 
     def __init__(self, model: torch.nn.Module, **kwargs: Any):
         if not hasattr(model, "hook_dict") or not hasattr(model, "recurrent_layers"):
-            raise ValueError(f"model: expected a recurscope RecurrentLM (a hooked model with hook_dict and "
-                             f"recurrent_layers), got {type(model).__name__}; build one with interp.models.RecurrentLM "
-                             "or interp.loading.load_model")
+            raise ValueError(f"model: expected a recurscope model (a hooked model with hook_dict and "
+                             f"recurrent_layers: RecurrentLM or BridgedLM), got {type(model).__name__}; build one "
+                             "with interp.models.RecurrentLM or interp.loading.load_model")
         super().__init__(model, **kwargs)
 
     # ---- batching several invokes ----------------------------------------------------------------------

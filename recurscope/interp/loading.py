@@ -15,6 +15,7 @@ import torch
 from recurscope.interp.checkpoint_files import CheckpointError, check_shards, read_json, read_weight_file
 from recurscope.interp.models import ModelConfig, RecurrentLM
 from recurscope.interp.models.families import fla_to_ours, ours_to_fla  # noqa: F401  (public names)
+from recurscope.interp.models.protocol import RecurrentModel
 
 CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
 
@@ -109,7 +110,7 @@ def checkpoint_format(raw_config: dict) -> str:
 
 
 def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu",
-               dtype: Optional[torch.dtype] = None, backend: str = "auto"):
+               dtype: Optional[torch.dtype] = None, backend: str = "auto") -> RecurrentModel:
     """Loads a local checkpoint directory (or a bundled name) strictly: every mismatch is listed.
 
     fla's format gives a RecurrentLM; a transformers checkpoint of a family the bridge knows (Qwen3.5 dense, MoE or

@@ -212,7 +212,7 @@ def test_bad_use_gives_clear_errors():
         _two_invokes(model_nn, ((a,), {}), ((a.float(),), {}))
     with pytest.raises(ValueError, match="state_positions.*differs"):
         _two_invokes(model_nn, ((a,), {"state_positions": [2]}), ((a,), {"state_positions": [3]}))
-    with pytest.raises(ValueError, match="expected a recurscope RecurrentLM"):
+    with pytest.raises(ValueError, match="expected a recurscope model"):
         RecurscopeNNsight(torch.nn.Linear(2, 2))
     assert all(not point._forward_hooks for point in model.hook_dict.values())
     # After the errors the wrapper still works.
