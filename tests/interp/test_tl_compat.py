@@ -201,6 +201,15 @@ def test_both_kinds_are_the_checked_recurrent_model_with_one_protocol():
     assert not isinstance(torch.nn.Linear(2, 2), RecurrentModel)
 
 
+def test_the_scan_lists_heads_through_the_protocol():
+    from recurscope.interp.scan import all_heads
+
+    model = load_model("tiny-gla")
+    assert all_heads(model) == model.heads()
+    model.heads = lambda: [(1, 0)]       # a model that narrows its inventory is scanned on that inventory
+    assert all_heads(model) == [(1, 0)]
+
+
 def test_debug_names_a_nan_on_the_bridge_as_on_native_models():
     model = load_model("tiny-qwen35")
     tokens = _tokens(model, B=1)
@@ -253,7 +262,6 @@ def test_quickstart_nnsight_cell_runs_on_tiny_qwen35(tmp_path):
     assert float((scope["nn_logits"] - scope["hooked"]).abs().max()) < 1e-5
 
 
-@pytest.mark.slow
 def test_the_transformer_lens_doc_runs_against_transformer_lens_own_bridge(tmp_path):
     """docs/transformer_lens.md's script as it stands: TransformerLens 4's own bridge of tiny-qwen35 gives the same
     logits, its state patch changes one readout while recurscope's carries forward, the write block keeps the
