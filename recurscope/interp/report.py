@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import pandas as pd
 
 from recurscope.interp.interventions.registry import INTERVENTIONS, REGISTRY, controls_of, named_intervention
+from recurscope.interp.verdicts import Claim, control_verdict, judge, measure_from
 
 #: Report names of the interventions, in protocol order (from interventions.REGISTRY).
 LABELS = {entry.name: entry.label for entry in REGISTRY}
@@ -21,11 +21,6 @@ def _ci(summary: pd.DataFrame, intervention: str, metric: str, pct: bool = False
     r = row.iloc[0]
     f = (lambda v: f"{100 * v:.1f}%") if pct else (lambda v: f"{v:+.2f}")  # noqa: E731
     return f"{f(r['estimate'])} [{f(r['low'])}, {f(r['high'])}]"
-
-
-def _est(summary, intervention, metric) -> Optional[tuple]:
-    row = summary[(summary["intervention"] == intervention) & (summary["metric"] == metric)]
-    return None if row.empty else (float(row.iloc[0]["estimate"]), float(row.iloc[0]["low"]), float(row.iloc[0]["high"]))
 
 
 def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, control_heads, scan_heads: pd.DataFrame,
@@ -108,65 +103,47 @@ def _intervals_line(summary: pd.DataFrame) -> str:
 
 
 def _reading(summary: pd.DataFrame) -> list[str]:
+    """The report's reading lines; every verdict comes from interp.verdicts (judge, control_verdict)."""
     out = []
-    clean = _est(summary, "state_swap", "clean_accuracy")
+
+    def m(arm, metric, unit="logit"):
+        return measure_from(summary, {"intervention": arm}, metric, unit)
+    clean = m("state_swap", "clean_accuracy", "pct")
     if clean:
-        out.append(f"- Clean recall on these held-out pairs is {100 * clean[0]:.1f}%"
-                   + (" — below the paper's 93-97%, so effects are measured on a weaker memory." if clean[0] < 0.9 else "."))
-    swap = _est(summary, "state_swap", named_intervention("state_swap").metric)
-    restore = _est(summary, "output_restore", named_intervention("output_restore").metric)
+        out.append(f"- {judge(clean, Claim.between(0.93, 0.97, '93-97% clean recall'), 'Clean recall here')}")
+    swap = m("state_swap", named_intervention("state_swap").metric)
     if swap:
-        if swap[1] > 0:
-            out.append(f"- The state swap moves the margin by {swap[0]:+.2f} logits [{swap[1]:+.2f}, {swap[2]:+.2f}].")
-        else:
-            out.append(f"- The state swap's donor-margin shift ({swap[0]:+.2f} [{swap[1]:+.2f}, {swap[2]:+.2f}]) is not "
-                       "reliably positive here: this head does not carry the fact on these sources (unlike the paper).")
+        claim = Claim.positive("the state swap moves the margin towards the donor")
+        out.append(f"- {judge(swap, claim, 'The donor-margin shift of the state swap')}")
+    restore = m("output_restore", named_intervention("output_restore").metric)
     if restore:
-        out.append(f"- Restoring every readout of the swapped head(s) after the boundary ({restore[0]:+.2f}) gives the "
+        out.append(f"- Restoring every readout of the swapped head(s) after the boundary gives {restore.text()}, the "
                    "clean margin on every row by construction: a head's state reaches the rest of the network only "
                    "through its readouts. It checks the patching; it is not evidence for the paper's claim.")
-    last = _est(summary, "output_restore_last", named_intervention("output_restore_last").metric)
-    if swap and last and swap[0] > 0:
-        if last[1] <= 0 <= last[2] or abs(last[0]) < 0.01 * swap[0]:
-            verdict = (f"collapses the swap's shift to {last[0]:+.2f} [{last[1]:+.2f}, {last[2]:+.2f}], within its "
-                       "interval or 1% of zero, as in the paper")
-        else:
-            verdict = (f"leaves {last[0]:+.2f} [{last[1]:+.2f}, {last[2]:+.2f}] ({100 * last[0] / swap[0]:.0f}% of the "
-                       "swap's shift; the paper: near zero): what reaches the answer through the head's readouts at "
-                       "earlier query tokens")
-        out.append(f"- The informative arm is the restore at the answer position only: restoring the recipient's "
-                   f"query-time readout there {verdict}.")
+    last = m("output_restore_last", named_intervention("output_restore_last").metric)
+    if last:
+        out.append("- The informative arm is the restore at the answer position only. "
+                   + str(judge(last, Claim.near_zero("near zero: the swap's effect passes through the readout at the "
+                                                     "answer position"),
+                               "Its donor-margin shift after restoring the recipient's query-time readout there")))
     for main in INTERVENTIONS:
-        ref = _est(summary, main, named_intervention(main).metric)
         for control in controls_of(main):
-            out.extend(_control_line(summary, control, main, ref))
+            out.extend(_control_line(summary, control, main))
     return out
 
 
-def _control_line(summary: pd.DataFrame, control, main: str, ref) -> list[str]:
-    """One reading line for a control (a registry entry) of causal arm `main` (whose effect is `ref`).
-
-    The verdict rests on the control's registry metric, the donor-specific shift: the donor margin also rises
-    whenever the recipient's answer merely loses confidence, towards every distractor alike (metrics)."""
+def _control_line(summary: pd.DataFrame, control, main: str) -> list[str]:
+    """One reading line for a control (a registry entry) of causal arm `main`, judged as the paper judges controls:
+    on the donor-margin shift (verdicts.control_verdict). The donor-specific shift is printed beside it as a
+    diagnostic and never turns a large control into a small one."""
     arm = control.name
-    margin = _est(summary, arm, "donor_margin_shift")
-    specific = _est(summary, arm, control.metric) if control.metric != "donor_margin_shift" else None
-    e = specific or margin
-    if not e:
+    margin = measure_from(summary, {"intervention": arm}, "donor_margin_shift")
+    if margin is None:
         return []
-    frac = f" ({100 * e[0] / ref[0]:.0f}% of the {LABELS[main]}'s shift)" if ref and ref[0] > 0 else ""
-    if specific and margin:
-        distractor = _est(summary, arm, "distractor_shift")
-        frac += (f"; its donor-margin shift is {margin[0]:+.2f} [{margin[1]:+.2f}, {margin[2]:+.2f}]"
-                 + (f", of which {distractor[0]:+.2f} moves towards the non-donor distractors too"
-                    if distractor else ""))
-    if e[1] <= 0 <= e[2] or abs(e[0]) < 0.1:
-        verdict = "near zero, as a control should be."
-    elif ref and ref[0] > 0 and abs(e[0]) < 0.1 * ref[0]:
-        verdict = "small but its interval excludes zero."
-    else:
-        verdict = "NOT near zero: read the main effects with care."
-    answer = _est(summary, arm, "donor_answer")
-    tail = f" Donor-answer rate {100 * answer[0]:.1f}%." if answer else ""
-    what = "donor-specific shift" if specific else "donor-margin shift"
-    return [f"- {LABELS[arm].capitalize()}: {what} {e[0]:+.2f} [{e[1]:+.2f}, {e[2]:+.2f}]{frac} — {verdict}{tail}"]
+    specific = measure_from(summary, {"intervention": arm}, "donor_specific_shift")
+    verdict = control_verdict(LABELS[arm], margin, specific,
+                              measure_from(summary, {"intervention": main}, "donor_margin_shift"),
+                              f"the {LABELS[main]}")
+    answer = measure_from(summary, {"intervention": arm}, "donor_answer", "pct")
+    tail = f" Donor-answer rate {answer.text()}." if answer is not None and answer.defined else ""
+    return [f"- {verdict}{tail}"]

@@ -50,3 +50,22 @@ def test_verb_smoke(verb, model, tmp_path, capsys):
 def test_verb_refuses_a_bad_head(tmp_path, capsys):
     assert main(["selectivity", "tiny-gla", *TINY, "--head", "7", "0", "--out", str(tmp_path / "x")]) == 2
     assert "layer 7 is out of range" in capsys.readouterr().err
+
+
+def test_every_verb_keeps_its_options():
+    """The runner declares each shared option once; every verb's options (names, defaults, types) equal the golden
+    list taken from the verbs before the runner (plus lens --n-localise, overlap --n-facts, corrector --method)."""
+    import argparse
+    from pathlib import Path
+
+    from recurscope.interp.cli import _load, _model_args
+    from recurscope.interp.protocols import register_verbs
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    register_verbs(sub, _model_args, _load)
+    got = {verb: sorted([a.dest, list(a.option_strings), repr(a.default), str(a.nargs),
+                         a.type.__name__ if a.type else None, bool(a.required)]
+                        for a in sub.choices[verb]._actions if a.dest != "help") for verb in VERBS}
+    golden = json.loads((Path(__file__).with_name("golden_protocol_options.json")).read_text())
+    assert got == {verb: sorted(rows) for verb, rows in golden.items()}

@@ -2,7 +2,6 @@
 NaN, the corrector is fitted on dev sources only and never applied to one it saw, its correction is what the model's
 own forward gives, and the projected output patch reduces to the output patch under the identity basis."""
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 
@@ -188,30 +187,3 @@ def test_qualified_rate_counts_only_clean_successes(word_tok, model):
     ok = f["clean_correct"] == 1
     assert f.loc[~ok, "qualified_donor_answer"].isna().all()
     assert (f.loc[ok, "qualified_donor_answer"] == f.loc[ok, "donor_answer"]).all()
-
-
-def _summary(rows):
-    return pd.DataFrame([dict(r, low=r["estimate"], high=r["estimate"]) for r in rows])
-
-
-def test_retention_reading_reads_no_ratio_from_a_head_without_the_fact():
-    """A head whose low-load swap shift is ~0 carries no fact: the reading must not call its K-trend 'halving'."""
-    from recurscope.interp.protocols import retention
-
-    rows = [{"k": k, "intervention": "state_swap", "metric": m, "estimate": v}
-            for k, shift in ((1, -0.001), (32, -0.0002)) for m, v in (("clean_correct", 1.0),
-                                                                       ("donor_margin_shift", shift))]
-    text = " ".join(retention._reading(_summary(rows), {"loads": [1, 32]}))
-    assert "does not carry the fact" in text and "halves" not in text.split("edit shift is")[1]
-    rows = [dict(r, estimate=(8.0 if r["k"] == 1 else 3.0)) if r["metric"] == "donor_margin_shift" else r
-            for r in rows]
-    assert "halves or more" in " ".join(retention._reading(_summary(rows), {"loads": [1, 32]}))
-
-
-def test_reuse_reading_names_one_rate_when_every_format_ties():
-    from recurscope.interp.protocols import reuse
-
-    rows = [{"part": "formats", "arm": a, "metric": "qualified_donor_answer", "estimate": 1.0,
-             "vocab": None, "projection": None} for a in ("template:is_in", "template:belongs")]
-    text = " ".join(reuse._reading(_summary(rows), {"formats": ["template:is_in", "template:belongs"]}))
-    assert "is 100.0% in every format read" in text and "ranges from" not in text

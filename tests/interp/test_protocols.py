@@ -188,21 +188,31 @@ def test_lens_after_the_last_layer_is_the_model_itself(model, word_tok):
 
 # ---- the report's control verdict ------------------------------------------------------------------------------
 
-def test_report_control_verdict_rests_on_the_donor_specific_shift():
-    from recurscope.interp.report import _reading
+def test_report_judges_controls_on_the_donor_margin_shift_with_the_shared_verdict():
+    """A control whose donor-margin shift is large is not near zero, however small its donor-specific shift; the
+    report's line is the verdict function's own sentence (interp.verdicts.control_verdict)."""
+    from recurscope.interp import verdicts
+    from recurscope.interp.report import LABELS, _reading
 
-    def row(arm, metric, est, low, high):
-        return {"intervention": arm, "metric": metric, "estimate": est, "low": low, "high": high}
+    def row(arm, metric, est, low, high, n=16):
+        return {"intervention": arm, "metric": metric, "estimate": est, "low": low, "high": high, "n_sources": n}
     summary = pd.DataFrame([
         row("state_swap", "donor_margin_shift", 17.0, 15.0, 19.0), row("state_swap", "clean_accuracy", 1, 1, 1),
-        row("output_restore", "donor_margin_shift", 0.0, 0.0, 0.0),
-        # the margin shift excludes zero, but all of it is towards the distractors too
-        row("random_update", "donor_margin_shift", 0.7, 0.3, 1.2),
-        row("random_update", "donor_specific_shift", 0.02, -0.2, 0.25),
-        row("random_update", "distractor_shift", 0.68, 0.3, 1.1),
-        row("control_head", "donor_margin_shift", 0.36, 0.32, 0.41),
-        row("control_head", "donor_specific_shift", 0.30, 0.25, 0.35)])
-    lines = {line.split(":")[0]: line for line in _reading(summary)}
-    random_line = lines["- Equal-norm random update"]
-    assert "donor-specific shift +0.02" in random_line and "near zero" in random_line and "+0.68" in random_line
-    assert "excludes zero" in lines["- Control head (state swap)"]
+        row("donor_write", "donor_margin_shift", 16.0, 14.0, 18.0),
+        # the rank-one random write of the issue: a large margin shift, a donor-specific shift near zero
+        row("random_write", "donor_margin_shift", 7.66, 6.1, 9.2),
+        row("random_write", "donor_specific_shift", 0.02, -0.2, 0.25),
+        # a control whose margin shift is inside the noise, with a donor-specific shift that is not
+        row("random_update", "donor_margin_shift", 0.1, -0.2, 0.4),
+        row("random_update", "donor_specific_shift", 0.5, 0.3, 0.7)])
+    lines = _reading(summary)
+    m = {arm: verdicts.measure_from(summary, {"intervention": arm}, "donor_margin_shift")
+         for arm in ("random_write", "random_update", "state_swap", "donor_write")}
+    spec = {arm: verdicts.measure_from(summary, {"intervention": arm}, "donor_specific_shift")
+            for arm in ("random_write", "random_update")}
+    write = verdicts.control_verdict(LABELS["random_write"], m["random_write"], spec["random_write"],
+                                     m["donor_write"], f"the {LABELS['donor_write']}")
+    update = verdicts.control_verdict(LABELS["random_update"], m["random_update"], spec["random_update"],
+                                      m["state_swap"], f"the {LABELS['state_swap']}")
+    assert write.kind == verdicts.DIFFERS and update.kind == verdicts.AGREES
+    assert any(write.sentence in line for line in lines) and any(update.sentence in line for line in lines)

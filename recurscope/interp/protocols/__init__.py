@@ -1,6 +1,8 @@
 """The paper's protocols beyond the scan and confirmation (How Linear Attention Remembers, §2.4, §3.3, §4.2, App. C,
 D.1, D.2, E.2, F.1, F.2), one module each. Every protocol has a function returning a ProtocolResult (per-example rows, per-source means,
-a source-bootstrap summary, a figure and a markdown report section with a "Reading" paragraph) and a CLI verb.
+a source-bootstrap summary, a figure and a markdown report section with a "Reading" paragraph) and a VERB; the runner
+(runner.py) owns the options, the result directory, the tables, the figures and the report file, and every Reading's
+verdict comes from interp.verdicts.
 
 | verb | module | paper |
 |---|---|---|
@@ -29,7 +31,10 @@ VERBS = ("selectivity", "coupling", "neutral", "heads", "headscan", "lens", "gat
 
 
 def register_verbs(subparsers, model_args, load) -> None:
-    """Adds one subcommand per protocol to the `recurscope` parser. model_args(p) adds the shared model options
-    (model, --device, --dtype, --batch-size) and load(args) loads the model, both from interp.cli."""
+    """Adds one subcommand per protocol to the `recurscope` parser (protocols.runner.add_verb with the module's VERB).
+    model_args(p) adds the shared model options (model, --device, --dtype, --batch-size) and load(args) loads the
+    model, both from interp.cli."""
+    from recurscope.interp.protocols.runner import add_verb
+
     for verb in VERBS:
-        importlib.import_module(f"recurscope.interp.protocols.{verb}").add_verb(subparsers, model_args, load)
+        add_verb(subparsers, importlib.import_module(f"recurscope.interp.protocols.{verb}").VERB, model_args, load)

@@ -107,17 +107,6 @@ def logged_arms(run_dir: Optional[RunDir], table: str, key: Sequence[str], arms:
     return pd.concat(frames, ignore_index=True)
 
 
-def finish(result: ProtocolResult, run_dir: Optional[RunDir]) -> ProtocolResult:
-    """Writes the per-source rows, the summary and the report section (report.md) into run_dir."""
-    result.run_dir = run_dir
-    if run_dir is None:
-        return result
-    run_dir.write_table(f"{result.name}_sources", result.sources)
-    run_dir.write_table(f"{result.name}_summary", result.summary)
-    (run_dir.path / "report.md").write_text(result.section + "\n")
-    return result
-
-
 def ci_text(summary: pd.DataFrame, where: dict, metric: str, pct: bool = False, digits: int = 2) -> str:
     """"estimate [low, high]" of one summary row, or "–" where it is missing or undefined."""
     sel = summary["metric"] == metric
@@ -143,35 +132,27 @@ def estimate(summary: pd.DataFrame, where: dict, metric: str) -> Optional[tuple[
     return float(r["estimate"]), float(r["low"]), float(r["high"])
 
 
-def excludes_zero(e: Optional[tuple]) -> bool:
-    return e is not None and (e[1] > 0 or e[2] < 0)
+def pooled_break_rate(rows: pd.DataFrame, by: Sequence[str], *, col: str = "nontarget_break", n_resamples: int = 9999,
+                      seed: int = 0) -> pd.DataFrame:
+    """The paper's non-target break rate: breaks over the originally-correct non-targets pooled over every source
+    (a ratio of sums, not a mean of per-source rates), with a source-bootstrap interval (sources resampled, both sums
+    recomputed). One summary row per group of `by`, metric "pooled_break_rate", with the breaks and eligible counts."""
+    from recurscope.interp import stats
 
-
-# ---- command-line pieces shared by the protocol verbs ----------------------------------------------------
-
-def add_protocol_args(p, *, n_sources: int, split: str = "heldout") -> None:
-    """Options every protocol verb shares: the frozen head, the sources and the §3.3 layout, the result directory."""
-    p.add_argument("--head", type=int, nargs=2, metavar=("LAYER", "HEAD"), default=None,
-                   help="the frozen head; default: the top head of --from-scan, else of a fresh scan on --n-dev dev sources")
-    p.add_argument("--from-scan", default=None, help="a scan result directory whose top head is the frozen head")
-    p.add_argument("--n-dev", type=int, default=16, help="dev sources for the head scan when no head is given")
-    p.add_argument("--n-sources", type=int, default=n_sources, help=f"{split} sources to evaluate on")
-    p.add_argument("--filler", type=int, default=512, help="filler tokens between the last presentation and the query")
-    p.add_argument("--presentations", type=int, default=3)
-    p.add_argument("--gap", type=int, default=24, help="filler tokens between presentations")
-    p.add_argument("--template", default="is_in")
-    p.add_argument("--vocab", default="cities")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resamples", type=int, default=9999, help="bootstrap resamples per interval")
-    p.add_argument("--out", required=True, help="result directory (resumed if it holds the same work)")
-
-
-def layout_from_args(args) -> dict:
-    return pair_kwargs(filler=args.filler, presentations=args.presentations, template=args.template,
-                       vocab=args.vocab, seed=args.seed, gap_tokens=args.gap)
-
-
-def work_args(args, *extra) -> dict:
-    keys = ("model", "head", "from_scan", "n_dev", "n_sources", "filler", "presentations", "gap", "template", "vocab",
-            "seed", *extra)
-    return {k: getattr(args, k) for k in keys}
+    records = []
+    eligible = rows[rows[col].notna()]
+    for key, group in eligible.groupby(list(by), sort=True):
+        key = key if isinstance(key, tuple) else (key,)
+        per = group.groupby("source")[col].agg(["sum", "count"])
+        breaks, eligible_n = int(per["sum"].sum()), int(per["count"].sum())
+        ci = stats.source_ratio_ci(per["sum"].to_numpy(float), per["count"].to_numpy(float), per.index.to_numpy(),
+                                   n_resamples=n_resamples, seed=seed)
+        low, high, method = ci.low, ci.high, f"pooled over sources; {ci.method}"
+        if ci.degenerate:              # every source at the same rate (e.g. no break anywhere): the counts' interval
+            b = stats.binomial_ci(breaks, eligible_n)
+            low, high, method = b.low, b.high, f"pooled; Wilson interval on the counts ({ci.method} bootstrap)"
+        records.append({**dict(zip(by, key)), "metric": "pooled_break_rate", "estimate": ci.estimate, "low": low,
+                        "high": high, "n_sources": ci.n_sources, "n_examples": eligible_n, "method": method,
+                        "breaks": breaks, "eligible": eligible_n})
+    return pd.DataFrame(records, columns=[*by, "metric", "estimate", "low", "high", "n_sources", "n_examples",
+                                          "method", "breaks", "eligible"])

@@ -23,10 +23,12 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, estimate, finish, frozen_head, head_label,
-                                                 logged_arms, max_length, open_run, pair_kwargs)
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, logged_arms,
+                                                 max_length, pair_kwargs)
+from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, add_gate_option, finish
+from recurscope.interp.verdicts import Claim, judge, measure_from
 
-__all__ = ["LOADS", "GAPS", "load_layout", "fixed_length_filler", "run_capacity", "add_verb"]
+__all__ = ["LOADS", "GAPS", "load_layout", "fixed_length_filler", "loss_contrasts", "run_capacity", "reading", "VERB"]
 
 LOADS = (1, 2, 4, 8, 16, 32, 64)
 GAPS = (128, 256, 512, 1024)
@@ -51,6 +53,38 @@ def fixed_length_filler(tokenizer, layout: dict, total_length: int) -> int:
         raise ValueError(f"K={layout['n_facts']} needs {-filler} more tokens than the fixed total length "
                          f"{total_length}")
     return filler
+
+
+def loss_contrasts(sources: pd.DataFrame, loads: Sequence[int], gaps: Sequence[int], *, n_resamples: int = 9999,
+                   seed: int = 0) -> pd.DataFrame:
+    """Paired per-source recall losses with source-bootstrap intervals: load_loss (recall at the lowest K minus at
+    K = 16, or the highest evaluated K below it), gap_loss (shortest minus longest gap) and their difference
+    load_minus_gap_loss, each over the sources evaluated in every condition it uses."""
+    if sources.empty:
+        return pd.DataFrame()
+    recall = sources.pivot_table(index="source", columns=["series", "x"], values="clean_correct")
+    have = {series: sorted(x for s_, x in recall.columns if s_ == series) for series in ("load", "gap")}
+    load_pts = [k for k in have["load"] if k in loads]
+    load_to = [k for k in load_pts if k <= 16]
+    gap_pts = [g for g in have["gap"] if g in gaps]
+    losses, records = {}, []
+    if len(load_to) >= 2:
+        losses["load_loss"] = (recall[("load", load_to[0])] - recall[("load", load_to[-1])], load_to[0], load_to[-1])
+    if len(gap_pts) >= 2:
+        losses["gap_loss"] = (recall[("gap", gap_pts[0])] - recall[("gap", gap_pts[-1])], gap_pts[0], gap_pts[-1])
+    if len(losses) == 2:
+        diff = losses["load_loss"][0] - losses["gap_loss"][0]
+        losses["load_minus_gap_loss"] = (diff, np.nan, np.nan)
+    for metric, (per_source, x_from, x_to) in losses.items():
+        per_source = per_source.dropna()
+        if per_source.empty:
+            continue
+        ci = stats.source_bootstrap_ci(per_source.to_numpy(float), per_source.index.to_numpy(),
+                                       n_resamples=n_resamples, seed=seed)
+        records.append({"series": "contrast", "x": np.nan, "metric": metric, "estimate": ci.estimate, "low": ci.low,
+                        "high": ci.high, "n_sources": ci.n_sources, "method": ci.method, "reason": "",
+                        "x_from": x_from, "x_to": x_to})
+    return pd.DataFrame(records)
 
 
 def _nan_rows(arm: str, reason: str) -> pd.DataFrame:
@@ -127,25 +161,22 @@ def run_capacity(model, head: Optional[Sequence[int]] = None, *, from_scan=None,
             m.insert(0, "x", x)
             m.insert(0, "series", series)
             source_frames.append(m)
-    summary = pd.DataFrame(records)
     sources = pd.concat(source_frames, ignore_index=True) if source_frames else pd.DataFrame()
+    summary = pd.concat([pd.DataFrame(records), loss_contrasts(sources, loads, gaps, n_resamples=n_resamples,
+                                                               seed=seed)], ignore_index=True)
     info = {"head": chosen, "total_length": int(total_length), "loads": [int(k) for k in loads],
             "gaps": [int(g) for g in gaps], "n_sources": n_sources, "template": template, "vocab": vocab}
     result = ProtocolResult("capacity", rows, sources, summary, info=info)
-    if run_dir is not None:
-        from recurscope.interp.plots import plot_interval_panels
-
-        for series, label in (("load", "facts K at fixed length"), ("gap", "filler before the query, K = 4")):
-            part = summary[summary["series"] == series]
-            if part["estimate"].notna().any():
-                fig = plot_interval_panels(part, run_dir.figure_path(series), row_col="x",
-                                           panels=list(METRICS), kind="lines", percent=["clean_correct"],
-                                           panel_labels={"clean_correct": "clean recall",
-                                                         "donor_margin_shift": f"state-swap shift, {head_label(chosen)}"},
-                                           title=f"{model_name}: {label}")
-                result.figures[series] = fig.png
-    result.section = capacity_section(result, model_name)
-    return finish(result, run_dir)
+    figures = []
+    for series, label in (("load", "facts K at fixed length"), ("gap", "filler before the query, K = 4")):
+        part = summary[summary["series"] == series]
+        if part["estimate"].notna().any():
+            figures.append(FigureSpec(series, part, dict(
+                row_col="x", panels=list(METRICS), kind="lines", percent=["clean_correct"],
+                panel_labels={"clean_correct": "clean recall",
+                              "donor_margin_shift": f"state-swap shift, {head_label(chosen)}"},
+                title=f"{model_name}: {label}")))
+    return finish(result, run_dir, lambda r: capacity_section(r, model_name), figures)
 
 
 def _bare_length(tokenizer, layout: dict) -> int:
@@ -155,82 +186,48 @@ def _bare_length(tokenizer, layout: dict) -> int:
     return int(bare.recipient_ids.shape[1])
 
 
-def capacity_section(result: ProtocolResult, model_name: str) -> str:
+def capacity_section(result: ProtocolResult, model_name: str) -> Section:
     s, info = result.summary, result.info
-    lines = [f"## Load and gap: {model_name}, head {head_label(info['head'])}", "",
-             f"Load: K facts at a fixed total length of {info['total_length']} tokens (K <= 16: 3 presentations, "
-             f"24-token gaps; K >= {HIGH_LOAD}: one presentation, 4-token gaps). Gap: K = 4, 3 presentations. "
-             f"{info['n_sources']} held-out sources, template `{info['template']}`, {info['vocab']}. "
-             "– marks a point not evaluated (reason given), never 0.", "",
-             "| series | x | clean recall | state-swap shift | not evaluated because |", "|---|---|---|---|---|"]
+    table = ["| series | x | clean recall | state-swap shift | not evaluated because |", "|---|---|---|---|---|"]
     for series, xs in (("load", info["loads"]), ("gap", info["gaps"])):
         for x in xs:
             row = s[(s["series"] == series) & (s["x"] == x)]
             reason = "; ".join(r for r in row["reason"] if r) if len(row) else ""
-            lines.append(f"| {series} | {x} | {ci_text(s, {'series': series, 'x': x}, 'clean_correct', pct=True)} | "
+            table.append(f"| {series} | {x} | {ci_text(s, {'series': series, 'x': x}, 'clean_correct', pct=True)} | "
                          f"{ci_text(s, {'series': series, 'x': x}, 'donor_margin_shift')} | {reason} |")
-    for name in ("load", "gap"):
-        if name in result.figures:
-            lines += ["", f"![{name}](figures/{result.figures[name].name})"]
-    reading = ["The paper: from K = 1 to 16 recall falls by about 30-40 pp on GLA-340M and GDN-340M; from gap 128 "
-               "to 1024 it falls far less."]
-    r1 = estimate(s, {"series": "load", "x": 1}, "clean_correct")
-    r16 = estimate(s, {"series": "load", "x": 16}, "clean_correct")
-    g0 = estimate(s, {"series": "gap", "x": min(info["gaps"])}, "clean_correct") if info["gaps"] else None
-    g1 = estimate(s, {"series": "gap", "x": max(info["gaps"])}, "clean_correct") if info["gaps"] else None
-    if r1 and r16:
-        reading.append(f"Here recall goes from {100 * r1[0]:.1f}% at K = 1 to {100 * r16[0]:.1f}% at K = 16 "
-                       f"({100 * (r1[0] - r16[0]):+.1f} pp lost"
-                       + ("; far less than the paper's 30-40 pp)." if r1[0] - r16[0] < 0.2 else ")."))
-    s1 = estimate(s, {"series": "load", "x": 1}, "donor_margin_shift")
-    s16 = estimate(s, {"series": "load", "x": 16}, "donor_margin_shift")
-    if s1 and s16:
-        reading.append(f"The state-swap shift goes from {s1[0]:+.2f} to {s16[0]:+.2f} logits over the same range.")
-    if g0 and g1:
-        reading.append(f"From gap {min(info['gaps'])} to {max(info['gaps'])} it goes from {100 * g0[0]:.1f}% to "
-                       f"{100 * g1[0]:.1f}% ({100 * (g0[0] - g1[0]):+.1f} pp lost).")
-    if r1 and r16 and g0 and g1:
-        load_loss, gap_loss = r1[0] - r16[0], g0[0] - g1[0]
-        reading.append("Load costs more than the gap, as in the paper." if load_loss > gap_loss + 0.05 else
-                       "Load does not cost clearly more than the gap here, unlike the paper"
-                       + (" (the model holds K = 16 with d_k large enough: no load effect to see)." if load_loss < 0.1
-                          else "."))
-    lines += ["", "### Reading", "", " ".join(reading)]
-    return "\n".join(lines)
+    intro = (f"Load: K facts at a fixed total length of {info['total_length']} tokens (K <= 16: 3 presentations, "
+             f"24-token gaps; K >= {HIGH_LOAD}: one presentation, 4-token gaps). Gap: K = 4, 3 presentations. "
+             f"{info['n_sources']} held-out sources, template `{info['template']}`, {info['vocab']}. "
+             "– marks a point not evaluated (reason given), never 0.")
+    return Section(f"Load and gap: {model_name}, head {head_label(info['head'])}", intro, [table], reading(s))
 
 
-def add_verb(sub, model_args, load) -> None:
-    p = sub.add_parser("capacity", help="clean recall and state-swap shift against load K and gap (§4.2, Fig. 7a-b)")
-    model_args(p)
-    p.add_argument("--head", type=int, nargs=2, metavar=("LAYER", "HEAD"), default=None)
-    p.add_argument("--from-scan", default=None)
-    p.add_argument("--n-dev", type=int, default=16)
-    p.add_argument("--n-sources", type=int, default=32)
+def reading(s: pd.DataFrame) -> list[str]:
+    """Verdicts on paired per-source recall losses (loss_contrasts), never on two separate intervals."""
+    out = ["The paper: from K = 1 to 16 recall falls by about 30-40 pp on GLA-340M and GDN-340M; from gap 128 "
+           "to 1024 it falls far less."]
+    contrast = s[s["series"] == "contrast"] if "series" in s.columns else s.iloc[0:0]
+
+    def span(metric, unit):
+        row = contrast[contrast["metric"] == metric]
+        return "" if row.empty else f" from {unit} {int(row.iloc[0]['x_from'])} to {int(row.iloc[0]['x_to'])}"
+    out.append(judge(measure_from(contrast, {}, "load_loss", "pp"), Claim.between(0.30, 0.40, "30-40 pp from K = 1 "
+                                                                                            "to 16"),
+                     f"The recall lost to load{span('load_loss', 'K =')} (paired over sources)"))
+    gap = measure_from(contrast, {}, "gap_loss", "pp")
+    if gap is not None:
+        out.append(f"The recall lost to the gap{span('gap_loss', 'gap')} is {gap.text()}.")
+    out.append(judge(measure_from(contrast, {}, "load_minus_gap_loss", "pp"),
+                     Claim.positive("load costs more recall than the gap"),
+                     "The load loss minus the gap loss (paired over sources)"))
+    return out
+
+
+def _options(p) -> None:
     p.add_argument("--loads", type=int, nargs="*", default=list(LOADS))
     p.add_argument("--gaps", type=int, nargs="*", default=list(GAPS))
-    p.add_argument("--total-length", type=int, default=None,
-                   help="fixed sequence length of the load curve (default: the K=16 layout with 128 filler tokens)")
-    p.add_argument("--template", default="is_in")
-    p.add_argument("--vocab", default="cities")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resamples", type=int, default=9999)
-    p.add_argument("--gate", type=float, default=None, metavar="THRESHOLD",
-                   help="refuse the state-swap shift of any condition under this clean recall (capability gate)")
-    p.add_argument("--out", required=True)
-    p.set_defaults(fn=lambda args: _cli(args, load))
+    add_gate_option(p, None, "refuse the state-swap shift of any condition under this clean recall (capability gate)")
 
 
-def _cli(args, load) -> int:
-    model = load(args)
-    keys = ("model", "head", "from_scan", "n_dev", "n_sources", "loads", "gaps", "total_length", "template", "vocab",
-            "seed", "gate")
-    run = open_run(args.out, kind="capacity", model=model, model_name=args.model,
-                   args={k: getattr(args, k) for k in keys}, seeds=[args.seed], split="heldout")
-    result = run_capacity(model, args.head, from_scan=args.from_scan, loads=args.loads, gaps=args.gaps,
-                          total_length=args.total_length, n_sources=args.n_sources, n_dev=args.n_dev,
-                          template=args.template, vocab=args.vocab, seed=args.seed, batch_size=args.batch_size,
-                          n_resamples=args.resamples, run_dir=run, model_name=args.model, gate_threshold=args.gate,
-                          progress=lambda arm: print(f"capacity: {arm}", flush=True))
-    print(result.section)
-    print(f"results in {run.path}")
-    return 0
+VERB = Verb("capacity", "clean recall and state-swap shift against load K and gap (§4.2, Fig. 7a-b)", run_capacity,
+            filler=False, presentations=None, gap=None, fixed_length=True, options=_options)

@@ -6,10 +6,14 @@ Do the frozen head's states still hold the answer? On DEV sources only:
    o = scale * S_t^T q_t, one V-vector per example);
 2. targets y_i: the correct candidate's direction in the residual stream, W_U[answer] minus the mean of W_U over the
    example's candidates (W_U: the unembedding);
-3. a ridge map W (V x D) from centred features to targets, truncated to rank r by its SVD; the correction
-   delta_i = alpha * (f_i - mean f) W_r is added to the residual stream leaving the last block at the query
-   position (blocks.{L-1}.hook_resid_post); the ridge and alpha (a multiple of the residual's norm, 0 included)
-   are chosen by cross-fitting between the even and odd dev sources, then the map is refitted on all of dev.
+3. a ridge map W (V x D) from centred features to targets, truncated to rank r by its SVD, giving
+   delta_i = alpha * (f_i - mean f) W_r, and one of two METHODS:
+   - "logits_and_state" (the paper's, the default): the four-way logits combined with the query-aligned state
+     features, z_ic + alpha * <(f_i - mean f) W_r, e_c>, e_c the candidate's centred unembedding direction;
+   - "residual" (a variant): delta_i is added to the residual stream leaving the last block at the query position
+     (blocks.{L-1}.hook_resid_post) and read through the model's own final norm and unembedding;
+   the ridge and alpha (a multiple of a scale unit, 0 included) are chosen by cross-fitting between the even and
+   odd dev sources, then the map is refitted on all of dev.
 Then the frozen corrector is applied to HELD-OUT sources: accuracy before and after, rescued (wrong -> right) and
 broken (right -> wrong) counts. Controls: a random rank-r map of equal Frobenius norm with the same alpha, and the
 whole procedure on the control head's readout. A Corrector remembers the sources it was fitted on and refuses to
@@ -30,17 +34,19 @@ import torch
 from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import summarise_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, estimate, excludes_zero, finish,
-                                                 frozen_head, head_label, logged_arms, max_length, open_run,
-                                                 pair_kwargs)
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, logged_arms,
+                                                 max_length, pair_kwargs)
+from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+from recurscope.interp.verdicts import Claim, judge, measure_from
 from recurscope.interp.protocols.capacity import _bare_length, fixed_length_filler, load_layout
 
-__all__ = ["ARMS", "PAPER", "Corrector", "source_keys", "collect_features", "fit_corrector", "random_corrector",
-           "corrected_logits", "run_corrector", "add_verb"]
+__all__ = ["ARMS", "METHODS", "PAPER", "Corrector", "source_keys", "collect_features", "fit_corrector",
+           "random_corrector", "corrected_logits", "corrector_logits", "run_corrector", "VERB"]
 
 ARMS = ("corrector", "random_map", "control_head")
 LABELS = {"corrector": "corrector (frozen head)", "random_map": "random map, equal norm",
           "control_head": "corrector on the control head"}
+METHODS = ("logits_and_state", "residual")
 METRICS = ("clean_correct", "correct", "accuracy_change", "rescued", "broken")
 #: Residual-norm multiples tried for alpha on dev.
 ALPHAS = (0.0, 0.03125, 0.0625, 0.125, 0.25, 0.5, 1.0)
@@ -67,7 +73,8 @@ class Corrector:
     rank: int
     fit_sources: frozenset = field(default_factory=frozenset)
     ridge: float = float("nan")
-    multiple: float = float("nan")      # alpha over the residual-to-prediction norm ratio, chosen on dev
+    multiple: float = float("nan")      # alpha over the method's scale unit, chosen on dev
+    method: str = "logits_and_state"
 
     def delta(self, features: torch.Tensor, pairs=None) -> torch.Tensor:
         if pairs is not None:
@@ -81,12 +88,18 @@ class Corrector:
 @dataclass
 class Features:
     """Per row: the head's readout at the query position (N, V), the last residual there (N, D), the correct
-    candidate's direction (N, D) and the clean candidate logits (N, C)."""
+    candidate's direction (N, D), the clean candidate logits (N, C) and every candidate's centred unembedding
+    direction (N, C, D)."""
 
     readout: dict
     resid: torch.Tensor
     target: torch.Tensor
     clean: torch.Tensor
+    cand_dirs: Optional[torch.Tensor] = None
+
+    def select(self, idx) -> "Features":
+        return Features({h: v[idx] for h, v in self.readout.items()}, self.resid[idx], self.target[idx],
+                        self.clean[idx], None if self.cand_dirs is None else self.cand_dirs[idx])
 
 
 def collect_features(model, pairs, heads: Sequence[tuple], *, batch_size: int = 16) -> Features:
@@ -113,9 +126,9 @@ def collect_features(model, pairs, heads: Sequence[tuple], *, batch_size: int = 
             clean.append(iv.candidate_logits(logits[at.to(logits.device), qp.to(logits.device)],
                                              pairs.candidate_ids[rows]))
     cand = W_U[pairs.candidate_ids]                                          # (N, C, D)
-    answer = cand[torch.arange(n), pairs.recipient_answer_index]
-    return Features({h: torch.cat(v) for h, v in readout.items()}, torch.cat(resid), answer - cand.mean(1),
-                    torch.cat(clean))
+    dirs = cand - cand.mean(1, keepdim=True)
+    return Features({h: torch.cat(v) for h, v in readout.items()}, torch.cat(resid),
+                    dirs[torch.arange(n), pairs.recipient_answer_index], torch.cat(clean), dirs)
 
 
 def corrected_logits(model, pairs, resid: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -143,24 +156,38 @@ def _fit_map(X: torch.Tensor, Y: torch.Tensor, rank: int, ridge: float) -> tuple
     return mean, _ridge_rank(X - mean, Y - Y.mean(0), rank, ridge)
 
 
-def _scale_unit(X, resid, mean, weight) -> float:
-    """Mean residual norm over mean prediction norm: alpha = multiple * unit."""
-    pred = (X - mean) @ weight
-    return float(resid.norm(dim=1).mean()) / max(float(pred.norm(dim=1).mean()), 1e-12)
+def _scores(model, pairs, feats: Features, delta: torch.Tensor, method: str) -> torch.Tensor:
+    """Candidate scores after the correction delta (N, D) by `method` (METHODS)."""
+    if method == "residual":
+        return corrected_logits(model, pairs, feats.resid, delta)
+    return feats.clean.double() + torch.einsum("nd,ncd->nc", delta.double(), feats.cand_dirs)
 
 
-def _accuracy(model, pairs, resid, delta) -> float:
-    z = corrected_logits(model, pairs, resid, delta)
-    return float((z.argmax(1) == pairs.recipient_answer_index).double().mean())
+def _scale_unit(feats: Features, pred: torch.Tensor, method: str) -> float:
+    """The scale alpha is a multiple of: the residual's norm over the prediction's (residual), or the clean logits'
+    spread over the candidates over the state term's (logits_and_state)."""
+    if method == "residual":
+        num, den = feats.resid.norm(dim=1).mean(), pred.norm(dim=1).mean()
+    else:
+        num = feats.clean.double().std(1).mean()
+        den = torch.einsum("nd,ncd->nc", pred, feats.cand_dirs).std(1).mean()
+    return float(num) / max(float(den), 1e-12)
+
+
+def corrector_logits(model, pairs, corrector: "Corrector", feats: Features) -> torch.Tensor:
+    """The corrector's candidate scores on `pairs` (refused on the sources it was fitted on)."""
+    return _scores(model, pairs, feats, corrector.delta(feats.readout[corrector.head], pairs), corrector.method)
 
 
 def fit_corrector(model, pairs, head, *, rank: int = 4, ridges: Sequence[float] = RIDGES,
-                  feats: Optional[Features] = None, batch_size: int = 16) -> Corrector:
+                  feats: Optional[Features] = None, batch_size: int = 16,
+                  method: str = "logits_and_state") -> Corrector:
     """Fits the rank-`rank` corrector of `head` on `pairs`, which must all come from the dev split. The ridge and
     the scale are chosen by cross-fitting inside dev: maps fitted on the even dev sources are scored on the odd ones
     (ties go to the smaller scale, so a correction that does not help there is not made); the chosen ridge is then
     refitted on every dev source."""
-
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     splits = sorted(set(pairs.splits))
     if splits != ["dev"]:
         raise ValueError(f"fit the corrector on dev sources only (build_pairs(split='dev')); these pairs come from "
@@ -174,20 +201,22 @@ def fit_corrector(model, pairs, head, *, rank: int = 4, ridges: Sequence[float] 
     if odd.all() or not odd.any():
         raise ValueError("the corrector cross-fits on even and odd dev sources; pass at least 2 dev sources")
     fit_i, sel_i = (~odd).nonzero()[:, 0], odd.nonzero()[:, 0]
-    sel_pairs = pairs.select(sel_i.tolist())
+    sel_pairs, fit_f, sel_f = pairs.select(sel_i.tolist()), feats.select(fit_i), feats.select(sel_i)
+    r = sel_pairs.recipient_answer_index
     best = (-1.0, 0.0, ridges[0])
     for ridge in ridges:
         mean, weight = _fit_map(X[fit_i], Y[fit_i], rank, ridge)
-        unit = _scale_unit(X[fit_i], feats.resid[fit_i], mean, weight)
+        unit = _scale_unit(fit_f, (X[fit_i] - mean) @ weight, method)
         pred = (X[sel_i] - mean) @ weight
         for a in ALPHAS:
-            acc = _accuracy(model, sel_pairs, feats.resid[sel_i], a * unit * pred)
+            acc = float((_scores(model, sel_pairs, sel_f, a * unit * pred, method).argmax(1) == r).double().mean())
             if acc > best[0] + 1e-12:
                 best = (acc, a, ridge)
     _, multiple, ridge = best
     mean, weight = _fit_map(X, Y, rank, ridge)
-    alpha = multiple * _scale_unit(X, feats.resid, mean, weight)
-    return Corrector(head, mean, weight, alpha, rank, source_keys(pairs), ridge=ridge, multiple=multiple)
+    alpha = multiple * _scale_unit(feats, (X - mean) @ weight, method)
+    return Corrector(head, mean, weight, alpha, rank, source_keys(pairs), ridge=ridge, multiple=multiple,
+                     method=method)
 
 
 def random_corrector(fitted: Corrector, seed: int = 0) -> Corrector:
@@ -199,7 +228,7 @@ def random_corrector(fitted: Corrector, seed: int = 0) -> Corrector:
     W = A @ B
     W = W * (fitted.weight.norm() / W.norm())
     return Corrector(fitted.head, fitted.mean, W, fitted.alpha, fitted.rank, fitted.fit_sources, fitted.ridge,
-                     fitted.multiple)
+                     fitted.multiple, fitted.method)
 
 
 def _rows(arm, pairs, clean: torch.Tensor, z: torch.Tensor) -> pd.DataFrame:
@@ -217,7 +246,7 @@ def run_corrector(model, head: Optional[Sequence[int]] = None, *, from_scan=None
                   total_length: Optional[int] = None, n_sources: int = 32, n_fit: int = 32, pairs_per_source: int = 8,
                   rank: int = 4, n_dev: int = 16, template: str = "is_in",
                   vocab: str = "cities", seed: int = 0, batch_size: int = 16, n_resamples: int = 9999, run_dir=None,
-                  model_name: str = "model", progress=None) -> ProtocolResult:
+                  model_name: str = "model", method: str = "logits_and_state", progress=None) -> ProtocolResult:
     """Fits the corrector on `n_fit` dev sources and evaluates it, with its controls, on `n_sources` held-out
     sources; K = `k` facts at `total_length` tokens (default: capacity.py's fixed length)."""
     from recurscope.interp.data import build_pairs
@@ -239,12 +268,8 @@ def run_corrector(model, head: Optional[Sequence[int]] = None, *, from_scan=None
         if not cache:
             fit_feats = collect_features(model, fit_pairs, [chosen, control], batch_size=batch_size)
             test_feats = collect_features(model, test_pairs, [chosen, control], batch_size=batch_size)
-            cache["main"] = fit_corrector(model, fit_pairs, chosen, rank=rank,
-                                          feats=Features({chosen: fit_feats.readout[chosen]}, fit_feats.resid,
-                                                         fit_feats.target, fit_feats.clean))
-            cache["control"] = fit_corrector(model, fit_pairs, control, rank=rank,
-                                             feats=Features({control: fit_feats.readout[control]}, fit_feats.resid,
-                                                            fit_feats.target, fit_feats.clean))
+            cache["main"] = fit_corrector(model, fit_pairs, chosen, rank=rank, feats=fit_feats, method=method)
+            cache["control"] = fit_corrector(model, fit_pairs, control, rank=rank, feats=fit_feats, method=method)
             cache["random"] = random_corrector(cache["main"], seed=seed)
             cache["test"] = test_feats
         return cache
@@ -253,7 +278,7 @@ def run_corrector(model, head: Optional[Sequence[int]] = None, *, from_scan=None
         c = fitted()
         corr = {"corrector": c["main"], "random_map": c["random"], "control_head": c["control"]}[arm]
         t = c["test"]
-        z = corrected_logits(model, test_pairs, t.resid, corr.delta(t.readout[corr.head], test_pairs))
+        z = corrector_logits(model, test_pairs, corr, t)
         return _rows(arm, test_pairs, t.clean, z).assign(ridge=corr.ridge, multiple=corr.multiple)
     rows = logged_arms(run_dir, "corrector_rows", ("arm", "row"), ARMS, compute, progress)
     rows["source"] = rows["source"].astype(int)
@@ -263,123 +288,79 @@ def run_corrector(model, head: Optional[Sequence[int]] = None, *, from_scan=None
                                      rescued=("rescued", "sum"), broken=("broken", "sum")).reset_index()
     info = {"head": chosen, "control_head": control, "k": int(k), "total_length": int(total_length),
             "n_sources": n_sources, "n_fit": n_fit, "pairs_per_source": pairs_per_source, "rank": rank,
-            "template": template, "vocab": vocab, "counts": counts.to_dict("records"),
+            "template": template, "vocab": vocab, "counts": counts.to_dict("records"), "method": method,
             "chosen": {a: {"ridge": float(rows.loc[rows["arm"] == a, "ridge"].iloc[0]),
                            "multiple": float(rows.loc[rows["arm"] == a, "multiple"].iloc[0])}
                        for a in ("corrector", "control_head") if {"ridge", "multiple"} <= set(rows.columns)}, "fit_sources": len(source_keys(fit_pairs)),
             "shared_sources": len(source_keys(fit_pairs) & source_keys(test_pairs))}
     result = ProtocolResult("corrector", rows, sources, summary, info=info)
-    if run_dir is not None:
-        from recurscope.interp.plots import plot_interval_panels
-
-        fig = plot_interval_panels(summary, run_dir.figure_path("corrector"), row_col="arm", rows=list(ARMS),
-                                   panels=["correct", "accuracy_change", "rescued", "broken"],
-                                   percent=["correct", "accuracy_change", "rescued", "broken"],
-                                   panel_labels={"correct": "accuracy after", "accuracy_change": "accuracy change",
-                                                 "rescued": "rescued (of the wrong)", "broken": "broken (of the right)"},
-                                   title=f"{model_name}: state-feature corrector, K = {k}, head {head_label(chosen)}")
-        result.figures["corrector"] = fig.png
-    result.section = corrector_section(result, model_name)
-    return finish(result, run_dir)
+    figure = FigureSpec("corrector", summary, dict(
+        row_col="arm", rows=list(ARMS), panels=["correct", "accuracy_change", "rescued", "broken"],
+        percent=["correct", "accuracy_change", "rescued", "broken"],
+        panel_labels={"correct": "accuracy after", "accuracy_change": "accuracy change",
+                      "rescued": "rescued (of the wrong)", "broken": "broken (of the right)"},
+        title=f"{model_name}: state-feature corrector ({method}), K = {k}, head {head_label(chosen)}"))
+    return finish(result, run_dir, lambda r: corrector_section(r, model_name), [figure])
 
 
-def _pp(e) -> str:
-    return "–" if e is None else f"{100 * e[0]:+.1f} pp [{100 * e[1]:+.1f}, {100 * e[2]:+.1f}]"
+_METHOD_TEXT = {"logits_and_state": "the four-way logits combined with the head's query-aligned state features (the "
+                                    "paper's method)",
+                "residual": "a correction added to the last residual along the correct candidate's direction (a "
+                            "variant, not the paper's method)"}
 
 
-def corrector_section(result: ProtocolResult, model_name: str) -> str:
+def corrector_section(result: ProtocolResult, model_name: str) -> Section:
     s, info = result.summary, result.info
     counts = {c["arm"]: c for c in info["counts"]}
-    lines = [f"## State-feature corrector: {model_name}, head {head_label(info['head'])}", "",
-             f"K = {info['k']} facts at {info['total_length']} tokens (one presentation each, 4-token gaps); a "
-             f"rank-{info['rank']} ridge map from the head's query readout to the correct candidate's residual "
-             f"direction, fitted (with its scale) on {info['n_fit']} dev sources and applied to {info['n_sources']} "
-             f"held-out sources ({info['pairs_per_source']} pairs each; {info['shared_sources']} sources shared); "
-             f"control head {head_label(info['control_head'])}; template `{info['template']}`, {info['vocab']}."
-             + "".join(f" Chosen on dev for the {a.replace('_', ' ')}: ridge {c['ridge']:g}, scale {c['multiple']:g} x "
-                       "the residual norm." for a, c in info.get("chosen", {}).items()), "",
-             "| arm | accuracy before | accuracy after | change | rescued / broken (of all rows) |", "|---|---|---|---|---|"]
+    table = ["| arm | accuracy before | accuracy after | change | rescued / broken (of all rows) |",
+             "|---|---|---|---|---|"]
     for arm, label in LABELS.items():
         c = counts.get(arm)
-        lines.append(f"| {label} | {ci_text(s, {'arm': arm}, 'clean_correct', pct=True)} | "
+        change = measure_from(s, {"arm": arm}, "accuracy_change", "pp")
+        table.append(f"| {label} | {ci_text(s, {'arm': arm}, 'clean_correct', pct=True)} | "
                      f"{ci_text(s, {'arm': arm}, 'correct', pct=True)} | "
-                     f"{_pp(estimate(s, {'arm': arm}, 'accuracy_change'))} | "
-                     + (f"{int(c['rescued'])} / {int(c['broken'])} of {int(c['n'])}" if c else "–") + " |")
-    if "corrector" in result.figures:
-        lines += ["", f"![corrector](figures/{result.figures['corrector'].name})"]
-    reading = ["The paper: GLA colours 24.2% -> 52.3% (64 rescued / 28 broken), GLA shapes 30.5% -> 49.2% (53 / 29), "
-               "GDN colours 46.9% -> 48.4% (29 / 27), Qwen3.5-4B 78.9% -> 46.9% (8 / 49): a gain for GLA, none for "
-               "GDN, a loss for Qwen."]
-    before = estimate(s, {"arm": "corrector"}, "clean_correct")
-    after = estimate(s, {"arm": "corrector"}, "correct")
-    change = estimate(s, {"arm": "corrector"}, "accuracy_change")
-    c = counts.get("corrector")
-    if before and after and change and c:
-        verdict = ("a gain whose interval excludes 0" if excludes_zero(change) and change[0] > 0 else
-                   "a loss whose interval excludes 0" if excludes_zero(change) else "no change beyond the interval")
-        reading.append(f"Here the corrector takes held-out accuracy from {100 * before[0]:.1f}% to "
-                       f"{100 * after[0]:.1f}% ({int(c['rescued'])} rescued / {int(c['broken'])} broken): {verdict}.")
-        chosen = info.get("chosen", {}).get("corrector")
-        if chosen and chosen["multiple"] == 0:
-            reading.append("Cross-fitting inside dev (even against odd sources) found no scale at which a rank-"
-                           f"{info['rank']} map from the head's readout helped, so none is made.")
-        if before[0] > 0.6:
-            reading.append(f"The tiny model fails less at K = {info['k']} than the paper's models at theirs, so there "
-                           "are fewer failures to rescue.")
-    scales = {a: c["multiple"] for a, c in info.get("chosen", {}).items()}
-    scales["random_map"] = scales.get("corrector")
+                     + ("–" if change is None or not change.defined else
+                        f"{100 * change.estimate:+.1f} pp [{100 * change.low:+.1f}, {100 * change.high:+.1f}]")
+                     + " | " + (f"{int(c['rescued'])} / {int(c['broken'])} of {int(c['n'])}" if c else "–") + " |")
+    intro = (f"K = {info['k']} facts at {info['total_length']} tokens (one presentation each, 4-token gaps); method: "
+             f"{_METHOD_TEXT[info['method']]}, through a rank-{info['rank']} ridge map from the head's query readout "
+             f"to the correct candidate's direction, fitted (with its scale) on {info['n_fit']} dev sources and "
+             f"applied to {info['n_sources']} held-out sources ({info['pairs_per_source']} pairs each; "
+             f"{info['shared_sources']} sources shared); control head {head_label(info['control_head'])}; template "
+             f"`{info['template']}`, {info['vocab']}."
+             + "".join(f" Chosen on dev for the {a.replace('_', ' ')}: ridge {c['ridge']:g}, scale {c['multiple']:g}."
+                       for a, c in info.get("chosen", {}).items()))
+    return Section(f"State-feature corrector: {model_name}, head {head_label(info['head'])}", intro, [table],
+                   reading(s, info))
+
+
+def reading(s: pd.DataFrame, info: dict) -> list:
+    out = ["The paper (four-way logits combined with query-aligned state features): GLA colours 24.2% -> 52.3% "
+           "(64 rescued / 28 broken), GLA shapes 30.5% -> 49.2% (53 / 29), GDN colours 46.9% -> 48.4% (29 / 27), "
+           "Qwen3.5-4B 78.9% -> 46.9% (8 / 49): a gain for GLA, none for GDN, a loss for Qwen."]
+    if info.get("method") != "logits_and_state":
+        out.append(f"This run uses {_METHOD_TEXT[info.get('method', 'residual')]}, so its numbers are not the "
+                   "paper's measurement.")
+    out.append(judge(measure_from(s, {"arm": "corrector"}, "accuracy_change", "pp"),
+                     Claim.positive("a gain on GLA (none on GDN, a loss on Qwen3.5)"),
+                     "The corrector's held-out accuracy change"))
+    if info.get("chosen", {}).get("corrector", {}).get("multiple") == 0:
+        out.append("Cross-fitting inside dev chose scale 0 (no correction helped there), so none is made.")
     for arm in ("random_map", "control_head"):
-        e = estimate(s, {"arm": arm}, "accuracy_change")
-        if e is None:
-            continue
-        text = f"The {LABELS[arm]} changes accuracy by {100 * e[0]:+.1f} pp [{100 * e[1]:+.1f}, {100 * e[2]:+.1f}]"
-        if scales.get(arm) == 0:
-            text += " (scale 0 chosen on dev: no correction)."
-        elif not excludes_zero(e):
-            text += ", near 0 as a control should."
-        elif e[0] > 0:
-            text += (": a gain too, so part of the frozen head's gain is not specific to it." if change and change[0] > 0
-                     else ": a gain where the frozen head has none.")
-        else:
-            text += ": a loss."
-        reading.append(text)
-    lines += ["", "### Reading", "", " ".join(reading)]
-    return "\n".join(lines)
+        out.append(judge(measure_from(s, {"arm": arm}, "accuracy_change", "pp"), Claim.near_zero("a control"),
+                         f"The {LABELS[arm]}'s accuracy change"))
+    return out
 
 
-def add_verb(sub, model_args, load) -> None:
-    p = sub.add_parser("corrector", help="a low-rank state-feature corrector fitted on dev sources, applied on "
-                       "held-out sources at high load (App. F.1)")
-    model_args(p)
-    p.add_argument("--head", type=int, nargs=2, metavar=("LAYER", "HEAD"), default=None)
-    p.add_argument("--from-scan", default=None)
-    p.add_argument("--n-dev", type=int, default=16, help="dev sources for the head scan when no head is given")
+def _options(p) -> None:
     p.add_argument("--n-fit", type=int, default=32, help="dev sources the corrector is fitted on")
-    p.add_argument("--n-sources", type=int, default=32, help="held-out sources it is evaluated on")
     p.add_argument("--pairs-per-source", type=int, default=8)
     p.add_argument("--k", type=int, default=64, help="facts in the high-load layout")
-    p.add_argument("--total-length", type=int, default=None,
-                   help="fixed sequence length (default: the K=16 layout with 128 filler tokens, as `capacity`)")
     p.add_argument("--rank", type=int, default=4)
-    p.add_argument("--template", default="is_in")
-    p.add_argument("--vocab", default="cities")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resamples", type=int, default=9999)
-    p.add_argument("--out", required=True)
-    p.set_defaults(fn=lambda args: _cli(args, load))
+    p.add_argument("--method", choices=METHODS, default="logits_and_state",
+                   help="logits_and_state: the paper's (four-way logits with state features); residual: a variant")
 
 
-def _cli(args, load) -> int:
-    model = load(args)
-    keys = ("model", "head", "from_scan", "n_dev", "n_fit", "n_sources", "pairs_per_source", "k", "total_length",
-            "rank", "template", "vocab", "seed")
-    run = open_run(args.out, kind="corrector", model=model, model_name=args.model,
-                   args={k: getattr(args, k) for k in keys}, seeds=[args.seed], split="heldout")
-    result = run_corrector(model, args.head, from_scan=args.from_scan, k=args.k, total_length=args.total_length,
-                           n_sources=args.n_sources, n_fit=args.n_fit, pairs_per_source=args.pairs_per_source,
-                           rank=args.rank, n_dev=args.n_dev, template=args.template,
-                           vocab=args.vocab, seed=args.seed, batch_size=args.batch_size, n_resamples=args.resamples,
-                           run_dir=run, model_name=args.model, progress=lambda a: print(f"corrector: {a}", flush=True))
-    print(result.section)
-    print(f"results in {run.path}")
-    return 0
+VERB = Verb("corrector", "a low-rank state-feature corrector fitted on dev sources, applied on held-out sources at "
+            "high load (App. F.1)", run_corrector, filler=False, presentations=None, gap=None, fixed_length=True,
+            options=_options)

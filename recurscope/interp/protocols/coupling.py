@@ -17,18 +17,17 @@ from __future__ import annotations
 import random
 from typing import Optional, Sequence
 
-import numpy as np
 import pandas as pd
 import torch
 
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import (ProtocolResult, add_protocol_args, ci_text, estimate, excludes_zero,
-                                                 finish, frozen_head, head_label, layout_from_args, open_run,
-                                                 pair_kwargs, work_args)
+from recurscope.interp.protocols._common import ProtocolResult, ci_text, frozen_head, head_label, pair_kwargs
+from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+from recurscope.interp.verdicts import Claim, judge, measure_from
 from recurscope.interp.protocols.selectivity import build_selectivity_pairs
 
-__all__ = ["ARMS", "split_parallel", "run_coupling", "add_verb"]
+__all__ = ["ARMS", "split_parallel", "run_coupling", "reading", "VERB"]
 
 ARMS = ("full", "parallel", "orthogonal", "random_full", "random_parallel", "random_orthogonal")
 LABELS = {"full": "full Δ_A", "parallel": "part of Δ_A parallel to Δ_B", "orthogonal": "orthogonal remainder",
@@ -153,72 +152,39 @@ def run_coupling(model, pairs=None, head: Optional[Sequence[int]] = None, *, run
     summary = stats.summarise(rows, metrics, by=["arm"], n_resamples=n_resamples, seed=seed)
     info = {"head": chosen, "n_sources": int(rows["source"].nunique()), "n_pairs_ab": int(len(rows) / len(ARMS))}
     result = ProtocolResult("coupling", rows, sources, summary, info=info)
-    if run_dir is not None:
-        from recurscope.interp.plots import plot_interval_panels
-
-        fig = plot_interval_panels(summary, run_dir.figure_path("coupling"), row_col="arm", rows=list(ARMS),
-                                   panels=["margin_change_b"], panel_labels={"margin_change_b": "change in B's margin"},
-                                   title=f"{model_name}: Frobenius coupling, head {head_label(chosen)}")
-        result.figures["coupling"] = fig.png
-    result.section = coupling_section(result, model_name)
-    return finish(result, run_dir)
+    figure = FigureSpec("coupling", summary, dict(row_col="arm", rows=list(ARMS), panels=["margin_change_b"],
+                                                  panel_labels={"margin_change_b": "change in B's margin"},
+                                                  title=f"{model_name}: Frobenius coupling, head {head_label(chosen)}"))
+    return finish(result, run_dir, lambda r: coupling_section(r, model_name), [figure])
 
 
-def coupling_section(result: ProtocolResult, model_name: str) -> str:
+def coupling_section(result: ProtocolResult, model_name: str) -> Section:
     s, info = result.summary, result.info
-    lines = [f"## Frobenius coupling: {model_name}, head {head_label(info['head'])}", "",
-             f"{info['n_pairs_ab']} ordered fact pairs (A, B) on {info['n_sources']} held-out sources; edits added "
-             "to the recipient's state at the query boundary, B queried. Means over sources, 95% source-bootstrap "
-             "intervals.", "", "| edit | change in B's margin | Frobenius norm of the edit |", "|---|---|---|"]
+    table = ["| edit | change in B's margin | Frobenius norm of the edit |", "|---|---|---|"]
     for arm in ARMS:
-        lines.append(f"| {LABELS[arm]} | {ci_text(s, {'arm': arm}, 'margin_change_b')} | "
+        table.append(f"| {LABELS[arm]} | {ci_text(s, {'arm': arm}, 'margin_change_b')} | "
                      f"{ci_text(s, {'arm': arm}, 'norm_edit')} |")
-    lines += ["", f"cos(Δ_A, Δ_B) = {ci_text(s, {'arm': 'full'}, 'cos_ab', digits=3)}"]
-    if "coupling" in result.figures:
-        lines += ["", f"![coupling](figures/{result.figures['coupling'].name})"]
-    lines += ["", "### Reading", "", " ".join(_reading(s))]
-    return "\n".join(lines)
+    intro = (f"{info['n_pairs_ab']} ordered fact pairs (A, B) on {info['n_sources']} held-out sources; edits added "
+             "to the recipient's state at the query boundary, B queried. Means over sources, 95% source-bootstrap "
+             "intervals.")
+    return Section(f"Frobenius coupling: {model_name}, head {head_label(info['head'])}", intro,
+                   [table, [f"cos(Δ_A, Δ_B) = {ci_text(s, {'arm': 'full'}, 'cos_ab', digits=3)}"]], reading(s))
 
 
-def _reading(s: pd.DataFrame) -> list[str]:
+def reading(s: pd.DataFrame) -> list[str]:
     out = ["The paper: the parallel part lowers B's margin, the orthogonal part raises it, random directions of the "
            "same norm move it less, and the full edit is weak."]
-    e = {arm: estimate(s, {"arm": arm}, "margin_change_b") for arm in ARMS}
-    if any(v is None for v in e.values()):
-        return out + ["Some arms have no data."]
-    par, orth, full = e["parallel"], e["orthogonal"], e["full"]
-    out.append(f"Here the parallel part moves B's margin by {par[0]:+.3f} [{par[1]:+.3f}, {par[2]:+.3f}], the "
-               f"orthogonal part by {orth[0]:+.3f} [{orth[1]:+.3f}, {orth[2]:+.3f}] and the full Δ_A by "
-               f"{full[0]:+.3f} [{full[1]:+.3f}, {full[2]:+.3f}].")
-    lowers = excludes_zero(par) and par[0] < 0
-    raises = excludes_zero(orth) and orth[0] > 0
-    if lowers and raises:
-        out.append("The parallel part lowers and the orthogonal part raises B's margin, as in the paper.")
-    else:
-        out.append("The paper's pattern does not show here: "
-                   + ("the parallel part does not reliably lower B's margin" if not lowers else "")
-                   + ("; " if not lowers and not raises else "")
-                   + ("the orthogonal part does not reliably raise it" if not raises else "") + ". This is a null "
-                   "on this model, reported as such.")
-    rp, ro = e["random_parallel"], e["random_orthogonal"]
-    out.append(f"Equal-norm random edits move it by {rp[0]:+.3f} (parallel norm) and {ro[0]:+.3f} (orthogonal norm).")
+    claims = {"parallel": Claim.negative("the parallel part lowers B's margin"),
+              "orthogonal": Claim.positive("the orthogonal part raises B's margin")}
+    for arm, claim in claims.items():
+        out.append(judge(measure_from(s, {"arm": arm}, "margin_change_b"), claim,
+                         f"B's margin change under the {LABELS[arm]}"))
+    for arm in ("full", "random_parallel", "random_orthogonal"):
+        m = measure_from(s, {"arm": arm}, "margin_change_b")
+        if m is not None:
+            out.append(f"The edit \"{LABELS[arm]}\" moves it by {m.text()} (reported without a verdict: the paper gives no "
+                       "number).")
     return out
 
 
-def add_verb(sub, model_args, load) -> None:
-    p = sub.add_parser("coupling", help="Frobenius coupling of two facts' state changes (§2.4, Fig. 5c)")
-    model_args(p)
-    add_protocol_args(p, n_sources=32)
-    p.set_defaults(fn=lambda args: _cli(args, load))
-
-
-def _cli(args, load) -> int:
-    model = load(args)
-    run = open_run(args.out, kind="coupling", model=model, model_name=args.model, args=work_args(args),
-                   seeds=[args.seed], split="heldout")
-    result = run_coupling(model, head=args.head, run_dir=run, from_scan=args.from_scan, n_sources=args.n_sources,
-                          n_dev=args.n_dev, layout=layout_from_args(args), seed=args.seed,
-                          n_resamples=args.resamples, model_name=args.model)
-    print(result.section)
-    print(f"results in {run.path}")
-    return 0
+VERB = Verb("coupling", "Frobenius coupling of two facts' state changes (§2.4, Fig. 5c)", run_coupling)

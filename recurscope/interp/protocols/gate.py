@@ -15,16 +15,17 @@ both under the 80% gate, so the paper stopped there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import pandas as pd
 
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import ProtocolResult, ci_text, finish, max_length, open_run
+from recurscope.interp.protocols._common import ProtocolResult, ci_text, max_length
+from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
 
 __all__ = ["GATE_THRESHOLD", "NATURAL_TEMPLATE", "CapabilityGateError", "GateResult", "capability_gate",
-           "require_capability", "run_gate", "add_verb"]
+           "require_capability", "run_gate", "VERB"]
 
 #: The paper's preset: recipient and donor clean recall both >= 80%.
 GATE_THRESHOLD = 0.8
@@ -121,79 +122,56 @@ def run_gate(model, *, fillers: Sequence[int] = (128, 512), template: str = NATU
     info = {"template": template, "vocab": vocab, "threshold": threshold, "n_sources": int(rows["source"].nunique()),
             "fillers": [int(f) for f in fillers], "n_facts": n_facts}
     result = ProtocolResult("gate", rows, sources, summary, info=info)
-    if run_dir is not None:
-        from recurscope.interp.plots import plot_interval_panels
-
-        fig = plot_interval_panels(summary, run_dir.figure_path("gate"), row_col="filler",
-                                   panels=["recipient_recall", "donor_recall"], kind="lines",
-                                   percent=["recipient_recall", "donor_recall"],
-                                   reference={"recipient_recall": threshold, "donor_recall": threshold},
-                                   title=f"{model_name}: natural-sentence capability gate")
-        result.figures["gate"] = fig.png
-    result.section = gate_section(result, model_name)
-    return finish(result, run_dir)
+    figure = FigureSpec("gate", summary, dict(row_col="filler", panels=["recipient_recall", "donor_recall"],
+                                              kind="lines", percent=["recipient_recall", "donor_recall"],
+                                              reference={"recipient_recall": threshold, "donor_recall": threshold},
+                                              title=f"{model_name}: natural-sentence capability gate"))
+    return finish(result, run_dir, lambda r: gate_section(r, model_name), [figure])
 
 
-def gate_section(result: ProtocolResult, model_name: str) -> str:
+def gate_section(result: ProtocolResult, model_name: str) -> Section:
     s, info = result.summary, result.info
-    lines = [f"## Capability gate: {model_name}", "",
-             f"Natural sentences (template `{info['template']}`, {info['vocab']}), K = {info['n_facts']} facts "
-             f"presented once, {info['n_sources']} held-out sources; preset threshold "
-             f"{100 * info['threshold']:.0f}% for recipient and donor.", "",
-             "| filler | recipient recall | donor recall | gate | paper (recipient / donor) |", "|---|---|---|---|---|"]
+    table = ["| filler | recipient recall | donor recall | gate | paper (recipient / donor) |", "|---|---|---|---|---|"]
     verdicts = []
     for f in info["fillers"]:
         passed = bool(s[s["filler"] == f]["passed"].iloc[0])
         paper = PAPER.get(f)
-        lines.append(f"| {f} | {ci_text(s, {'filler': f}, 'recipient_recall', pct=True)} | "
+        table.append(f"| {f} | {ci_text(s, {'filler': f}, 'recipient_recall', pct=True)} | "
                      f"{ci_text(s, {'filler': f}, 'donor_recall', pct=True)} | {'pass' if passed else 'refused'} | "
                      + (f"{100 * paper[0]:.1f}% / {100 * paper[1]:.1f}%" if paper else "–") + " |")
         verdicts.append((f, passed))
-    if "gate" in result.figures:
-        lines += ["", f"![gate](figures/{result.figures['gate'].name})"]
     passed = [f for f, ok in verdicts if ok]
     refused = [f for f, ok in verdicts if not ok]
     reading = ["The paper's pure recurrent model reaches 71.9 / 68.8% at 128 filler and 56.3 / 53.1% at 512 on "
                "natural sentences, under its 80% gate, so no intervention was run there."]
     if passed:
-        reading.append(f"Here the gate passes at filler {', '.join(map(str, passed))}: interventions on that format "
-                       f"may be read.")
+        reading.append(f"Here the gate passes at filler {', '.join(map(str, passed))} (both point estimates at or "
+                       "above the threshold, the paper's rule; intervals in the table): interventions on that format "
+                       "may be read.")
     if refused:
         reading.append(f"It refuses filler {', '.join(map(str, refused))}: intervention results on those conditions "
                        f"are not to be reported.")
     reading.append("Recall is top-1 among the candidates, not over the vocabulary as in the paper, so it is the "
                    "easier test.")
-    lines += ["", "### Reading", "", " ".join(reading)]
-    return "\n".join(lines)
+    intro = (f"Natural sentences (template `{info['template']}`, {info['vocab']}), K = {info['n_facts']} facts "
+             f"presented once, {info['n_sources']} held-out sources; preset threshold "
+             f"{100 * info['threshold']:.0f}% for recipient and donor.")
+    return Section(f"Capability gate: {model_name}", intro, [table], reading)
 
 
-def add_verb(sub, model_args, load) -> None:
-    p = sub.add_parser("gate", help="natural-sentence capability gate: clean recall against a preset threshold "
-                       "(App. F.2)")
-    model_args(p)
+def _options(p) -> None:
     p.add_argument("--fillers", type=int, nargs="+", default=[128, 512])
-    p.add_argument("--template", default=NATURAL_TEMPLATE)
-    p.add_argument("--vocab", default="cities")
-    p.add_argument("--n-sources", type=int, default=32)
     p.add_argument("--n-facts", type=int, default=4)
-    p.add_argument("--presentations", type=int, default=1)
-    p.add_argument("--gap", type=int, default=24)
     p.add_argument("--threshold", type=float, default=GATE_THRESHOLD)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resamples", type=int, default=9999)
-    p.add_argument("--out", required=True)
-    p.set_defaults(fn=lambda args: _cli(args, load))
 
 
-def _cli(args, load) -> int:
-    model = load(args)
-    keys = ("model", "fillers", "template", "vocab", "n_sources", "n_facts", "presentations", "gap", "threshold", "seed")
-    run = open_run(args.out, kind="gate", model=model, model_name=args.model,
-                   args={k: getattr(args, k) for k in keys}, seeds=[args.seed], split="heldout")
-    result = run_gate(model, fillers=args.fillers, template=args.template, vocab=args.vocab, n_sources=args.n_sources,
-                      presentations=args.presentations, n_facts=args.n_facts, gap_tokens=args.gap,
-                      threshold=args.threshold, seed=args.seed, batch_size=args.batch_size,
-                      n_resamples=args.resamples, run_dir=run, model_name=args.model)
-    print(result.section)
-    print(f"results in {run.path}")
-    return 0
+def _from_args(model, args, run_dir, progress) -> ProtocolResult:
+    return run_gate(model, fillers=args.fillers, template=args.template, vocab=args.vocab, n_sources=args.n_sources,
+                    presentations=args.presentations, n_facts=args.n_facts, gap_tokens=args.gap,
+                    threshold=args.threshold, seed=args.seed, batch_size=args.batch_size,
+                    n_resamples=args.resamples, run_dir=run_dir, model_name=args.model)
+
+
+VERB = Verb("gate", "natural-sentence capability gate: clean recall against a preset threshold (App. F.2)",
+            run_gate, from_args=_from_args, head=False, ranking=False, filler=False, presentations=1, template=NATURAL_TEMPLATE,
+            options=_options)

@@ -16,17 +16,18 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
 import pandas as pd
 
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, estimate, finish, head_label, logged_arms,
-                                                 max_length, open_run, pair_kwargs, rank_heads)
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, head_label, logged_arms, max_length,
+                                                 pair_kwargs, rank_heads)
+from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish, layout_from_args
+from recurscope.interp.verdicts import Claim, judge, measure_from
 from recurscope.interp.scan import all_heads
 
-__all__ = ["run_heads", "top_k_sizes", "add_verb"]
+__all__ = ["run_heads", "top_k_sizes", "reading", "VERB"]
 
 #: Above this many heads, single-head write blocks run for the hub and the second head only (the all-heads sum
 #: would cost one run per head).
@@ -109,6 +110,9 @@ def run_heads(model, pairs=None, *, ranking: Optional[pd.DataFrame] = None, run_
             stats.source_bootstrap_ci(total, src, n_resamples=n_resamples, seed=seed))
         add("nonadditivity", name, "joint_minus_sum",
             stats.paired_source_bootstrap_ci(answer[f"block:{name}"], total, src, n_resamples=n_resamples, seed=seed))
+    add("hub_vs_all", "hub", "hub_minus_all",
+        stats.paired_source_bootstrap_ci(answer[f"block:{head_label(hub)}"], answer["block:all"], src,
+                                         n_resamples=n_resamples, seed=seed))
     all_arm = f"swap:top{len(order)}"
     for k in ks:
         arm = f"swap:top{k}"
@@ -121,108 +125,70 @@ def run_heads(model, pairs=None, *, ranking: Optional[pd.DataFrame] = None, run_
     info = {"ranking": order, "hub": hub, "second": second, "n_sources": int(rows["source"].nunique()),
             "ks": ks}
     result = ProtocolResult("heads", rows, sources, summary, info=info)
-    if run_dir is not None:
-        from recurscope.interp.plots import plot_interval_panels
-
-        rec = summary[summary["analysis"] == "recovery"]
-        fig = plot_interval_panels(rec, run_dir.figure_path("recovery"), row_col="k", panels=["recovery", "shift"],
-                                   kind="lines", percent=["recovery"], reference={"recovery": 1.0},
-                                   panel_labels={"recovery": "recovery(k)", "shift": "joint state-swap shift"},
-                                   title=f"{model_name}: joint top-k state swap")
-        result.figures["recovery"] = fig.png
-        blocks = summary[summary["analysis"].isin(["write_block", "nonadditivity"])].copy()
-        fig = plot_interval_panels(blocks, run_dir.figure_path("nonadditivity"), row_col="unit",
-                                   panels=["answer_margin_change", "joint_minus_sum"],
-                                   panel_labels={"answer_margin_change": "change in the correct answer's margin",
-                                                 "joint_minus_sum": "joint - sum of singles"},
-                                   title=f"{model_name}: write-block non-additivity")
-        result.figures["nonadditivity"] = fig.png
-    result.section = heads_section(result, model_name)
-    return finish(result, run_dir)
+    blocks = summary[summary["analysis"].isin(["write_block", "nonadditivity"])]
+    figures = [FigureSpec("nonadditivity", blocks, dict(
+                   row_col="unit", panels=["answer_margin_change", "joint_minus_sum"],
+                   panel_labels={"answer_margin_change": "change in the correct answer's margin",
+                                 "joint_minus_sum": "joint - sum of singles"},
+                   title=f"{model_name}: write-block non-additivity")),
+               FigureSpec("recovery", summary[summary["analysis"] == "recovery"], dict(
+                   row_col="k", panels=["recovery", "shift"], kind="lines", percent=["recovery"],
+                   reference={"recovery": 1.0},
+                   panel_labels={"recovery": "recovery(k)", "shift": "joint state-swap shift"},
+                   title=f"{model_name}: joint top-k state swap"))]
+    return finish(result, run_dir, lambda r: heads_section(r, model_name), figures)
 
 
-def heads_section(result: ProtocolResult, model_name: str) -> str:
+def heads_section(result: ProtocolResult, model_name: str) -> Section:
     s, info = result.summary, result.info
     ranking = ", ".join(head_label(h) for h in info["ranking"][:8]) + (" ..." if len(info["ranking"]) > 8 else "")
-    lines = [f"## Head structure: {model_name}", "",
-             f"Ranking frozen on dev sources: {ranking}. {info['n_sources']} held-out sources.", "",
-             "| write block on | change in the correct answer's margin |", "|---|---|"]
-    wb = s[s["analysis"] == "write_block"]
-    for unit in wb["unit"]:
-        lines.append(f"| {unit} | {ci_text(s, {'analysis': 'write_block', 'unit': unit}, 'answer_margin_change')} |")
-    lines += ["", "| joint run | joint - sum of single-head runs |", "|---|---|"]
+    blocks = ["| write block on | change in the correct answer's margin |", "|---|---|"]
+    for unit in s[s["analysis"] == "write_block"]["unit"]:
+        blocks.append(f"| {unit} | {ci_text(s, {'analysis': 'write_block', 'unit': unit}, 'answer_margin_change')} |")
+    joint = ["| joint run | joint - sum of single-head runs |", "|---|---|"]
     for unit in s[s["analysis"] == "nonadditivity"]["unit"]:
-        lines.append(f"| {unit} | {ci_text(s, {'analysis': 'nonadditivity', 'unit': unit}, 'joint_minus_sum')} |")
-    lines += ["", "| k (joint state swap of the top k) | shift | recovery(k) |", "|---|---|---|"]
+        joint.append(f"| {unit} | {ci_text(s, {'analysis': 'nonadditivity', 'unit': unit}, 'joint_minus_sum')} |")
+    recovery = ["| k (joint state swap of the top k) | shift | recovery(k) |", "|---|---|---|"]
     for k in info["ks"]:
-        lines.append(f"| {k} | {ci_text(s, {'analysis': 'recovery', 'k': k}, 'shift')} | "
-                     f"{ci_text(s, {'analysis': 'recovery', 'k': k}, 'recovery', pct=True)} |")
-    for name in ("nonadditivity", "recovery"):
-        if name in result.figures:
-            lines += ["", f"![{name}](figures/{result.figures[name].name})"]
-    reading = ["The paper: GLA-340M's top-1 head recovers 94.7% of the all-head shift and GLA-7B needs the top 16 "
-               "(92.3%); on GLA, blocking the hub hurts the correct answer more than blocking all heads, and blocking "
-               "the hub with the second head differs from the sum of the two single blocks."]
-    top1 = estimate(s, {"analysis": "recovery", "k": 1}, "recovery")
-    if top1:
-        reading.append(f"Here the top-1 head recovers {100 * top1[0]:.1f}% [{100 * top1[1]:.1f}, {100 * top1[2]:.1f}]"
-                       f" of the all-head shift ({len(info['ranking'])} heads in all)"
-                       + (": one head carries the fact, as in the paper's 340M model." if top1[1] > 0.8 else "."))
-    na = estimate(s, {"analysis": "nonadditivity", "unit": "hub+second"}, "joint_minus_sum")
-    if na:
-        additive = na[1] <= 0 <= na[2]
-        reading.append(f"Blocking the hub and the second head together differs from the sum of their single blocks "
-                       f"in the correct answer's margin "
-                       f"by {na[0]:+.2f} [{na[1]:+.2f}, {na[2]:+.2f}] logits"
-                       + (": additive within the interval." if additive else ": not additive."))
-    hub_e = estimate(s, {"analysis": "write_block", "unit": head_label(info["hub"])}, "answer_margin_change")
-    all_e = estimate(s, {"analysis": "write_block", "unit": "all"}, "answer_margin_change")
-    if hub_e and all_e:
-        reading.append(f"Blocking the hub alone changes it by {hub_e[0]:+.2f}, all heads by {all_e[0]:+.2f}"
-                       + (" (the hub alone hurts more, as in the paper)." if hub_e[0] < all_e[0] else "."))
-    if len(info["ranking"]) <= 4:
-        reading.append("With this few heads the ranking has little to rank; the wider checkpoints are the test.")
-    lines += ["", "### Reading", "", " ".join(reading)]
-    return "\n".join(lines)
+        recovery.append(f"| {k} | {ci_text(s, {'analysis': 'recovery', 'k': k}, 'shift')} | "
+                        f"{ci_text(s, {'analysis': 'recovery', 'k': k}, 'recovery', pct=True)} |")
+    intro = f"Ranking frozen on dev sources: {ranking}. {info['n_sources']} held-out sources."
+    return Section(f"Head structure: {model_name}", intro, [blocks, joint, recovery],
+                   reading(s, len(info["ranking"])))
 
 
-def add_verb(sub, model_args, load) -> None:
-    p = sub.add_parser("heads", help="write-block non-additivity and joint top-k recovery (Fig. 3c, App. E.2)")
-    model_args(p)
-    p.add_argument("--from-scan", default=None, help="a scan directory whose ranking to freeze (default: a fresh "
-                   "scan on --n-dev dev sources)")
-    p.add_argument("--n-dev", type=int, default=32)
-    p.add_argument("--n-sources", type=int, default=64, help="held-out sources")
-    p.add_argument("--filler", type=int, default=512)
-    p.add_argument("--presentations", type=int, default=3)
-    p.add_argument("--gap", type=int, default=24)
-    p.add_argument("--template", default="is_in")
-    p.add_argument("--vocab", default="cities")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resamples", type=int, default=9999)
-    p.add_argument("--out", required=True)
-    p.set_defaults(fn=lambda args: _cli(args, load))
+def reading(s: pd.DataFrame, n_heads: int) -> list[str]:
+    out = ["The paper: GLA-340M's top-1 head recovers 94.7% of the all-head shift and GLA-7B needs the top 16 "
+           "(92.3%); on GLA, blocking the hub hurts the correct answer more than blocking all heads, and blocking "
+           "the hub with the second head differs from the sum of the two single blocks."]
+    out.append(judge(measure_from(s, {"analysis": "recovery", "k": 1}, "recovery", "pct"),
+                     Claim.equals(0.947, "94.7% on GLA-340M, 12.3% on GLA-7B"),
+                     f"The top-1 head's recovery of the all-head shift ({n_heads} heads in all)"))
+    out.append(judge(measure_from(s, {"analysis": "nonadditivity", "unit": "hub+second"}, "joint_minus_sum"),
+                     Claim.nonzero("the joint block differs from the sum of single blocks"),
+                     "Blocking the hub and the second head together minus the sum of their single blocks"))
+    out.append(judge(measure_from(s, {"analysis": "hub_vs_all", "unit": "hub"}, "hub_minus_all"),
+                     Claim.negative("blocking the hub alone hurts the correct answer more than blocking all heads"),
+                     "The hub's write block minus the all-head write block, in the correct answer's margin"))
+    if n_heads <= 4:
+        out.append("With this few heads the ranking has little to rank; the wider checkpoints are the test.")
+    return out
 
 
-def _cli(args, load) -> int:
-    from pathlib import Path
-
-    from recurscope.interp.protocols._common import layout_from_args
-
-    model = load(args)
+def _from_args(model, args, run_dir, progress) -> ProtocolResult:
     ranking = None
     if args.from_scan:
+        from pathlib import Path
+
         from recurscope.interp.confirm import heads_from_scan
 
         heads_from_scan(args.from_scan, model)                      # refuses a scan of another checkpoint
         ranking = pd.read_csv(Path(args.from_scan) / "scan_heads.csv")
-    keys = ("model", "from_scan", "n_dev", "n_sources", "filler", "presentations", "gap", "template", "vocab", "seed")
-    run = open_run(args.out, kind="heads", model=model, model_name=args.model, args={k: getattr(args, k) for k in keys},
-                   seeds=[args.seed], split="heldout")
-    result = run_heads(model, ranking=ranking, run_dir=run, n_dev=args.n_dev, n_sources=args.n_sources,
-                       layout=layout_from_args(args), seed=args.seed, batch_size=args.batch_size,
-                       n_resamples=args.resamples, model_name=args.model,
-                       progress=lambda arm: print(f"heads: {arm}", flush=True))
-    print(result.section)
-    print(f"results in {run.path}")
-    return 0
+    return run_heads(model, ranking=ranking, run_dir=run_dir, n_dev=args.n_dev, n_sources=args.n_sources,
+                     layout=layout_from_args(args), seed=args.seed, batch_size=args.batch_size,
+                     n_resamples=args.resamples, model_name=args.model, progress=progress)
+
+
+VERB = Verb("heads", "write-block non-additivity and joint top-k recovery (Fig. 3c, App. E.2)", run_heads, from_args=_from_args,
+            n_sources=64, head=False, n_dev=32,
+            from_scan_help="a scan directory whose ranking to freeze (default: a fresh scan on --n-dev dev sources)")

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
 import pandas as pd
 
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, add_protocol_args, finish, frozen_head, head_label,
-                                                 layout_from_args, max_length, open_run, pair_kwargs, work_args)
+from recurscope.interp.protocols._common import ProtocolResult, frozen_head, head_label, max_length, pair_kwargs
+from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+from recurscope.interp.verdicts import Claim, Measure, judge
 from recurscope.interp.scan import all_heads, run_scan
 
-__all__ = ["THRESHOLD", "write_scan", "run_headscan", "add_verb"]
+__all__ = ["THRESHOLD", "write_scan", "joint_threshold_fraction", "run_headscan", "reading", "VERB"]
 
 THRESHOLD = 0.25        # logits: a head "matters" in a scan when its mean shift exceeds this (App. C)
 
@@ -49,6 +51,33 @@ def write_scan(model, pairs, heads: Optional[Sequence] = None, *, batch_size: in
     rows = log.read() if log is not None else pd.concat(frames, ignore_index=True)
     keep = set(heads)
     return rows[[(l, h) in keep for l, h in zip(rows["layer"], rows["head"])]].reset_index(drop=True)
+
+
+def joint_threshold_fraction(scores: pd.DataFrame, *, threshold: float = THRESHOLD, n_resamples: int = 2000,
+                             seed: int = 0) -> dict:
+    """The paper's joint-threshold count (App. C): the fraction of heads whose mean shift over sources exceeds
+    `threshold` in both the write and the read scan, with a percentile interval from resampling sources (the same
+    resample in both scans). scores: per (scan, source, layer, head) rows with a "score" column."""
+    wide = {scan: scores[scores["scan"] == scan].pivot_table(index="source", columns=["layer", "head"],
+                                                               values="score")
+            for scan in ("write", "read")}
+    heads = wide["write"].columns.intersection(wide["read"].columns)
+    sources = wide["write"].index.intersection(wide["read"].index)
+    if len(heads) == 0 or len(sources) == 0:
+        raise ValueError("the joint count needs both scans on common heads and sources")
+    w = wide["write"].loc[sources, heads].to_numpy(float)
+    r = wide["read"].loc[sources, heads].to_numpy(float)
+
+    def count(idx):
+        return ((w[idx].mean(0) > threshold) & (r[idx].mean(0) > threshold)).sum()
+    est = int(count(slice(None)))
+    rng = np.random.default_rng(seed)
+    n = len(sources)
+    boot = np.array([count(rng.integers(0, n, n)) for _ in range(n_resamples if n > 1 else 0)])
+    low, high = (np.quantile(boot, [0.025, 0.975]) if len(boot) else (est, est))
+    return {"count": est, "n_heads": int(len(heads)), "n_sources": int(n), "estimate": est / len(heads),
+            "low": float(low) / len(heads), "high": float(high) / len(heads),
+            "method": "percentile source bootstrap" if n > 1 else "degenerate (single source)"}
 
 
 def run_headscan(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_dir=None, from_scan=None,
@@ -81,6 +110,10 @@ def run_headscan(model, pairs=None, head: Optional[Sequence[int]] = None, *, run
         records.append({"scan": scan, "metric": "fraction_above_threshold", "estimate": float((J > THRESHOLD).mean()),
                         "low": float("nan"), "high": float("nan"), "n_units": int(len(J)),
                         "n_sources": ri.n_sources})
+    joint = joint_threshold_fraction(scores, n_resamples=n_resamples, seed=seed)
+    records.append({"scan": "both", "metric": "joint_fraction_above_threshold", "estimate": joint["estimate"],
+                    "low": joint["low"], "high": joint["high"], "n_units": joint["n_heads"],
+                    "n_sources": joint["n_sources"]})
     wide = scores.pivot(index=["source", "layer", "head"], columns="scan", values="score").reset_index()
     sp = stats.spearman_with_ci(wide["write"], wide["read"], wide["source"],
                                 units=[f"L{l}H{h}" for l, h in zip(wide["layer"], wide["head"])],
@@ -94,9 +127,8 @@ def run_headscan(model, pairs=None, head: Optional[Sequence[int]] = None, *, run
     result = ProtocolResult("headscan", rows, scores, summary, info=info)
     if run_dir is not None:
         run_dir.write_table("headscan_heads", per_head)
-        result.figures["headscan"] = _figure(per_head, chosen, run_dir.figure_path("headscan"), model_name)
-    result.section = headscan_section(result, model_name)
-    return finish(result, run_dir)
+    figure = FigureSpec("headscan", draw=lambda path: _figure(per_head, chosen, path, model_name))
+    return finish(result, run_dir, lambda r: headscan_section(r, model_name), [figure])
 
 
 def _figure(per_head: pd.DataFrame, chosen, out, model_name: str):
@@ -122,48 +154,47 @@ def _figure(per_head: pd.DataFrame, chosen, out, model_name: str):
     return _save(fig, out, wide, 150).png
 
 
-def headscan_section(result: ProtocolResult, model_name: str) -> str:
+def headscan_section(result: ProtocolResult, model_name: str) -> Section:
     s, info = result.summary.set_index(["scan", "metric"]), result.info
-    lines = [f"## Held-out all-head write and read scans: {model_name}", "",
-             f"{info['n_heads']} heads, {info['n_sources']} held-out sources; frozen head {head_label(info['head'])}.",
-             "", "| scan | frozen head's rank [95% interval] | heads above 0.25 logit |", "|---|---|---|"]
+    table = ["| scan | frozen head's rank [95% interval] | heads above 0.25 logit |", "|---|---|---|"]
     for scan in ("write", "read"):
         r, f = s.loc[(scan, "frozen_head_rank")], s.loc[(scan, "fraction_above_threshold")]
-        lines.append(f"| {scan} | {int(r['estimate'])} [{int(r['low'])}, {int(r['high'])}] | "
+        table.append(f"| {scan} | {int(r['estimate'])} [{int(r['low'])}, {int(r['high'])}] | "
                      f"{100 * f['estimate']:.1f}% ({int(round(f['estimate'] * f['n_units']))}/{int(f['n_units'])}) |")
+    j = s.loc[("both", "joint_fraction_above_threshold")]
+    table.append(f"| both at once (the paper's count) | – | {100 * j['estimate']:.1f}% [{100 * j['low']:.1f}, "
+                 f"{100 * j['high']:.1f}] ({int(round(j['estimate'] * j['n_units']))}/{int(j['n_units'])}) |")
     sp = s.loc[("write_vs_read", "spearman")]
-    lines += ["", f"Write-vs-read Spearman over heads: {sp['estimate']:+.3f} [{sp['low']:+.3f}, {sp['high']:+.3f}] "
-              f"({info['spearman_method']})."]
-    if "headscan" in result.figures:
-        lines += ["", f"![headscan](figures/{result.figures['headscan'].name})"]
-    reading = ["The paper (96 heads): rank [1, 1] in both scans, 1.0% (GLA) / 3.1% (GDN) of heads above 0.25 logit, "
-               "write-vs-read Spearman 0.173 [-0.014, 0.320] (GLA) and 0.149 [-0.027, 0.285] (GDN)."]
-    both_first = all(s.loc[(scan, "frozen_head_rank")]["high"] == 1 for scan in ("write", "read"))
-    reading.append("Here the frozen head ranks first in every resample of both scans, as in the paper." if both_first
-                   else "Here the frozen head is NOT first in every resample of both scans.")
-    if info["n_heads"] <= 8:
-        reading.append(f"With {info['n_heads']} heads, the fraction above threshold moves in steps of "
-                       f"{100 / info['n_heads']:.0f}% and a Spearman correlation over so few points says little; the "
-                       "wider checkpoints are the real test.")
-    lines += ["", "### Reading", "", " ".join(reading)]
-    return "\n".join(lines)
+    spearman = [f"Write-vs-read Spearman over heads: {sp['estimate']:+.3f} [{sp['low']:+.3f}, {sp['high']:+.3f}] "
+                f"({info['spearman_method']})."]
+    intro = f"{info['n_heads']} heads, {info['n_sources']} held-out sources; frozen head {head_label(info['head'])}."
+    return Section(f"Held-out all-head write and read scans: {model_name}", intro, [table, spearman],
+                   reading(result.summary, info["n_heads"]))
 
 
-def add_verb(sub, model_args, load) -> None:
-    p = sub.add_parser("headscan", help="held-out all-head write and read scans (App. C, Fig. 10)")
-    model_args(p)
-    add_protocol_args(p, n_sources=32)
-    p.set_defaults(fn=lambda args: _cli(args, load), resamples=2000)
+def _measure(summary: pd.DataFrame, scan: str, metric: str, unit: str) -> Measure:
+    r = summary[(summary["scan"] == scan) & (summary["metric"] == metric)].iloc[0]
+    return Measure(float(r["estimate"]), float(r["low"]), float(r["high"]), int(r["n_sources"]), unit)
 
 
-def _cli(args, load) -> int:
-    model = load(args)
-    run = open_run(args.out, kind="headscan", model=model, model_name=args.model, args=work_args(args),
-                   seeds=[args.seed], split="heldout")
-    result = run_headscan(model, head=args.head, run_dir=run, from_scan=args.from_scan, n_sources=args.n_sources,
-                          n_dev=args.n_dev, layout=layout_from_args(args), seed=args.seed, batch_size=args.batch_size,
-                          n_resamples=args.resamples, model_name=args.model,
-                          progress=lambda what: print(f"headscan: {what}", flush=True))
-    print(result.section)
-    print(f"results in {run.path}")
-    return 0
+def reading(summary: pd.DataFrame, n_heads: int) -> list[str]:
+    out = ["The paper (96 heads, 32 sources): rank [1, 1] in both scans, 1.0% (GLA) / 3.1% (GDN) of heads above 0.25 "
+           "logit in both scans at once, write-vs-read Spearman 0.173 [-0.014, 0.320] (GLA) and 0.149 [-0.027, "
+           "0.285] (GDN)."]
+    for scan in ("write", "read"):
+        out.append(judge(_measure(summary, scan, "frozen_head_rank", "rank"),
+                         Claim.at_most(1, "rank [1, 1]"), f"The frozen head's rank in the {scan} scan"))
+    out.append(judge(_measure(summary, "both", "joint_fraction_above_threshold", "pct"),
+                     Claim.between(0.010, 0.031, "1.0% (GLA) to 3.1% (GDN)"),
+                     f"The fraction of the {n_heads} heads above 0.25 logit in both scans"))
+    out.append(judge(_measure(summary, "write_vs_read", "spearman", "ratio"),
+                     Claim.equals(0.173, "0.173 on GLA, 0.149 on GDN"),
+                     "The write-vs-read Spearman correlation over heads"))
+    if n_heads <= 8:
+        out.append(f"With {n_heads} heads, the fractions move in steps of {100 / n_heads:.0f}% and a Spearman "
+                   "correlation over so few points says little; the wider checkpoints are the real test.")
+    return out
+
+
+VERB = Verb("headscan", "held-out all-head write and read scans (App. C, Fig. 10)", run_headscan,
+            defaults={"resamples": 2000})

@@ -1,13 +1,19 @@
-"""Logit lens per layer (How Linear Attention Remembers, App. C, Fig. 11).
+"""Logit lens per layer and per recurrent sublayer (How Linear Attention Remembers, App. C, Fig. 11).
 
-The final norm and the unembedding are applied to the residual stream at the query position before and after each
-layer (blocks.{l}.hook_resid_pre / hook_resid_post); the 4-way candidate accuracy (argmax over the four candidate
-values is the right answer) says where the answer becomes readable. Two tasks: retention (swap pairs, the
-recipient's own sequences) and update (build_update_pairs: the target is re-bound at its last presentation, the
-answer is the new value; the stale value is among the candidates, and its rate is reported beside).
+The final norm and the unembedding are applied to the residual stream at the query position before each layer
+(blocks.{l}.hook_resid_pre), after its mixer (hook_resid_mid: the sublayer lens, before and after the recurrent
+mixer, as the paper reads it) and after the whole layer (hook_resid_post); the 4-way candidate accuracy (argmax
+over the four candidate values is the right answer) says where the answer becomes readable. Two tasks: retention
+(swap pairs, the recipient's own sequences) and update (build_update_pairs: the target is re-bound at its last
+presentation, the answer is the new value; the stale value is among the candidates, and its rate is reported beside).
 
-Paper: GLA layer 21 goes from 28.9% to 95.3% on retention (GDN layer 20: 25.8% -> 100%); the update task jumps at
-the same layers (+28.9 and +43.0 pp).
+The paper's split: the layer is LOCALISED on one set of sources (96 dev sources by default: the recurrent layer
+whose mixer raises retention accuracy most) and CONFIRMED on separate ones (128 held-out sources), so the layer is
+never picked on the sources it is scored on. On the confirmation sources each sublayer's jump (after the mixer minus
+before, per source) gets a paired source-bootstrap interval.
+
+Paper: GLA layer 21's recurrent sublayer takes retention from 28.9% to 95.3% (GDN layer 20: 25.8% -> 100%) on the
+128 confirmation sources; the update task jumps at the same layers (+28.9 and +43.0 pp).
 """
 from __future__ import annotations
 
@@ -20,20 +26,24 @@ import torch
 from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import (ProtocolResult, finish, max_length, open_run, pair_kwargs)
+from recurscope.interp.protocols._common import ProtocolResult, max_length, pair_kwargs
+from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+from recurscope.interp.verdicts import Claim, judge, measure_from
 
-__all__ = ["TASKS", "lens_rows", "run_lens", "add_verb"]
+__all__ = ["TASKS", "SIDES", "lens_rows", "localise", "run_lens", "reading", "VERB"]
 
 TASKS = ("retention", "update")
+#: Where the lens reads, per layer: before it, after its mixer (the sublayer lens) and after the whole layer.
+SIDES = {"before": "hook_resid_pre", "after_mixer": "hook_resid_mid", "after": "hook_resid_post"}
 
 
 def lens_rows(model, pairs, *, batch_size: int = 16, task: str = "retention") -> pd.DataFrame:
-    """One row per (target example, layer, side in {before, after}): whether the lens's argmax over the candidates is
+    """One row per (target example, layer, side in SIDES): whether the lens's argmax over the candidates is
     the recipient's answer (and, for update pairs, the stale value)."""
     iv.check_pairs(model, pairs)
     device = iv.model_device(model)
     L = model.cfg.num_hidden_layers
-    names = [hook_name("hook_resid_pre", l) for l in range(L)] + [hook_name("hook_resid_post", l) for l in range(L)]
+    names = [hook_name(point, l) for point in SIDES.values() for l in range(L)]
     targets = torch.nonzero(pairs.is_target)[:, 0]
     out = []
     with torch.no_grad():
@@ -51,7 +61,7 @@ def lens_rows(model, pairs, *, batch_size: int = 16, task: str = "retention") ->
             r = pairs.recipient_answer_index[rows]
             stale = pairs.stale_answer_index[rows]
             for layer in range(L):
-                for side, point in (("before", "hook_resid_pre"), ("after", "hook_resid_post")):
+                for side, point in SIDES.items():
                     z = iv.candidate_logits(model.unembed(kept[hook_name(point, layer)]),
                                             pairs.candidate_ids[rows])
                     arg = z.argmax(1)
@@ -63,105 +73,122 @@ def lens_rows(model, pairs, *, batch_size: int = 16, task: str = "retention") ->
     return pd.DataFrame(out)
 
 
-def run_lens(model, *, run_dir=None, n_sources: int = 32, layout: Optional[dict] = None, seed: int = 0,
-             batch_size: int = 16, n_resamples: int = 9999, model_name: str = "model", progress=None) -> ProtocolResult:
+def localise(rows: pd.DataFrame, layers) -> int:
+    """The layer whose mixer raises retention accuracy most (mean over sources of after_mixer - before)."""
+    ret = rows[rows["task"] == "retention"]
+    per = ret.groupby(["layer", "side", "source"])["correct"].mean().unstack("side")
+    jump = (per["after_mixer"] - per["before"]).groupby("layer").mean()
+    return int(jump.loc[list(layers)].idxmax())
+
+
+def _jumps(rows: pd.DataFrame, n_resamples: int, seed: int) -> pd.DataFrame:
+    """Per (split, task, layer): the sublayer jump after_mixer - before, paired over sources."""
+    records = []
+    for (split, task, layer), g in rows.groupby(["split", "task", "layer"]):
+        wide = g.pivot_table(index=["row", "source"], columns="side", values="correct").reset_index()
+        ci = stats.paired_source_bootstrap_ci(wide["after_mixer"], wide["before"], wide["source"],
+                                              n_resamples=n_resamples, seed=seed)
+        records.append({"split": split, "task": task, "layer": layer, "side": "sublayer", "metric": "sublayer_jump",
+                        "estimate": ci.estimate, "low": ci.low, "high": ci.high, "n_sources": ci.n_sources,
+                        "n_examples": ci.n_examples, "method": ci.method})
+    return pd.DataFrame(records)
+
+
+def run_lens(model, *, run_dir=None, n_sources: int = 128, n_localise: int = 96, layout: Optional[dict] = None,
+             seed: int = 0, batch_size: int = 16, n_resamples: int = 9999, model_name: str = "model",
+             progress=None) -> ProtocolResult:
+    """Localises the layer on `n_localise` dev sources and confirms on `n_sources` held-out sources (separate
+    sources by construction: the dev and held-out splits share none)."""
     from recurscope.interp.data import build_pairs, build_update_pairs
 
     layout = {**pair_kwargs(seed=seed), **(layout or {})}
     frames = []
-    for task in TASKS:
-        if progress:
-            progress(task)
-        build = build_pairs if task == "retention" else build_update_pairs
-        pairs = build(model.tokenizer, split="heldout", n_sources=n_sources, max_length=max_length(model), **layout)
-        frames.append(lens_rows(model, pairs, batch_size=batch_size, task=task))
+    for split, n in (("dev", n_localise), ("heldout", n_sources)):
+        for task in TASKS:
+            if progress:
+                progress(f"{task} ({'localisation' if split == 'dev' else 'confirmation'})")
+            build = build_pairs if task == "retention" else build_update_pairs
+            pairs = build(model.tokenizer, split=split, n_sources=n, max_length=max_length(model), **layout)
+            frames.append(lens_rows(model, pairs, batch_size=batch_size, task=task).assign(split=split))
     rows = pd.concat(frames, ignore_index=True)
-    sources = rows.groupby(["task", "layer", "side", "source"])[["correct", "stale"]].mean().reset_index()
-    summary = stats.summarise(rows, ["correct", "stale"], by=["task", "layer", "side"], n_resamples=n_resamples,
-                              seed=seed)
+    recurrent = sorted(model.recurrent_layers)
+    layer = localise(rows[rows["split"] == "dev"], recurrent)
+    confirm = rows[rows["split"] == "heldout"]
+    sources = confirm.groupby(["task", "layer", "side", "source"])[["correct", "stale"]].mean().reset_index()
+    summary = stats.summarise(rows, ["correct", "stale"], by=["split", "task", "layer", "side"],
+                              n_resamples=n_resamples, seed=seed)
+    summary = pd.concat([summary, _jumps(rows, n_resamples, seed)], ignore_index=True)
     # A layer-indexed curve: position 0 is the embedding (before layer 0), position l + 1 is after layer l.
     summary["position"] = np.where(summary["side"] == "before", summary["layer"], summary["layer"] + 1)
-    final = rows.groupby("task")["final_correct"].mean().to_dict()
-    info = {"n_sources": int(rows["source"].nunique()), "layers": model.cfg.num_hidden_layers, "final": final}
+    final = confirm.groupby("task")["final_correct"].mean().to_dict()
+    info = {"n_sources": int(confirm["source"].nunique()), "n_localise": int(rows[rows["split"] == "dev"]["source"]
+                                                                                .nunique()),
+            "layers": model.cfg.num_hidden_layers, "recurrent": recurrent, "localised": layer, "final": final}
     result = ProtocolResult("lens", rows, sources, summary, info=info)
-    if run_dir is not None:
-        from recurscope.interp.plots import plot_interval_panels
-
-        curve = summary[(summary["metric"] == "correct") & ((summary["side"] == "after") | (summary["layer"] == 0))]
-        fig = plot_interval_panels(curve, run_dir.figure_path("lens"), row_col="position", panels=["correct"],
-                                   hue_col="task", kind="lines", percent=["correct"], reference={"correct": 0.25},
-                                   panel_labels={"correct": "4-way lens accuracy"},
-                                   title=f"{model_name}: logit lens (0 = embedding, l = after layer l - 1)")
-        result.figures["lens"] = fig.png
-    result.section = lens_section(result, model_name)
-    return finish(result, run_dir)
+    held = summary[summary["split"] == "heldout"]
+    curve = held[(held["metric"] == "correct") & ((held["side"] == "after") | ((held["side"] == "before")
+                                                                             & (held["layer"] == 0)))]
+    figure = FigureSpec("lens", curve, dict(
+        row_col="position", panels=["correct"], hue_col="task", kind="lines", percent=["correct"],
+        reference={"correct": 0.25}, panel_labels={"correct": "4-way lens accuracy"},
+        title=f"{model_name}: logit lens on {info['n_sources']} confirmation sources (0 = embedding, l = after "
+              "layer l - 1)"))
+    return finish(result, run_dir, lambda r: lens_section(r, model_name), [figure])
 
 
-def lens_section(result: ProtocolResult, model_name: str) -> str:
+def _pct(summary, where, metric) -> str:
+    m = measure_from(summary, where, metric, "pct")
+    return "–" if m is None or not m.defined else f"{100 * m.estimate:.1f}% [{100 * m.low:.1f}, {100 * m.high:.1f}]"
+
+
+def lens_section(result: ProtocolResult, model_name: str) -> Section:
     s, info = result.summary, result.info
-    acc = s[s["metric"] == "correct"].set_index(["task", "layer", "side"])
-    lines = [f"## Logit lens: {model_name}", "",
-             f"{info['n_sources']} held-out sources; 4-way candidate accuracy of the final norm and unembedding applied "
-             "to the residual stream at the query position (chance 25%).", "",
-             "| task | layer | before the layer | after the layer | jump (pp) |", "|---|---|---|---|---|"]
-    jumps = {}
+    held = s[s["split"] == "heldout"]
+    table = ["| task | layer | before the layer | after its mixer | after the layer | mixer jump (pp) |",
+             "|---|---|---|---|---|---|"]
     for task in TASKS:
         for layer in range(info["layers"]):
-            b, a = acc.loc[(task, layer, "before")], acc.loc[(task, layer, "after")]
-            jumps[(task, layer)] = a["estimate"] - b["estimate"]
-            lines.append(f"| {task} | {layer} | {100 * b['estimate']:.1f}% [{100 * b['low']:.1f}, {100 * b['high']:.1f}] "
-                         f"| {100 * a['estimate']:.1f}% [{100 * a['low']:.1f}, {100 * a['high']:.1f}] | "
-                         f"{100 * (a['estimate'] - b['estimate']):+.1f} |")
-    if "lens" in result.figures:
-        lines += ["", f"![lens](figures/{result.figures['lens'].name})"]
-    reading = ["The paper: the answer becomes readable at one layer, GLA layer 21 going from 28.9% to 95.3% "
-               "(GDN layer 20: 25.8% to 100%), and the update task jumps at the same layer (+28.9 / +43.0 pp)."]
-    best = {task: max(range(info["layers"]), key=lambda l: jumps[(task, l)]) for task in TASKS}
-    r, u = best["retention"], best["update"]
-    text = (f"Here the largest retention jump is at layer {r} "
-            f"({100 * acc.loc[('retention', r, 'before')]['estimate']:.1f}% -> "
-            f"{100 * acc.loc[('retention', r, 'after')]['estimate']:.1f}%); ")
-    if jumps[("update", u)] <= 0:
-        text += "no layer raises the update task's accuracy."
-    else:
-        text += (f"the update task's largest jump ({100 * jumps[('update', u)]:+.1f} pp) is at layer {u}"
-                 + (", the same layer, as in the paper." if u == r else ", a different layer."))
-    reading.append(text)
-    stale = s[(s["metric"] == "stale") & (s["task"] == "update") & (s["side"] == "after")
-              & (s["layer"] == info["layers"] - 1)]
-    reading.append(f"The model's own answer is right on {100 * info['final'].get('retention', np.nan):.1f}% of "
-                   f"retention and {100 * info['final'].get('update', np.nan):.1f}% of update queries"
-                   + (f"; after the last layer {100 * stale.iloc[0]['estimate']:.1f}% of update queries read the "
-                      "stale (overwritten) value." if len(stale) and pd.notna(stale.iloc[0]["estimate"]) else "."))
-    lines += ["", "### Reading", "", " ".join(reading)]
-    return "\n".join(lines)
+            w = {"task": task, "layer": layer}
+            jump = measure_from(held, {**w, "side": "sublayer"}, "sublayer_jump", "pp")
+            mark = " (localised)" if layer == info["localised"] else ("" if layer in info["recurrent"] else
+                                                                     " (attention)")
+            table.append(f"| {task} | {layer}{mark} | {_pct(held, {**w, 'side': 'before'}, 'correct')} | "
+                         f"{_pct(held, {**w, 'side': 'after_mixer'}, 'correct')} | "
+                         f"{_pct(held, {**w, 'side': 'after'}, 'correct')} | "
+                         + ("–" if jump is None or not jump.defined else
+                            f"{100 * jump.estimate:+.1f} [{100 * jump.low:+.1f}, {100 * jump.high:+.1f}]") + " |")
+    intro = (f"Layer localised on {info['n_localise']} dev sources (the recurrent layer whose mixer raises retention "
+             f"accuracy most: layer {info['localised']}), confirmed on {info['n_sources']} separate held-out sources "
+             "(the table). 4-way candidate accuracy of the final norm and unembedding applied to the residual "
+             "stream at the query position (chance 25%); the jump is after the mixer minus before, paired over "
+             "sources.")
+    return Section(f"Logit lens: {model_name}", intro, [table], reading(s, info))
 
 
-def add_verb(sub, model_args, load) -> None:
-    p = sub.add_parser("lens", help="logit lens per layer for retention and update (App. C, Fig. 11)")
-    model_args(p)
-    p.add_argument("--n-sources", type=int, default=32, help="held-out sources")
-    p.add_argument("--filler", type=int, default=512)
-    p.add_argument("--presentations", type=int, default=3)
-    p.add_argument("--gap", type=int, default=24)
-    p.add_argument("--template", default="is_in")
-    p.add_argument("--vocab", default="cities")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resamples", type=int, default=9999)
-    p.add_argument("--out", required=True)
-    p.set_defaults(fn=lambda args: _cli(args, load))
+def reading(s: pd.DataFrame, info: dict) -> list[str]:
+    out = ["The paper: on 128 confirmation sources the answer becomes readable at one recurrent sublayer, GLA layer "
+           "21 going from 28.9% to 95.3% (GDN layer 20: 25.8% to 100%), and the update task jumps at the same layer "
+           "(+28.9 / +43.0 pp)."]
+    held, layer = s[s["split"] == "heldout"], info["localised"]
+    where = {"layer": layer, "side": "sublayer"}
+    out.append(judge(measure_from(held, {**where, "task": "retention"}, "sublayer_jump", "pp"),
+                     Claim.positive("a jump in retention accuracy at the localised layer"),
+                     f"On the confirmation sources, the retention jump at the localised layer {layer}"))
+    out.append(judge(measure_from(held, {**where, "task": "update"}, "sublayer_jump", "pp"),
+                     Claim.positive("the update task jumps at the same layer"),
+                     "The update task's jump at that layer"))
+    last = {"layer": info["layers"] - 1, "side": "after", "task": "update"}
+    for metric, what in (("correct", "the new (updated) value"), ("stale", "the stale (overwritten) value")):
+        m = measure_from(held, last, metric, "pct")
+        if m is not None and m.defined:
+            out.append(f"After the last layer, update queries read {what} on {m.text()} (chance 25%).")
+    return out
 
 
-def _cli(args, load) -> int:
-    from recurscope.interp.protocols._common import layout_from_args
+def _options(p) -> None:
+    p.add_argument("--n-localise", type=int, default=96, help="dev sources the layer is localised on (separate "
+                   "from the --n-sources held-out confirmation sources)")
 
-    model = load(args)
-    keys = ("model", "n_sources", "filler", "presentations", "gap", "template", "vocab", "seed")
-    run = open_run(args.out, kind="lens", model=model, model_name=args.model, args={k: getattr(args, k) for k in keys},
-                   seeds=[args.seed], split="heldout")
-    result = run_lens(model, run_dir=run, n_sources=args.n_sources, layout=layout_from_args(args), seed=args.seed,
-                      batch_size=args.batch_size, n_resamples=args.resamples, model_name=args.model,
-                      progress=lambda task: print(f"lens: {task}", flush=True))
-    print(result.section)
-    print(f"results in {run.path}")
-    return 0
+
+VERB = Verb("lens", "logit lens per layer and recurrent sublayer, localised on dev and confirmed held out (App. C, "
+            "Fig. 11)", run_lens, n_sources=128, head=False, ranking=False, options=_options)

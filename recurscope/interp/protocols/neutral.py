@@ -16,16 +16,17 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import (ProtocolResult, add_protocol_args, ci_text, estimate, finish,
-                                                 frozen_head, head_label, layout_from_args, logged_arms, max_length,
-                                                 open_run, pair_kwargs, work_args)
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, logged_arms,
+                                                 max_length, pair_kwargs)
+from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+from recurscope.interp.verdicts import Claim, judge, measure_from
 
-__all__ = ["ARMS", "run_neutral", "build_neutral_all_pairs", "add_verb"]
+__all__ = ["ARMS", "run_neutral", "build_neutral_all_pairs", "reading", "VERB"]
 
 ARMS = ("state_swap", "random_update")
 LABELS = {"state_swap": "state swap (neutral donor)", "random_update": "equal-norm random update"}
-METRICS = ("target_clean_accuracy", "target_accuracy", "others_clean_accuracy", "others_accuracy_change",
-           "nontarget_margin_change", "nontarget_break")
+METRICS = ("target_clean_accuracy", "target_accuracy", "target_accuracy_change", "others_clean_accuracy",
+           "others_accuracy_change", "nontarget_margin_change", "nontarget_break")
 PAPER = "GLA 91.8% -> 7.6% (+2.15 pp on the others); GDN 96.1% -> 37.1% (+1.11 pp)"
 
 
@@ -44,6 +45,7 @@ def neutral_rows(frame: pd.DataFrame) -> pd.DataFrame:
     out = frame.copy()
     out["target_clean_accuracy"] = frame["clean_correct"].where(t)
     out["target_accuracy"] = frame["correct"].where(t)
+    out["target_accuracy_change"] = (frame["correct"] - frame["clean_correct"]).where(t)
     out["others_clean_accuracy"] = frame["clean_correct"].where(~t)
     out["others_accuracy_change"] = (frame["correct"] - frame["clean_correct"]).where(~t)
     return out
@@ -78,69 +80,41 @@ def run_neutral(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_
                                    fixed=("others_accuracy_change", lambda v: int((v > 0).sum()))).reset_index()
     info = {"head": chosen, "n_sources": int(rows["source"].nunique()), "counts": counts.to_dict("records")}
     result = ProtocolResult("neutral", rows, sources, summary, info=info)
-    if run_dir is not None:
-        from recurscope.interp.plots import plot_interval_panels
-
-        fig = plot_interval_panels(summary, run_dir.figure_path("neutral"), row_col="arm", rows=list(ARMS),
-                                   panels=["target_clean_accuracy", "target_accuracy", "others_accuracy_change",
-                                           "nontarget_margin_change"],
-                                   percent=["target_clean_accuracy", "target_accuracy", "others_accuracy_change"],
-                                   title=f"{model_name}: neutral suppression, head {head_label(chosen)}")
-        result.figures["neutral"] = fig.png
-    result.section = neutral_section(result, model_name)
-    return finish(result, run_dir)
+    figure = FigureSpec("neutral", summary, dict(
+        row_col="arm", rows=list(ARMS), panels=["target_clean_accuracy", "target_accuracy", "others_accuracy_change",
+                                                "nontarget_margin_change"],
+        percent=["target_clean_accuracy", "target_accuracy", "others_accuracy_change"],
+        title=f"{model_name}: neutral suppression, head {head_label(chosen)}"))
+    return finish(result, run_dir, lambda r: neutral_section(r, model_name), [figure])
 
 
-def neutral_section(result: ProtocolResult, model_name: str) -> str:
+def neutral_section(result: ProtocolResult, model_name: str) -> Section:
     s, info = result.summary, result.info
     counts = {c["arm"]: c for c in info["counts"]}
-    lines = [f"## Neutral suppression: {model_name}, head {head_label(info['head'])}", "",
-             f"Neutral donor in the target slot, all four facts queried; {info['n_sources']} held-out sources.", "",
-             "| arm | target accuracy before | after | others: accuracy change (pp) | others: margin change | "
+    table = ["| arm | target accuracy before | after | others: accuracy change (pp) | others: margin change | "
              "others: breaks / correct |", "|---|---|---|---|---|---|"]
     for arm in ARMS:
         c = counts.get(arm, {"breaks": 0, "eligible": 0})
-        change = estimate(s, {"arm": arm}, "others_accuracy_change")
-        change_text = "–" if change is None else \
-            f"{100 * change[0]:+.2f} [{100 * change[1]:+.2f}, {100 * change[2]:+.2f}]"
-        lines.append(f"| {LABELS[arm]} | {ci_text(s, {'arm': arm}, 'target_clean_accuracy', pct=True)} | "
+        change = measure_from(s, {"arm": arm}, "others_accuracy_change")
+        change_text = "–" if change is None or not change.defined else \
+            f"{100 * change.estimate:+.2f} [{100 * change.low:+.2f}, {100 * change.high:+.2f}]"
+        table.append(f"| {LABELS[arm]} | {ci_text(s, {'arm': arm}, 'target_clean_accuracy', pct=True)} | "
                      f"{ci_text(s, {'arm': arm}, 'target_accuracy', pct=True)} | {change_text} | "
                      f"{ci_text(s, {'arm': arm}, 'nontarget_margin_change')} | {int(c['breaks'])}/{int(c['eligible'])} |")
-    if "neutral" in result.figures:
-        lines += ["", f"![neutral](figures/{result.figures['neutral'].name})"]
-    before, after = estimate(s, {"arm": "state_swap"}, "target_clean_accuracy"), estimate(s, {"arm": "state_swap"}, "target_accuracy")
-    others = estimate(s, {"arm": "state_swap"}, "others_accuracy_change")
-    reading = [f"The paper: {PAPER}."]
-    if before and after and others:
-        reading.append(f"Here the swap takes the target from {100 * before[0]:.1f}% to {100 * after[0]:.1f}% and "
-                       f"changes the others by {100 * others[0]:+.2f} pp [{100 * others[1]:+.2f}, {100 * others[2]:+.2f}].")
-        suppressed = after[2] < before[0] - 0.3
-        reading.append("The target is suppressed and the others survive, as in the paper." if suppressed
-                       and others[1] > -0.05 else
-                       "The target is suppressed, but the others lose accuracy (unlike the paper)." if suppressed else
-                       "The target is NOT suppressed by the neutral donor on this model (unlike the paper).")
-    rand = estimate(s, {"arm": "random_update"}, "target_accuracy")
-    if rand and before:
-        reading.append(f"The equal-norm random update leaves the target at {100 * rand[0]:.1f}%.")
-    lines += ["", "### Reading", "", " ".join(reading)]
-    return "\n".join(lines)
+    intro = f"Neutral donor in the target slot, all four facts queried; {info['n_sources']} held-out sources."
+    return Section(f"Neutral suppression: {model_name}, head {head_label(info['head'])}", intro, [table], reading(s))
 
 
-def add_verb(sub, model_args, load) -> None:
-    p = sub.add_parser("neutral", help="neutral suppression of the target fact (App. D.1, Fig. 12)")
-    model_args(p)
-    add_protocol_args(p, n_sources=32)
-    p.set_defaults(fn=lambda args: _cli(args, load))
+def reading(s: pd.DataFrame) -> list[str]:
+    out = [f"The paper: {PAPER}."]
+    out.append(judge(measure_from(s, {"arm": "state_swap"}, "target_accuracy_change", "pp"),
+                     Claim.negative("the target's accuracy falls"), "The swap's change in target accuracy"))
+    out.append(judge(measure_from(s, {"arm": "state_swap"}, "others_accuracy_change", "pp"),
+                     Claim.between(0.0111, 0.0215, "the others gain +1.11 to +2.15 pp"),
+                     "The swap's change in the other facts' accuracy"))
+    out.append(judge(measure_from(s, {"arm": "random_update"}, "target_accuracy_change", "pp"), Claim.near_zero(),
+                     "The equal-norm random update's change in target accuracy"))
+    return out
 
 
-def _cli(args, load) -> int:
-    model = load(args)
-    run = open_run(args.out, kind="neutral", model=model, model_name=args.model, args=work_args(args),
-                   seeds=[args.seed], split="heldout")
-    result = run_neutral(model, head=args.head, run_dir=run, from_scan=args.from_scan, n_sources=args.n_sources,
-                         n_dev=args.n_dev, layout=layout_from_args(args), seed=args.seed, batch_size=args.batch_size,
-                         n_resamples=args.resamples, model_name=args.model,
-                         progress=lambda arm: print(f"neutral: {arm}", flush=True))
-    print(result.section)
-    print(f"results in {run.path}")
-    return 0
+VERB = Verb("neutral", "neutral suppression of the target fact (App. D.1, Fig. 12)", run_neutral)

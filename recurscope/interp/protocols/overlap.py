@@ -23,12 +23,13 @@ from recurscope.hooks.patches import WriteReplace, head_mask
 from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, source_means, summarise_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, add_protocol_args, ci_text, estimate, excludes_zero,
-                                                 finish, frozen_head, head_label, layout_from_args, logged_arms,
-                                                 max_length, open_run, pair_kwargs, work_args)
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, logged_arms,
+                                                 max_length, pair_kwargs)
+from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish, layout_from_args
+from recurscope.interp.verdicts import Claim, judge, measure_from
 
 __all__ = ["ARMS", "interfering_spans", "target_direction", "replace_keys", "overlap_patches", "overlap_write",
-           "run_overlap", "add_verb"]
+           "run_overlap", "reading", "VERB"]
 
 ARMS = ("aligned", "orthogonal", "control_head:aligned")
 LABELS = {"aligned": "aligned key ‖u_t‖·û_A", "orthogonal": "orthogonalised key, same norm",
@@ -122,66 +123,46 @@ def run_overlap(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_
     info = {"head": chosen, "control_head": control, "n_sources": int(rows["source"].nunique()),
             "interfering_per_row": n_spans, "n_facts": layout["n_facts"]}
     result = ProtocolResult("overlap", rows, sources, summary, info=info)
-    if run_dir is not None:
-        from recurscope.interp.plots import plot_interval_panels
-
-        fig = plot_interval_panels(summary, run_dir.figure_path("overlap"), row_col="arm", rows=list(ARMS),
-                                   panels=["target_margin_change"],
-                                   panel_labels={"target_margin_change": "target margin change (logits)"},
-                                   title=f"{model_name}: write-key overlap, head {head_label(chosen)}")
-        result.figures["overlap"] = fig.png
-    result.section = overlap_section(result, model_name)
-    return finish(result, run_dir)
+    figure = FigureSpec("overlap", summary, dict(
+        row_col="arm", rows=list(ARMS), panels=["target_margin_change"],
+        panel_labels={"target_margin_change": "target margin change (logits)"},
+        title=f"{model_name}: write-key overlap, head {head_label(chosen)}"))
+    return finish(result, run_dir, lambda r: overlap_section(r, model_name), [figure])
 
 
-def overlap_section(result: ProtocolResult, model_name: str) -> str:
+def overlap_section(result: ProtocolResult, model_name: str) -> Section:
     s, info = result.summary, result.info
-    lines = [f"## Write-key overlap: {model_name}, head {head_label(info['head'])}", "",
-             f"K = {info['n_facts']}; the keys of the other facts' presentations after the target's first one "
-             f"(on average {info['interfering_per_row']} spans per row) are replaced; {info['n_sources']} held-out "
-             f"sources; control head {head_label(info['control_head'])}.", "",
-             "| arm | target margin change | accuracy after (clean) |", "|---|---|---|"]
+    table = ["| arm | target margin change | accuracy after (clean) |", "|---|---|---|"]
     for arm, label in LABELS.items():
-        lines.append(f"| {label} | {ci_text(s, {'arm': arm}, 'target_margin_change')} | "
+        table.append(f"| {label} | {ci_text(s, {'arm': arm}, 'target_margin_change')} | "
                      f"{ci_text(s, {'arm': arm}, 'correct', pct=True)} ({ci_text(s, {'arm': arm}, 'clean_correct', pct=True)}) |")
-    if "overlap" in result.figures:
-        lines += ["", f"![overlap](figures/{result.figures['overlap'].name})"]
-    reading = ["The paper: the aligned key lowers the target margin by 0.27-0.44 logits; the orthogonalised key and "
-               "the control head stay near 0."]
-    a = estimate(s, {"arm": "aligned"}, "target_margin_change")
-    o = estimate(s, {"arm": "orthogonal"}, "target_margin_change")
-    c = estimate(s, {"arm": "control_head:aligned"}, "target_margin_change")
-    if a:
-        reading.append(f"Here the aligned key changes it by {a[0]:+.2f} [{a[1]:+.2f}, {a[2]:+.2f}]"
-                       + (" (lowered, as in the paper)" if a[2] < 0 else " (not lowered within the interval)") + ".")
-    for name, e in (("the orthogonalised key", o), ("the aligned key on the control head", c)):
-        if e:
-            reading.append(f"With {name} it changes by {e[0]:+.2f} [{e[1]:+.2f}, {e[2]:+.2f}]"
-                           + (": not near 0, unlike the paper." if excludes_zero(e) and abs(e[0]) > 0.1 else
-                              ": near 0, as in the paper."))
-    if a and abs(a[0]) > 3 * 0.44:
-        reading.append("The aligned effect is far larger than the paper's; every interfering write of the head is "
-                       "replaced, and a tiny model's few heads leave the target little room to be shielded.")
-    lines += ["", "### Reading", "", " ".join(reading)]
-    return "\n".join(lines)
+    intro = (f"K = {info['n_facts']}; the keys of the other facts' presentations after the target's first one "
+             f"(on average {info['interfering_per_row']} spans per row) are replaced; {info['n_sources']} held-out "
+             f"sources; control head {head_label(info['control_head'])}.")
+    return Section(f"Write-key overlap: {model_name}, head {head_label(info['head'])}", intro, [table], reading(s))
 
 
-def add_verb(sub, model_args, load) -> None:
-    p = sub.add_parser("overlap", help="write-key overlap: interfering writes aligned with the target's write "
-                       "direction (§4.2, Fig. 7c)")
-    model_args(p)
-    add_protocol_args(p, n_sources=32)
-    p.set_defaults(fn=lambda args: _cli(args, load))
+def reading(s: pd.DataFrame) -> list[str]:
+    out = ["The paper: the aligned key lowers the target margin by 0.27-0.44 logits; the orthogonalised key and "
+           "the control head stay near 0."]
+    claims = {"aligned": Claim.negative("the aligned key lowers the target margin by 0.27-0.44 logits"),
+              "orthogonal": Claim.near_zero("near 0"), "control_head:aligned": Claim.near_zero("near 0")}
+    for arm, claim in claims.items():
+        out.append(judge(measure_from(s, {"arm": arm}, "target_margin_change"), claim,
+                         f"The target margin change under the {LABELS[arm]}"))
+    return out
 
 
-def _cli(args, load) -> int:
-    model = load(args)
-    run = open_run(args.out, kind="overlap", model=model, model_name=args.model, args=work_args(args),
-                   seeds=[args.seed], split="heldout")
-    result = run_overlap(model, head=args.head, from_scan=args.from_scan, n_sources=args.n_sources, n_dev=args.n_dev,
-                         layout=layout_from_args(args), seed=args.seed, batch_size=args.batch_size,
-                         n_resamples=args.resamples, run_dir=run, model_name=args.model,
-                         progress=lambda arm: print(f"overlap: {arm}", flush=True))
-    print(result.section)
-    print(f"results in {run.path}")
-    return 0
+def _options(p) -> None:
+    p.add_argument("--n-facts", type=int, default=4, help="facts K in the context (the paper's Fig. 7c: 4)")
+
+
+def _from_args(model, args, run_dir, progress) -> ProtocolResult:
+    layout = {**layout_from_args(args), "n_facts": args.n_facts}
+    return run_overlap(model, head=args.head, from_scan=args.from_scan, n_sources=args.n_sources, n_dev=args.n_dev,
+                       layout=layout, seed=args.seed, batch_size=args.batch_size, n_resamples=args.resamples,
+                       run_dir=run_dir, model_name=args.model, progress=progress)
+
+
+VERB = Verb("overlap", "write-key overlap: interfering writes aligned with the target's write direction (§4.2, "
+            "Fig. 7c)", run_overlap, from_args=_from_args, options=_options)

@@ -29,12 +29,14 @@ from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.data.words import TEMPLATES, VALUE_VOCABS
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, estimate, finish, frozen_head, head_label,
-                                                 logged_arms, max_length, open_run, pair_kwargs)
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, logged_arms,
+                                                 max_length, pair_kwargs)
+from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, add_gate_option, finish
+from recurscope.interp.verdicts import Claim, judge, measure_from
 from recurscope.interp.protocols.gate import GATE_THRESHOLD, capability_gate
 
 __all__ = ["FORMATS", "SUBSPACE_ARMS", "PAPER", "format_layouts", "edit_deltas", "fit_basis", "random_basis",
-           "projected_output_patch", "run_reuse", "add_verb"]
+           "projected_output_patch", "run_reuse", "reading", "VERB"]
 
 #: (family, condition) of every format: the five templates, the value vocabularies, the update format.
 FORMATS = tuple([("template", t) for t in TEMPLATES] + [("vocab", v) for v in VALUE_VOCABS] + [("update", "is_in")])
@@ -212,137 +214,98 @@ def run_reuse(model, head: Optional[Sequence[int]] = None, *, from_scan=None, n_
     info = {"head": chosen, "n_sources": n_sources, "n_fit": n_fit, "rank": rank, "filler": filler, "formats": keys,
             "gate": gate_threshold}
     result = ProtocolResult("reuse", all_rows, sources, summary, info=info)
-    if run_dir is not None:
-        from recurscope.interp.plots import plot_interval_panels
-
-        fig = plot_interval_panels(summary_f, run_dir.figure_path("reuse"), row_col="arm", rows=keys,
-                                   panels=["clean_correct", "qualified_donor_answer"],
-                                   percent=["clean_correct", "qualified_donor_answer"],
-                                   reference={"clean_correct": gate_threshold} if gate_threshold else None,
-                                   panel_labels={"clean_correct": "clean recall",
-                                                 "qualified_donor_answer": "qualified donor answers"},
-                                   title=f"{model_name}: donor write across formats, head {head_label(chosen)}")
-        result.figures["reuse"] = fig.png
-        fig = plot_interval_panels(summary_s, run_dir.figure_path("subspace"), row_col="projection",
-                                   rows=list(SUBSPACE_ARMS), hue_col="vocab", panels=["donor_margin_shift",
-                                                                                       "donor_answer"],
-                                   percent=["donor_answer"],
-                                   title=f"{model_name}: rank-{rank} colour basis, head {head_label(chosen)}")
-        result.figures["subspace"] = fig.png
-    result.section = reuse_section(result, model_name)
-    return finish(result, run_dir)
+    figures = [FigureSpec("reuse", summary_f, dict(
+                   row_col="arm", rows=keys, panels=["clean_correct", "qualified_donor_answer"],
+                   percent=["clean_correct", "qualified_donor_answer"],
+                   reference={"clean_correct": gate_threshold} if gate_threshold else None,
+                   panel_labels={"clean_correct": "clean recall", "qualified_donor_answer": "qualified donor answers"},
+                   title=f"{model_name}: donor write across formats, head {head_label(chosen)}")),
+               FigureSpec("subspace", summary_s, dict(
+                   row_col="projection", rows=list(SUBSPACE_ARMS), hue_col="vocab",
+                   panels=["donor_margin_shift", "donor_answer"], percent=["donor_answer"],
+                   title=f"{model_name}: rank-{rank} colour basis, head {head_label(chosen)}"))]
+    return finish(result, run_dir, lambda r: reuse_section(r, model_name), figures)
 
 
-def reuse_section(result: ProtocolResult, model_name: str) -> str:
+def reuse_section(result: ProtocolResult, model_name: str) -> Section:
     s, info = result.summary, result.info
     f = s[s["part"] == "formats"]
-    lines = [f"## Head reuse across formats: {model_name}, head {head_label(info['head'])}", "",
-             f"Donor write of the frozen head over the target's spans; K = 4, 3 presentations, {info['filler']} filler "
-             f"tokens, {info['n_sources']} held-out sources"
-             + (f"; every format gated at {100 * info['gate']:.0f}% clean recall" if info["gate"] else "")
-             + ". The qualified rate counts donor answers among the examples recalled correctly when clean.", "",
-             "| format | clean recall | donor-answer rate | qualified donor-answer rate | donor-margin shift | gate |",
-             "|---|---|---|---|---|---|"]
+    formats = ["| format | clean recall | donor-answer rate | qualified donor-answer rate | donor-margin shift | gate |",
+               "|---|---|---|---|---|---|"]
     for arm in info["formats"]:
         reason = f[f["arm"] == arm]["reason"]
         gate = "–" if not info["gate"] else ("refused" if len(reason) and reason.iloc[0] else "pass")
-        lines.append(f"| {arm} | {ci_text(f, {'arm': arm}, 'clean_correct', pct=True)} | "
-                     f"{ci_text(f, {'arm': arm}, 'donor_answer', pct=True)} | "
-                     f"{ci_text(f, {'arm': arm}, 'qualified_donor_answer', pct=True)} | "
-                     f"{ci_text(f, {'arm': arm}, 'donor_margin_shift')} | {gate} |")
+        formats.append(f"| {arm} | {ci_text(f, {'arm': arm}, 'clean_correct', pct=True)} | "
+                       f"{ci_text(f, {'arm': arm}, 'donor_answer', pct=True)} | "
+                       f"{ci_text(f, {'arm': arm}, 'qualified_donor_answer', pct=True)} | "
+                       f"{ci_text(f, {'arm': arm}, 'donor_margin_shift')} | {gate} |")
     sub = s[s["part"] == "subspace"]
-    lines += ["", f"Rank-{info['rank']} subspace transfer: basis of colour-value edits (head output at the query "
-              f"positions) fitted on {info['n_fit']} dev sources, applied to held-out colour and shape pairs.", "",
-              "| values | projection | donor-margin shift | donor-answer rate | shift kept (of the full patch) |",
-              "|---|---|---|---|---|"]
+    subspace = [f"Rank-{info['rank']} subspace transfer: basis of colour-value edits (head output at the query "
+                f"positions) fitted on {info['n_fit']} dev sources, applied to held-out colour and shape pairs.", "",
+                "| values | projection | donor-margin shift | donor-answer rate | shift kept (of the full patch) |",
+                "|---|---|---|---|---|"]
     for vocab in ("colours", "shapes"):
         for how in SUBSPACE_ARMS:
             w = {"vocab": vocab, "projection": how}
-            lines.append(f"| {vocab} | {SUBSPACE_LABELS[how]} | {ci_text(sub, w, 'donor_margin_shift')} | "
-                         f"{ci_text(sub, w, 'donor_answer', pct=True)} | "
-                         + ("1 (reference)" if how == "output_patch" else ci_text(sub, w, "shift_kept", pct=True))
-                         + " |")
-    for name in ("reuse", "subspace"):
-        if name in result.figures:
-            lines += ["", f"![{name}](figures/{result.figures[name].name})"]
-    lines += ["", "### Reading", "", " ".join(_reading(s, info))]
-    return "\n".join(lines)
+            subspace.append(f"| {vocab} | {SUBSPACE_LABELS[how]} | {ci_text(sub, w, 'donor_margin_shift')} | "
+                            f"{ci_text(sub, w, 'donor_answer', pct=True)} | "
+                            + ("1 (reference)" if how == "output_patch" else ci_text(sub, w, "shift_kept", pct=True))
+                            + " |")
+    intro = (f"Donor write of the frozen head over the target's spans; K = 4, 3 presentations, {info['filler']} "
+             f"filler tokens, {info['n_sources']} held-out sources"
+             + (f"; every format gated at {100 * info['gate']:.0f}% clean recall" if info["gate"] else "")
+             + ". The qualified rate counts donor answers among the examples recalled correctly when clean.")
+    return Section(f"Head reuse across formats: {model_name}, head {head_label(info['head'])}", intro,
+                   [formats, subspace], reading(s, info))
 
 
-def _reading(s: pd.DataFrame, info: dict) -> list[str]:
+def reading(s: pd.DataFrame, info: dict) -> list:
     out = [f"The paper: GLA's qualified donor-answer rate is {PAPER['GLA qualified']} in every format (GDN "
            f"{PAPER['GDN qualified']}); {PAPER['transfer']}."]
     f = s[s["part"] == "formats"]
-    q = [(arm, estimate(f, {"arm": arm}, "qualified_donor_answer")) for arm in info["formats"]]
-    q = [(a, e) for a, e in q if e]
-    if q:
-        low_arm, low = min(q, key=lambda ae: ae[1][0])
-        high_arm, high = max(q, key=lambda ae: ae[1][0])
-        floor = sum(e[0] >= 0.897 for _, e in q)
-        spread = (f"is {100 * low[0]:.1f}% in every format read" if low[0] == high[0] else
-                  f"ranges from {100 * low[0]:.1f}% ({low_arm}) to {100 * high[0]:.1f}% ({high_arm})")
-        out.append(f"Here the qualified rate {spread}; {floor} of {len(q)} formats reach the paper's GLA floor of 89.7%"
-                   + (", so the head is reused across formats as in the paper." if floor == len(q) else
-                      f", {low_arm} falls short." if floor == len(q) - 1 else "."))
-    refused = [a for a in info["formats"] if a not in dict(q)]
-    if refused:
-        out.append(f"Not read: {', '.join(refused)} (refused by the gate or not evaluated).")
+    not_read = []
+    for arm in info["formats"]:
+        m = measure_from(f, {"arm": arm}, "qualified_donor_answer", "pct")
+        if m is None or not m.defined:
+            not_read.append(arm)
+            continue
+        out.append(judge(m, Claim.at_least(0.897, "at least 89.7% on GLA, 46.8-91.9% on GDN"),
+                         f"The qualified donor-answer rate in format {arm}"))
+    if not_read:
+        out.append(f"Not read: {', '.join(not_read)} (refused by the gate or not evaluated).")
     sub = s[s["part"] == "subspace"]
-    ck = estimate(sub, {"vocab": "colours", "projection": "colour_basis"}, "shift_kept")
-    sk = estimate(sub, {"vocab": "shapes", "projection": "colour_basis"}, "shift_kept")
-    rk = estimate(sub, {"vocab": "shapes", "projection": "random_basis"}, "shift_kept")
-    sd = estimate(sub, {"vocab": "shapes", "projection": "colour_basis"}, "donor_answer")
-    cd = estimate(sub, {"vocab": "colours", "projection": "colour_basis"}, "donor_answer")
-    if ck and sk:
-        out.append(f"The rank-{info['rank']} colour basis keeps {100 * ck[0]:.0f}% [{100 * ck[1]:.0f}, "
-                   f"{100 * ck[2]:.0f}] of the colour edit's shift"
-                   + (f" ({100 * cd[0]:.1f}% colour donor answers)" if cd else "")
-                   + f" and {100 * sk[0]:.0f}% [{100 * sk[1]:.0f}, {100 * sk[2]:.0f}] of the shape edit's"
-                   + (f" ({100 * sd[0]:.1f}% shape donor answers)" if sd else "")
-                   + (f"; a random rank-{info['rank']} basis keeps {100 * rk[0]:.0f}%" if rk else "") + ".")
-        few_shapes = sd is not None and sd[0] < 0.25
-        out.append(("As in the paper, the colour basis produces few shape donor answers"
-                    if few_shapes else "Unlike the paper, the colour basis produces shape donor answers")
-                   + (f", though it carries more of the shape shift than a random basis does (the subspaces overlap)"
-                      if rk and sk[1] > rk[2] else "") + "."
-                   + (f" It also keeps less than half of the colour edit itself: the colour edits are not confined "
-                      f"to rank {info['rank']} here." if ck[0] < 0.5 else ""))
+    out.append(judge(measure_from(sub, {"vocab": "colours", "projection": "colour_basis"}, "shift_kept", "pct"),
+                     Claim.positive("the colour basis carries colour edits"),
+                     f"The share of the colour edit's shift the rank-{info['rank']} colour basis keeps"))
+    out.append(judge(measure_from(sub, {"vocab": "shapes", "projection": "colour_basis"}, "donor_answer", "pct"),
+                     Claim.near_zero("no shape donor answers"),
+                     "The shape donor-answer rate through the colour basis"))
+    for vocab in ("shapes",):
+        for how in ("colour_basis", "random_basis"):
+            m = measure_from(sub, {"vocab": vocab, "projection": how}, "shift_kept", "pct")
+            if m is not None and m.defined:
+                out.append(f"Of the shape edit's shift, {SUBSPACE_LABELS[how].replace('projected on ', '')} "
+                           f"keeps {m.text()}.")
     return out
 
 
-def add_verb(sub, model_args, load) -> None:
-    p = sub.add_parser("reuse", help="the frozen head's donor write across templates, value vocabularies and the "
-                       "update format, and the rank-4 colour-to-shape subspace transfer (App. D.2)")
-    model_args(p)
-    p.add_argument("--head", type=int, nargs=2, metavar=("LAYER", "HEAD"), default=None)
-    p.add_argument("--from-scan", default=None)
-    p.add_argument("--n-dev", type=int, default=16, help="dev sources for the head scan when no head is given")
+def _options(p) -> None:
     p.add_argument("--n-fit", type=int, default=32, help="dev sources the colour basis is fitted on")
-    p.add_argument("--n-sources", type=int, default=32)
-    p.add_argument("--filler", type=int, default=512)
     p.add_argument("--rank", type=int, default=4)
     p.add_argument("--formats", nargs="+", default=None, help="format keys, e.g. template:colon vocab:shapes "
                    "update:is_in (default: all)")
-    p.add_argument("--gate", type=float, default=GATE_THRESHOLD, metavar="THRESHOLD",
-                   help="capability gate on every format's clean recall (default 0.8)")
+    add_gate_option(p, GATE_THRESHOLD, "capability gate on every format's clean recall (default 0.8)")
     p.add_argument("--no-gate", action="store_true", help="report every format without the capability gate")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resamples", type=int, default=9999)
-    p.add_argument("--out", required=True)
-    p.set_defaults(fn=lambda args: _cli(args, load))
 
 
-def _cli(args, load) -> int:
-    model = load(args)
-    keys = ("model", "head", "from_scan", "n_dev", "n_fit", "n_sources", "filler", "rank", "formats", "gate",
-            "no_gate", "seed")
-    run = open_run(args.out, kind="reuse", model=model, model_name=args.model,
-                   args={k: getattr(args, k) for k in keys}, seeds=[args.seed], split="heldout")
-    result = run_reuse(model, args.head, from_scan=args.from_scan, n_sources=args.n_sources, n_fit=args.n_fit,
-                       n_dev=args.n_dev, filler=args.filler, rank=args.rank, seed=args.seed,
-                       gate_threshold=None if args.no_gate else args.gate, formats=args.formats,
-                       batch_size=args.batch_size, n_resamples=args.resamples, run_dir=run, model_name=args.model,
-                       progress=lambda a: print(f"reuse: {a}", flush=True))
-    print(result.section)
-    print(f"results in {run.path}")
-    return 0
+def _from_args(model, args, run_dir, progress) -> ProtocolResult:
+    return run_reuse(model, args.head, from_scan=args.from_scan, n_sources=args.n_sources, n_fit=args.n_fit,
+                     n_dev=args.n_dev, filler=args.filler, rank=args.rank, seed=args.seed,
+                     gate_threshold=None if args.no_gate else args.gate, formats=args.formats,
+                     batch_size=args.batch_size, n_resamples=args.resamples, run_dir=run_dir, model_name=args.model,
+                     progress=progress)
+
+
+VERB = Verb("reuse", "the frozen head's donor write across templates, value vocabularies and the update format, and "
+            "the rank-4 colour-to-shape subspace transfer (App. D.2)", run_reuse, from_args=_from_args, presentations=None, gap=None,
+            template="", options=_options)

@@ -17,11 +17,12 @@ import pandas as pd
 
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, source_means, summarise_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, add_protocol_args, ci_text, estimate,
-                                                 excludes_zero, finish, frozen_head, head_label, layout_from_args,
-                                                 logged_arms, max_length, open_run, pair_kwargs, work_args)
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, logged_arms,
+                                                 max_length, pair_kwargs, pooled_break_rate)
+from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+from recurscope.interp.verdicts import Claim, control_verdict, judge, measure_from
 
-__all__ = ["ARMS", "PAPER", "run_selectivity", "build_selectivity_pairs", "add_verb"]
+__all__ = ["ARMS", "PAPER", "run_selectivity", "build_selectivity_pairs", "reading", "VERB"]
 
 ARMS = ("state_swap", "donor_write", "random_update", "random_write", "control_head:state_swap",
         "control_head:donor_write")
@@ -31,6 +32,11 @@ LABELS = {"state_swap": "state swap", "donor_write": "donor write", "random_upda
 METRICS = ("donor_answer", "donor_margin_shift", "donor_specific_shift", "nontarget_break", "nontarget_margin_change",
            "clean_correct")
 PAPER = {"target donor-answer rate": "89.1% / 71.9% / 61.3%", "non-target break rate": "1.42% / 0.41% / 0.56%"}
+#: The paper's three models span these: a measured rate agrees when its interval overlaps the span.
+PAPER_SPAN = {"donor_answer": (0.613, 0.891), "pooled_break_rate": (0.0041, 0.0142)}
+#: Each control's causal arm: its donor-margin shift is the control's yardstick.
+CONTROL_OF = {"random_update": "state_swap", "random_write": "donor_write", "control_head:state_swap": "state_swap",
+              "control_head:donor_write": "donor_write"}
 
 
 def build_selectivity_pairs(tokenizer, *, n_sources: int = 32, split: str = "heldout", model=None, **layout):
@@ -63,8 +69,8 @@ def run_selectivity(model, pairs=None, head: Optional[Sequence[int]] = None, *, 
                     batch_size: int = 16, arms: Sequence[str] = ARMS, n_resamples: int = 9999,
                     model_name: str = "model", progress=None) -> ProtocolResult:
     """Runs every arm on the frozen head over four-fact pairs (all facts queried); returns rows, per-source means,
-    the summary by arm, the figure and the report section. The head is `head`, else the top of `from_scan`, else the
-    winner of a scan on `n_dev` dev sources (never the evaluation sources)."""
+    the summary by arm (with the pooled break rate), the figure and the report section. The head is `head`, else the
+    top of `from_scan`, else the winner of a scan on `n_dev` dev sources (never the evaluation sources)."""
     layout = {**pair_kwargs(seed=seed), **(layout or {})}
     bad = [a for a in arms if a not in ARMS]
     if bad:
@@ -84,88 +90,61 @@ def run_selectivity(model, pairs=None, head: Optional[Sequence[int]] = None, *, 
     rows = logged_arms(run_dir, "selectivity_rows", ("arm", "row"), arms, compute, progress)
     sources = source_means(rows, METRICS, by=("arm",))
     summary = summarise_metrics(rows, METRICS, by=("arm",), n_resamples=n_resamples, seed=seed)
-    counts = (rows[rows["nontarget_break"].notna()].groupby("arm")["nontarget_break"].agg(["sum", "count"])
-              .rename(columns={"sum": "breaks", "count": "eligible"}).reset_index())
+    pooled = pooled_break_rate(rows, ("arm",), n_resamples=n_resamples, seed=seed)
+    summary = pd.concat([summary, pooled.drop(columns=["breaks", "eligible"])], ignore_index=True)
+    counts = pooled[["arm", "breaks", "eligible"]]
     info = {"head": chosen, "control_head": controls[0], "n_sources": int(rows["source"].nunique()),
             "break_counts": counts.to_dict("records")}
     result = ProtocolResult("selectivity", rows, sources, summary, info=info)
-    if run_dir is not None:
-        from recurscope.interp.plots import plot_interval_panels
-
-        fig = plot_interval_panels(summary, run_dir.figure_path("selectivity"), row_col="arm",
-                                   rows=[a for a in ARMS if a in arms],
-                                   panels=["donor_answer", "donor_margin_shift", "nontarget_break",
-                                           "nontarget_margin_change"],
-                                   percent=["donor_answer", "nontarget_break"],
-                                   title=f"{model_name}: four-fact selectivity, head {head_label(chosen)}")
-        result.figures["selectivity"] = fig.png
-    result.section = selectivity_section(result, model_name)
-    return finish(result, run_dir)
+    breaks = "pooled_break_rate" if len(pooled) else "nontarget_break"
+    figure = FigureSpec("selectivity", summary, dict(
+        row_col="arm", rows=[a for a in ARMS if a in arms],
+        panels=["donor_answer", "donor_margin_shift", breaks, "nontarget_margin_change"],
+        percent=["donor_answer", breaks], panel_labels={"pooled_break_rate": "non-target break rate (pooled)"},
+        title=f"{model_name}: four-fact selectivity, head {head_label(chosen)}"))
+    return finish(result, run_dir, lambda r: selectivity_section(r, model_name), [figure])
 
 
-def selectivity_section(result: ProtocolResult, model_name: str) -> str:
+def selectivity_section(result: ProtocolResult, model_name: str) -> Section:
     s, info = result.summary, result.info
     counts = {c["arm"]: c for c in info["break_counts"]}
-    lines = [f"## Four-fact selectivity: {model_name}, head {head_label(info['head'])}", "",
-             f"K = 4 facts, every fact queried; {info['n_sources']} held-out sources; control head "
-             f"{head_label(info['control_head'])}. Means over sources with 95% source-bootstrap intervals.", "",
-             "| arm | target donor-answer | target margin shift | donor-specific shift | non-target break "
+    table = ["| arm | target donor-answer | target margin shift | donor-specific shift | non-target break, pooled "
              "(breaks / correct) | non-target margin change |", "|---|---|---|---|---|---|"]
     for arm, label in LABELS.items():
         if s[s["arm"] == arm].empty:
             continue
         c = counts.get(arm, {"breaks": 0, "eligible": 0})
-        lines.append(f"| {label} | {ci_text(s, {'arm': arm}, 'donor_answer', pct=True)} | "
+        table.append(f"| {label} | {ci_text(s, {'arm': arm}, 'donor_answer', pct=True)} | "
                      f"{ci_text(s, {'arm': arm}, 'donor_margin_shift')} | "
                      f"{ci_text(s, {'arm': arm}, 'donor_specific_shift')} | "
-                     f"{ci_text(s, {'arm': arm}, 'nontarget_break', pct=True)} ({int(c['breaks'])}/{int(c['eligible'])}) | "
+                     f"{ci_text(s, {'arm': arm}, 'pooled_break_rate', pct=True)} ({int(c['breaks'])}/{int(c['eligible'])}) | "
                      f"{ci_text(s, {'arm': arm}, 'nontarget_margin_change')} |")
-    if "selectivity" in result.figures:
-        lines += ["", f"![selectivity](figures/{result.figures['selectivity'].name})"]
-    lines += ["", "### Reading", "", " ".join(_reading(s))]
-    return "\n".join(lines)
+    intro = (f"K = 4 facts, every fact queried; {info['n_sources']} held-out sources; control head "
+             f"{head_label(info['control_head'])}. Means over sources with 95% source-bootstrap intervals; the break "
+             "rate is the paper's, pooled over the originally-correct non-targets of every source.")
+    return Section(f"Four-fact selectivity: {model_name}, head {head_label(info['head'])}", intro, [table],
+                   reading(s))
 
 
-def _reading(s: pd.DataFrame) -> list[str]:
+def reading(s: pd.DataFrame) -> list[str]:
+    """The Reading's sentences, each verdict from interp.verdicts.judge / control_verdict."""
     out = [f"The paper reports target donor-answer rates of {PAPER['target donor-answer rate']} and non-target break "
            f"rates of {PAPER['non-target break rate']} (GLA-340M / GDN-340M / 1.3B)."]
     for arm in ("state_swap", "donor_write"):
-        answer, brk = estimate(s, {"arm": arm}, "donor_answer"), estimate(s, {"arm": arm}, "nontarget_break")
-        if answer is None:
-            continue
-        text = f"Here the {LABELS[arm]} turns {100 * answer[0]:.1f}% of target answers into the donor's"
-        if brk is not None:
-            text += (f" and breaks {100 * brk[0]:.2f}% [{100 * brk[1]:.2f}, {100 * brk[2]:.2f}] of the correct "
-                     "non-targets")
-        selective = answer[0] >= 0.5 and brk is not None and brk[0] < 0.05
-        out.append(text + (": the edit is selective, as in the paper." if selective else
-                           ": the edit is NOT selective in the paper's sense." if answer[0] >= 0.5 else
-                           ": the target edit is weaker than the paper's."))
-    for arm in ("random_update", "random_write", "control_head:state_swap", "control_head:donor_write"):
-        e = estimate(s, {"arm": arm}, "donor_specific_shift")
-        if e is not None:
-            out.append(f"The {LABELS[arm]} moves the donor against the distractors by {e[0]:+.2f} "
-                       f"[{e[1]:+.2f}, {e[2]:+.2f}] logits"
-                       + (" — not zero." if excludes_zero(e) and abs(e[0]) >= 0.1 else " — near zero, as a control "
-                          "should be."))
+        for metric, what in (("donor_answer", "target donor-answer rate"), ("pooled_break_rate", "pooled non-target "
+                                                                                                  "break rate")):
+            m = measure_from(s, {"arm": arm}, metric, "pct")
+            if m is not None:
+                lo, hi = PAPER_SPAN[metric]
+                claim = Claim.between(lo, hi, f"{100 * lo:.1f}-{100 * hi:.1f}% over its three models")
+                out.append(judge(m, claim, f"The {LABELS[arm]}'s {what}"))
+    for arm, main in CONTROL_OF.items():
+        margin = measure_from(s, {"arm": arm}, "donor_margin_shift")
+        if margin is not None:
+            out.append(control_verdict(LABELS[arm], margin, measure_from(s, {"arm": arm}, "donor_specific_shift"),
+                                       measure_from(s, {"arm": main}, "donor_margin_shift"),
+                                       f"the {LABELS[main]}"))
     return out
 
 
-def add_verb(sub, model_args, load) -> None:
-    p = sub.add_parser("selectivity", help="four-fact selectivity of the frozen head (§3.3, Fig. 5a-b)")
-    model_args(p)
-    add_protocol_args(p, n_sources=32)
-    p.set_defaults(fn=lambda args: _cli(args, load))
-
-
-def _cli(args, load) -> int:
-    model = load(args)
-    run = open_run(args.out, kind="selectivity", model=model, model_name=args.model, args=work_args(args),
-                   seeds=[args.seed], split="heldout")
-    result = run_selectivity(model, head=args.head, run_dir=run, from_scan=args.from_scan, n_sources=args.n_sources,
-                             n_dev=args.n_dev, layout=layout_from_args(args), seed=args.seed,
-                             batch_size=args.batch_size, n_resamples=args.resamples, model_name=args.model,
-                             progress=lambda arm: print(f"selectivity: {arm}", flush=True))
-    print(result.section)
-    print(f"results in {run.path}")
-    return 0
+VERB = Verb("selectivity", "four-fact selectivity of the frozen head (§3.3, Fig. 5a-b)", run_selectivity)

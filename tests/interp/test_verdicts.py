@@ -1,0 +1,268 @@
+"""The one verdict function (interp.verdicts) on both sides of each threshold, and every protocol Reading's claims
+against constructed results on both sides: a verdict is checked by its kind, never by its wording."""
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from recurscope.interp import verdicts as V
+from recurscope.interp.verdicts import Claim, Measure, judge
+
+
+def kinds(reading) -> list[str]:
+    return [item.kind for item in reading if isinstance(item, V.Verdict)]
+
+
+# ---- the verdict function ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("low, high, kind", [(0.1, 0.5, V.AGREES), (-0.5, -0.1, V.OPPOSITE), (-0.1, 0.5, V.NO_EVIDENCE),
+                                             (0.0, 0.5, V.NO_EVIDENCE)])
+def test_a_sign_claim_needs_the_interval_to_exclude_the_opposite(low, high, kind):
+    assert judge(Measure((low + high) / 2, low, high, 16), Claim.positive(), "x").kind == kind
+    flipped = judge(Measure(-(low + high) / 2, -high, -low, 16), Claim.negative(), "x").kind
+    assert flipped == kind
+
+
+def test_a_value_claim_agrees_only_when_the_paper_number_is_inside_the_interval():
+    assert judge(Measure(0.2, 0.1, 0.3, 16, "ratio"), Claim.equals(0.173), "rho").kind == V.AGREES
+    # the issue's head-scan Spearman: +0.562 [0.321, 0.731] against the paper's 0.173
+    assert judge(Measure(0.562, 0.321, 0.731, 16, "ratio"), Claim.equals(0.173), "rho").kind == V.DIFFERS
+    assert judge(Measure(-0.4, -0.6, -0.2, 16, "ratio"), Claim.equals(0.173), "rho").kind == V.OPPOSITE
+    assert judge(Measure(-0.1, -0.3, 0.1, 16, "ratio"), Claim.equals(0.173), "rho").kind == V.DIFFERS
+
+
+@pytest.mark.parametrize("claim, inside, straddles, outside", [
+    (Claim.at_least(0.897), (0.95, 0.9, 0.99), (0.9, 0.85, 0.95), (0.8, 0.7, 0.89)),
+    (Claim.at_most(0.05), (0.01, 0.0, 0.04), (0.04, 0.02, 0.07), (0.09, 0.06, 0.12))])
+def test_bounds_on_both_sides(claim, inside, straddles, outside):
+    assert judge(Measure(*inside, 16, "pct"), claim, "r").kind == V.AGREES
+    assert judge(Measure(*straddles, 16, "pct"), claim, "r").kind == V.NO_EVIDENCE
+    assert judge(Measure(*outside, 16, "pct"), claim, "r").kind == V.DIFFERS
+
+
+def test_range_and_nonzero_claims():
+    span = Claim.between(0.30, 0.40)
+    assert judge(Measure(0.45, 0.38, 0.52, 16, "pp"), span, "loss").kind == V.AGREES
+    assert judge(Measure(0.10, 0.02, 0.18, 16, "pp"), span, "loss").kind == V.DIFFERS
+    assert judge(Measure(0.10, 0.02, 0.18, 16), Claim.nonzero(), "d").kind == V.AGREES
+    assert judge(Measure(0.10, -0.02, 0.18, 16), Claim.nonzero(), "d").kind == V.NO_EVIDENCE
+    with pytest.raises(ValueError, match="low <= high"):
+        Claim.between(0.4, 0.3)
+
+
+def test_no_comparison_rests_on_one_source_or_on_nothing():
+    assert judge(Measure(0.5, 0.4, 0.6, 1), Claim.positive(), "x").kind == V.TOO_FEW
+    assert judge(Measure(math.nan, math.nan, math.nan, 0), Claim.positive(), "x").kind == V.TOO_FEW
+    assert judge(None, Claim.positive(), "x").kind == V.TOO_FEW
+
+
+def test_every_sentence_with_a_number_carries_its_interval_and_n():
+    m = Measure(1.234, 0.5, 2.0, 16)
+    v = judge(m, Claim.positive("paper"), "The shift")
+    assert m.text() in v.sentence and "n = 16" in m.text() and "+0.50" in m.text() and "+2.00" in m.text()
+    with pytest.raises(ValueError, match="unit"):
+        Measure(1, 0, 2, 3, "furlongs")
+
+
+def test_a_control_is_judged_on_the_margin_shift_and_the_specific_shift_never_rescues_it():
+    big, small = Measure(7.66, 6.1, 9.2, 16), Measure(0.1, -0.2, 0.4, 16)
+    specific_zero, specific_big = Measure(0.01, -0.2, 0.2, 16), Measure(2.0, 1.5, 2.5, 16)
+    main = Measure(17.0, 15.0, 19.0, 16)
+    assert V.control_verdict("random write", big, specific_zero, main).kind == V.DIFFERS
+    assert V.control_verdict("random write", small, specific_big, main).kind == V.AGREES
+    v = V.control_verdict("random write", big, specific_zero, main)
+    assert specific_zero.text() in v.sentence and big.text() in v.sentence
+
+
+def test_measure_from_reads_one_summary_row():
+    s = pd.DataFrame([{"arm": "a", "metric": "m", "estimate": 1.0, "low": 0.5, "high": 1.5, "n_sources": 8}])
+    assert V.measure_from(s, {"arm": "a"}, "m") == Measure(1.0, 0.5, 1.5, 8)
+    assert V.measure_from(s, {"arm": "b"}, "m") is None and V.measure_from(s, {"nope": 1}, "m") is None
+
+
+# ---- every Reading on both sides of its thresholds ------------------------------------------------------------
+
+def _rows(rows, n=16):
+    return pd.DataFrame([{"n_sources": n, **r} for r in rows])
+
+
+def _r(metric, est, low, high, **where):
+    return {"metric": metric, "estimate": est, "low": low, "high": high, **where}
+
+
+def test_selectivity_reading():
+    from recurscope.interp.protocols import selectivity
+
+    def summary(write_margin):
+        return _rows([_r("donor_answer", 0.8, 0.7, 0.9, arm="state_swap"),
+                      _r("pooled_break_rate", 0.01, 0.0, 0.03, arm="state_swap"),
+                      _r("donor_margin_shift", 13.0, 12.0, 14.0, arm="donor_write"),
+                      _r("donor_margin_shift", *write_margin, arm="random_write"),
+                      _r("donor_specific_shift", 0.01, -0.1, 0.1, arm="random_write")])
+    assert kinds(selectivity.reading(summary((7.66, 6.0, 9.0)))) == [V.AGREES, V.AGREES, V.DIFFERS]
+    assert kinds(selectivity.reading(summary((0.1, -0.2, 0.4)))) == [V.AGREES, V.AGREES, V.AGREES]
+    low = _rows([_r("donor_answer", 0.3, 0.2, 0.4, arm="state_swap")])
+    assert kinds(selectivity.reading(low)) == [V.DIFFERS]
+
+
+def test_coupling_reading_calls_the_issue_parallel_part_opposite():
+    from recurscope.interp.protocols import coupling
+
+    def summary(par):
+        return _rows([_r("margin_change_b", *par, arm="parallel"), _r("margin_change_b", 0.3, 0.1, 0.5,
+                                                                        arm="orthogonal")])
+    assert kinds(coupling.reading(summary((0.45, 0.02, 0.97)))) == [V.OPPOSITE, V.AGREES]
+    assert kinds(coupling.reading(summary((-0.3, -0.5, -0.1)))) == [V.AGREES, V.AGREES]
+    assert kinds(coupling.reading(summary((0.1, -0.2, 0.3)))) == [V.NO_EVIDENCE, V.AGREES]
+
+
+def test_capacity_reading_rests_on_the_paired_contrast_not_on_two_intervals():
+    from recurscope.interp.protocols import capacity
+
+    def summary(diff, n=16):
+        return _rows([_r("load_loss", 0.35, 0.30, 0.40, series="contrast", x_from=1, x_to=16),
+                      _r("gap_loss", 0.05, 0.0, 0.1, series="contrast", x_from=128, x_to=1024),
+                      _r("load_minus_gap_loss", *diff, series="contrast")], n)
+    assert kinds(capacity.reading(summary((0.3, 0.2, 0.4)))) == [V.AGREES, V.AGREES]
+    # the issue's case: a 6.2 pp difference inside the noise is no evidence
+    assert kinds(capacity.reading(summary((0.062, -0.05, 0.17)))) == [V.AGREES, V.NO_EVIDENCE]
+    assert kinds(capacity.reading(summary((0.3, 0.2, 0.4), n=1))) == [V.TOO_FEW, V.TOO_FEW]
+
+
+def test_capacity_contrasts_are_paired_per_source():
+    from recurscope.interp.protocols import capacity
+
+    src = np.arange(6)
+    frames = [pd.DataFrame({"series": series, "x": x, "source": src, "clean_correct": values})
+              for series, x, values in (("load", 1, np.ones(6)), ("load", 16, [0, 1, 0, 1, 0, 1]),
+                                        ("gap", 128, np.ones(6)), ("gap", 1024, [1, 1, 1, 1, 1, 0]))]
+    c = capacity.loss_contrasts(pd.concat(frames), [1, 16], [128, 1024], n_resamples=200).set_index("metric")
+    assert c.loc["load_loss", "estimate"] == pytest.approx(0.5)
+    assert c.loc["gap_loss", "estimate"] == pytest.approx(1 / 6)
+    assert c.loc["load_minus_gap_loss", "estimate"] == pytest.approx(0.5 - 1 / 6)
+    assert (c["n_sources"] == 6).all()
+
+
+def test_lens_reading_gives_no_same_layer_claim_to_an_update_task_at_chance():
+    from recurscope.interp.protocols import lens
+
+    def summary(update_jump):
+        return _rows([_r("sublayer_jump", 0.6, 0.5, 0.7, split="heldout", task="retention", layer=1, side="sublayer"),
+                      _r("sublayer_jump", *update_jump, split="heldout", task="update", layer=1, side="sublayer")])
+    info = {"localised": 1, "layers": 2}
+    assert kinds(lens.reading(summary((0.0, -0.06, 0.06)), info)) == [V.AGREES, V.NO_EVIDENCE]
+    assert kinds(lens.reading(summary((0.3, 0.2, 0.4)), info)) == [V.AGREES, V.AGREES]
+
+
+def test_lens_localises_on_the_rows_it_is_given():
+    from recurscope.interp.protocols import lens
+
+    def rows(best):
+        out = []
+        for layer in (0, 1, 2):
+            for source in range(4):
+                for side in ("before", "after_mixer"):
+                    out.append({"task": "retention", "layer": layer, "side": side, "source": source,
+                                "correct": float(side == "after_mixer" and layer == best)})
+        return pd.DataFrame(out)
+    assert lens.localise(rows(2), [0, 1, 2]) == 2 and lens.localise(rows(0), [0, 1, 2]) == 0
+    assert lens.localise(rows(2), [0, 1]) in (0, 1)          # only recurrent layers are candidates
+
+
+def test_headscan_reading():
+    from recurscope.interp.protocols import headscan
+
+    def summary(rho, joint):
+        return _rows([_r("frozen_head_rank", 1, 1, 1, scan="write"), _r("frozen_head_rank", 1, 1, 3, scan="read"),
+                      _r("joint_fraction_above_threshold", *joint, scan="both"),
+                      _r("spearman", *rho, scan="write_vs_read")])
+    got = kinds(headscan.reading(summary((0.562, 0.321, 0.731), (0.125, 0.0625, 0.1875)), 16))
+    assert got == [V.AGREES, V.NO_EVIDENCE, V.DIFFERS, V.DIFFERS]
+    got = kinds(headscan.reading(summary((0.2, -0.01, 0.35), (0.02, 0.0, 0.04)), 96))
+    assert got == [V.AGREES, V.NO_EVIDENCE, V.AGREES, V.AGREES]
+
+
+def test_joint_threshold_counts_heads_over_the_threshold_in_both_scans_at_once():
+    from recurscope.interp.protocols import headscan
+
+    rows = []
+    J = {"write": [1.0, 1.0, 0.0, 0.3], "read": [1.0, 0.0, 1.0, 0.3]}   # heads 0 and 3 pass both
+    for scan, values in J.items():
+        for source in range(5):
+            for h, v in enumerate(values):
+                rows.append({"scan": scan, "source": source, "layer": 0, "head": h, "score": v})
+    j = headscan.joint_threshold_fraction(pd.DataFrame(rows), n_resamples=100)
+    assert (j["count"], j["n_heads"]) == (2, 4) and j["estimate"] == j["low"] == j["high"] == 0.5
+
+
+def test_heads_reading():
+    from recurscope.interp.protocols import heads
+
+    def summary(rec, na, hub):
+        return _rows([_r("recovery", *rec, analysis="recovery", k=1, unit="top1"),
+                      _r("joint_minus_sum", *na, analysis="nonadditivity", unit="hub+second"),
+                      _r("hub_minus_all", *hub, analysis="hub_vs_all", unit="hub")])
+    assert kinds(heads.reading(summary((0.95, 0.9, 0.98), (0.5, 0.2, 0.8), (-1, -2, -0.5)), 96)) == [V.AGREES] * 3
+    assert kinds(heads.reading(summary((0.5, 0.4, 0.6), (0.1, -0.2, 0.4), (1, 0.5, 2)), 96)) == \
+        [V.DIFFERS, V.NO_EVIDENCE, V.OPPOSITE]
+
+
+def test_neutral_overlap_and_corrector_readings():
+    from recurscope.interp.protocols import corrector, neutral, overlap
+
+    s = _rows([_r("target_accuracy_change", -0.8, -0.9, -0.7, arm="state_swap"),
+               _r("others_accuracy_change", -0.1, -0.15, -0.05, arm="state_swap"),
+               _r("target_accuracy_change", 0.0, -0.05, 0.05, arm="random_update")])
+    assert kinds(neutral.reading(s)) == [V.AGREES, V.DIFFERS, V.AGREES]
+    s = _rows([_r("target_margin_change", -0.3, -0.4, -0.2, arm="aligned"),
+               _r("target_margin_change", 0.5, 0.3, 0.7, arm="orthogonal"),
+               _r("target_margin_change", 0.0, -0.1, 0.1, arm="control_head:aligned")])
+    assert kinds(overlap.reading(s)) == [V.AGREES, V.DIFFERS, V.AGREES]
+    s = _rows([_r("accuracy_change", 0.2, 0.1, 0.3, arm="corrector"),
+               _r("accuracy_change", 0.1, 0.05, 0.15, arm="random_map"),
+               _r("accuracy_change", 0.0, -0.05, 0.05, arm="control_head")])
+    paper, variant = corrector.reading(s, {"method": "logits_and_state"}), corrector.reading(s, {"method": "residual"})
+    assert kinds(paper) == kinds(variant) == [V.AGREES, V.DIFFERS, V.AGREES]
+    # the variant says it is not the paper's method: one more unjudged sentence
+    assert len(variant) == len(paper) + 1
+
+
+def test_retention_reading_reads_no_trend_from_a_head_without_the_fact():
+    from recurscope.interp.protocols import retention
+
+    def summary(low_shift, kept):
+        return _rows([_r("clean_correct", 1.0, 1.0, 1.0, k=1, intervention="state_swap"),
+                      _r("clean_correct", 0.6, 0.5, 0.7, k=32, intervention="state_swap"),
+                      _r("donor_margin_shift", *low_shift, k=1, intervention="state_swap"),
+                      _r("shift_kept", *kept, k=32, intervention="state_swap")])
+    info = {"loads": [1, 32]}
+    assert kinds(retention.reading(summary((8.0, 7.0, 9.0), (0.4, 0.3, 0.45)), info)) == [V.AGREES] * 3
+    assert kinds(retention.reading(summary((8.0, 7.0, 9.0), (0.8, 0.7, 0.9)), info)) == [V.AGREES, V.AGREES,
+                                                                                          V.DIFFERS]
+    # no low-load shift: no ratio is judged at all
+    assert kinds(retention.reading(summary((0.0, -0.1, 0.1), (0.4, 0.3, 0.45)), info)) == [V.AGREES, V.NO_EVIDENCE]
+
+
+def test_reuse_reading_judges_every_format():
+    from recurscope.interp.protocols import reuse
+
+    s = _rows([_r("qualified_donor_answer", 1.0, 0.95, 1.0, part="formats", arm="template:is_in"),
+               _r("qualified_donor_answer", 0.5, 0.4, 0.6, part="formats", arm="vocab:shapes")])
+    got = kinds(reuse.reading(s, {"formats": ["template:is_in", "vocab:shapes"], "rank": 4}))
+    assert got[:2] == [V.AGREES, V.DIFFERS]
+
+
+# ---- the pooled break rate ------------------------------------------------------------------------------------
+
+def test_pooled_break_rate_is_a_ratio_of_sums_not_a_mean_of_rates():
+    from recurscope.interp.protocols._common import pooled_break_rate
+
+    # source 0: 1 break of 1 correct non-target; source 1: 0 of 9 -> pooled 10%, mean of per-source rates 50%
+    rows = pd.DataFrame({"arm": "swap", "source": [0] + [1] * 9 + [1],
+                         "nontarget_break": [1.0] + [0.0] * 9 + [np.nan]})
+    p = pooled_break_rate(rows, ("arm",), n_resamples=200).iloc[0]
+    assert p["estimate"] == pytest.approx(0.1) and (p["breaks"], p["eligible"], p["n_sources"]) == (1, 10, 2)
+    assert p["low"] <= 0.1 <= p["high"]
+    none = pooled_break_rate(rows.assign(nontarget_break=rows["nontarget_break"] * 0), ("arm",)).iloc[0]
+    assert none["estimate"] == 0 and none["high"] > 0          # zero breaks still leave an interval above zero
