@@ -84,7 +84,8 @@ def test_corrector_is_fitted_on_dev_sources_only_and_refuses_them_later(word_tok
         fitted.delta(corrector.collect_features(model, dev, [(0, 1)]).readout[(0, 1)], dev)
 
 
-def test_run_corrector_never_fits_on_a_heldout_source(word_tok, model, monkeypatch):
+@pytest.mark.parametrize("method", ["logits_and_state", "residual"])
+def test_run_corrector_never_fits_on_a_heldout_source(word_tok, model, monkeypatch, method):
     seen = []
     real = corrector.fit_corrector
 
@@ -94,13 +95,15 @@ def test_run_corrector_never_fits_on_a_heldout_source(word_tok, model, monkeypat
     monkeypatch.setattr(corrector, "fit_corrector", spy)
     total = capacity._bare_length(word_tok, capacity.load_layout(2)) + 8
     r = corrector.run_corrector(model, (0, 1), k=2, total_length=total, n_sources=3, n_fit=3, pairs_per_source=2,
-                                rank=2, batch_size=8, n_resamples=100)
+                                rank=2, batch_size=8, n_resamples=100, method=method)
     assert len(seen) == 2                                                        # frozen head and control head
     evaluated = {("heldout", s) for s in r.rows["source"]}
     for keys in seen:
         assert {k[0] for k in keys} == {"dev"} and not {(k[0], k[2]) for k in keys} & evaluated
     assert r.info["shared_sources"] == 0 and set(r.rows["arm"]) == set(corrector.ARMS)
-    assert r.info["chosen"]["corrector"]["multiple"] in corrector.ALPHAS
+    if method == "residual":
+        assert r.info["chosen"]["corrector"]["multiple"] in corrector.ALPHAS
+    assert r.info["method"] == method
     counts = {c["arm"]: c for c in r.info["counts"]}["corrector"]
     assert counts["after"] - counts["before"] == counts["rescued"] - counts["broken"]
 

@@ -266,3 +266,48 @@ def test_pooled_break_rate_is_a_ratio_of_sums_not_a_mean_of_rates():
     assert p["low"] <= 0.1 <= p["high"]
     none = pooled_break_rate(rows.assign(nontarget_break=rows["nontarget_break"] * 0), ("arm",)).iloc[0]
     assert none["estimate"] == 0 and none["high"] > 0          # zero breaks still leave an interval above zero
+
+
+# ---- the paper's corrector: four-way logits combined with query-aligned state features ---------------------------
+
+def _synthetic_features(pairs, head, seed):
+    """Features whose head readout is a linear image of the correct candidate's direction, with clean logits that
+    are noise (about chance): only a corrector that reads the state features can rescue the answers."""
+    import torch
+
+    from recurscope.interp.protocols.corrector import Features
+
+    gen = torch.Generator().manual_seed(seed)
+    n, C, D = len(pairs), pairs.candidate_ids.shape[1], 6
+    dirs = torch.randn(n, C, D, generator=gen, dtype=torch.float64)
+    dirs = dirs - dirs.mean(1, keepdim=True)
+    target = dirs[torch.arange(n), pairs.recipient_answer_index]
+    mix = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(99), dtype=torch.float64))[0]
+    readout = target @ mix + 0.01 * torch.randn(n, D, generator=gen, dtype=torch.float64)
+    clean = torch.randn(n, C, generator=gen, dtype=torch.float64)
+    return Features({head: readout}, torch.zeros(n, D, dtype=torch.float64), target, clean, dirs)
+
+
+def test_the_logits_and_state_corrector_rescues_answers_its_features_hold(word_tok):
+    import torch
+
+    from recurscope.interp.data import build_pairs
+    from recurscope.interp.protocols import corrector
+
+    layout = dict(n_facts=4, presentations=2, filler_tokens=12, gap_tokens=4, pairs_per_source=4)
+    dev = build_pairs(word_tok, split="dev", n_sources=8, **layout)
+    held = build_pairs(word_tok, split="heldout", n_sources=8, **layout)
+    fit = corrector.fit_corrector(None, dev, (0, 0), rank=6, feats=_synthetic_features(dev, (0, 0), 1))
+    assert fit.method == "logits_and_state" and fit.multiple > 0
+    feats = _synthetic_features(held, (0, 0), 2)
+    r = held.recipient_answer_index
+    before = float((feats.clean.argmax(1) == r).double().mean())
+    after = float((corrector.corrector_logits(None, held, fit, feats).argmax(1) == r).double().mean())
+    assert before < 0.5 and after > 0.9
+    # scale 0 gives back the clean four-way logits exactly
+    zero = corrector.Corrector((0, 0), fit.mean, fit.weight, 0.0, 6, fit.fit_sources)
+    torch.testing.assert_close(corrector.corrector_logits(None, held, zero, feats), feats.clean)
+    with pytest.raises(ValueError, match="held-out sources only"):
+        corrector.corrector_logits(None, dev, fit, _synthetic_features(dev, (0, 0), 1))
+    with pytest.raises(ValueError, match="method must be one of"):
+        corrector.fit_corrector(None, dev, (0, 0), feats=_synthetic_features(dev, (0, 0), 1), method="magic")

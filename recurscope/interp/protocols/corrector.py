@@ -73,8 +73,9 @@ class Corrector:
     rank: int
     fit_sources: frozenset = field(default_factory=frozenset)
     ridge: float = float("nan")
-    multiple: float = float("nan")      # alpha over the method's scale unit, chosen on dev
+    multiple: float = float("nan")      # residual: alpha over the residual-norm unit; logits_and_state: alpha
     method: str = "logits_and_state"
+    logit_weight: float = 1.0           # logits_and_state: the weight of the four-way logits beside alpha
 
     def delta(self, features: torch.Tensor, pairs=None) -> torch.Tensor:
         if pairs is not None:
@@ -156,27 +157,57 @@ def _fit_map(X: torch.Tensor, Y: torch.Tensor, rank: int, ridge: float) -> tuple
     return mean, _ridge_rank(X - mean, Y - Y.mean(0), rank, ridge)
 
 
-def _scores(model, pairs, feats: Features, delta: torch.Tensor, method: str) -> torch.Tensor:
-    """Candidate scores after the correction delta (N, D) by `method` (METHODS)."""
-    if method == "residual":
-        return corrected_logits(model, pairs, feats.resid, delta)
-    return feats.clean.double() + torch.einsum("nd,ncd->nc", delta.double(), feats.cand_dirs)
+def _combine(clean: torch.Tensor, state: torch.Tensor, answer: torch.Tensor) -> tuple[float, float]:
+    """(logit weight, state weight) of the four-way logits and the query-aligned state features, fitted by a
+    conditional logistic regression over the candidates (softmax of a * z_c + b * g_c, a small L2 penalty)."""
+    w = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=200, line_search_fn="strong_wolfe")
+    z, g = clean.double(), state.double()
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(w[0] * z + w[1] * g, answer) + 1e-4 * (w * w).sum()
+        loss.backward()
+        return loss
+    opt.step(closure)
+    return float(w[0].detach()), float(w[1].detach())
 
 
-def _scale_unit(feats: Features, pred: torch.Tensor, method: str) -> float:
-    """The scale alpha is a multiple of: the residual's norm over the prediction's (residual), or the clean logits'
-    spread over the candidates over the state term's (logits_and_state)."""
-    if method == "residual":
-        num, den = feats.resid.norm(dim=1).mean(), pred.norm(dim=1).mean()
-    else:
-        num = feats.clean.double().std(1).mean()
-        den = torch.einsum("nd,ncd->nc", pred, feats.cand_dirs).std(1).mean()
-    return float(num) / max(float(den), 1e-12)
+def _scale_unit(feats: Features, pred: torch.Tensor) -> float:
+    """The residual variant's alpha is a multiple of the residual's norm over the prediction's."""
+    return float(feats.resid.norm(dim=1).mean()) / max(float(pred.norm(dim=1).mean()), 1e-12)
 
 
 def corrector_logits(model, pairs, corrector: "Corrector", feats: Features) -> torch.Tensor:
     """The corrector's candidate scores on `pairs` (refused on the sources it was fitted on)."""
-    return _scores(model, pairs, feats, corrector.delta(feats.readout[corrector.head], pairs), corrector.method)
+    delta = corrector.delta(feats.readout[corrector.head], pairs)
+    if corrector.method == "residual":
+        return corrected_logits(model, pairs, feats.resid, delta)
+    return corrector.logit_weight * feats.clean.double() + torch.einsum("nd,ncd->nc", delta, feats.cand_dirs)
+
+
+def _fit_logits_and_state(pairs, feats: Features, X, Y, head, rank: int, ridges, fit_i, sel_i) -> "Corrector":
+    """The paper's corrector: per ridge, the map on the even dev sources and the logistic combination on them,
+    scored on the odd ones against the uncorrected logits (a correction must beat them there to be made)."""
+    r = pairs.recipient_answer_index
+    base = float((feats.clean[sel_i].argmax(1) == r[sel_i]).double().mean())
+    best = (base, None)
+    for ridge in ridges:
+        mean, weight = _fit_map(X[fit_i], Y[fit_i], rank, ridge)
+
+        def state(idx):
+            return torch.einsum("nd,ncd->nc", (X[idx] - mean) @ weight, feats.cand_dirs[idx])
+        a, b = _combine(feats.clean[fit_i], state(fit_i), r[fit_i])
+        acc = float(((a * feats.clean[sel_i].double() + b * state(sel_i)).argmax(1) == r[sel_i]).double().mean())
+        if acc > best[0] + 1e-12:
+            best = (acc, ridge)
+    ridge = best[1]
+    if ridge is None:                            # nothing beat the four-way logits on the odd dev sources
+        mean, weight = _fit_map(X, Y, rank, ridges[0])
+        return Corrector(head, mean, weight, 0.0, rank, source_keys(pairs), ridge=ridges[0], multiple=0.0)
+    mean, weight = _fit_map(X, Y, rank, ridge)
+    a, b = _combine(feats.clean, torch.einsum("nd,ncd->nc", (X - mean) @ weight, feats.cand_dirs), r)
+    return Corrector(head, mean, weight, b, rank, source_keys(pairs), ridge=ridge, multiple=b, logit_weight=a)
 
 
 def fit_corrector(model, pairs, head, *, rank: int = 4, ridges: Sequence[float] = RIDGES,
@@ -201,20 +232,23 @@ def fit_corrector(model, pairs, head, *, rank: int = 4, ridges: Sequence[float] 
     if odd.all() or not odd.any():
         raise ValueError("the corrector cross-fits on even and odd dev sources; pass at least 2 dev sources")
     fit_i, sel_i = (~odd).nonzero()[:, 0], odd.nonzero()[:, 0]
+    if method == "logits_and_state":
+        return _fit_logits_and_state(pairs, feats, X, Y, head, rank, ridges, fit_i, sel_i)
     sel_pairs, fit_f, sel_f = pairs.select(sel_i.tolist()), feats.select(fit_i), feats.select(sel_i)
     r = sel_pairs.recipient_answer_index
     best = (-1.0, 0.0, ridges[0])
     for ridge in ridges:
         mean, weight = _fit_map(X[fit_i], Y[fit_i], rank, ridge)
-        unit = _scale_unit(fit_f, (X[fit_i] - mean) @ weight, method)
+        unit = _scale_unit(fit_f, (X[fit_i] - mean) @ weight)
         pred = (X[sel_i] - mean) @ weight
         for a in ALPHAS:
-            acc = float((_scores(model, sel_pairs, sel_f, a * unit * pred, method).argmax(1) == r).double().mean())
+            z = corrected_logits(model, sel_pairs, sel_f.resid, a * unit * pred)
+            acc = float((z.argmax(1) == r).double().mean())
             if acc > best[0] + 1e-12:
                 best = (acc, a, ridge)
     _, multiple, ridge = best
     mean, weight = _fit_map(X, Y, rank, ridge)
-    alpha = multiple * _scale_unit(feats, (X - mean) @ weight, method)
+    alpha = multiple * _scale_unit(feats, (X - mean) @ weight)
     return Corrector(head, mean, weight, alpha, rank, source_keys(pairs), ridge=ridge, multiple=multiple,
                      method=method)
 
@@ -228,7 +262,7 @@ def random_corrector(fitted: Corrector, seed: int = 0) -> Corrector:
     W = A @ B
     W = W * (fitted.weight.norm() / W.norm())
     return Corrector(fitted.head, fitted.mean, W, fitted.alpha, fitted.rank, fitted.fit_sources, fitted.ridge,
-                     fitted.multiple, fitted.method)
+                     fitted.multiple, fitted.method, fitted.logit_weight)
 
 
 def _rows(arm, pairs, clean: torch.Tensor, z: torch.Tensor) -> pd.DataFrame:
