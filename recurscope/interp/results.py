@@ -1,11 +1,15 @@
 """Result directories for recurscope runs: a manifest that pins what was run (model, checkpoint hash, arguments,
 seeds, sources, package versions), an append-only row log that survives being killed, and table/figure outputs.
 
-Row-log format (``<out>/<name>.jsonl``): UTF-8 text, one JSON object per line. Each ``append`` writes its rows, one
-per line, followed by one commit line ``{"__batch_end__": <number of rows in the batch>}``, in a single write that is
-flushed and fsynced. A reader keeps only rows followed by their commit line, so a batch is all-or-nothing: a crash
-mid-write leaves at most an uncommitted tail (possibly a torn last line), which readers ignore and the next append
-truncates before writing. Floats NaN/inf are written as Python's json writes them (NaN, Infinity).
+Row-log format (``<out>/<name>.jsonl``): UTF-8 text, one JSON object per line, one line per row. Each ``append``
+writes its rows in a single write that is flushed and fsynced; the batch's LAST row carries the commit as its first
+field, ``"__batch_end__": <number of rows in the batch>``. A reader keeps only rows of committed batches, so a batch
+is all-or-nothing: a crash mid-write leaves at most an uncommitted tail (possibly a torn last line), which readers
+ignore and the next append truncates before writing. Because the commit rides on a row, ``pd.read_json(path,
+lines=True)`` gives exactly the rows (plus a ``__batch_end__`` column, set on each batch's last row: drop it); only a
+crash's uncommitted tail, if any, would differ from ``RowLog.read()``. Logs written before this format end each batch
+with a separate line ``{"__batch_end__": n}`` and are still read. Floats NaN/inf are written as Python's json writes
+them (NaN, Infinity).
 """
 from __future__ import annotations
 
@@ -28,8 +32,9 @@ import pandas as pd
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
 COMMIT_KEY = "__batch_end__"
-# Bytes that start a commit line. json escapes quotes and newlines inside strings and rows may not use the key, so
-# this sequence occurs in the file only where a commit line begins (a commit line never starts the file).
+# Bytes that start a commit line (a batch's last row, or an older log's bare commit line). json escapes quotes and
+# newlines inside strings and rows may not use the key, so this sequence occurs only where a commit line begins; the
+# file's first line is the one commit line without the leading newline.
 _COMMIT_PREFIX = b'\n{"' + COMMIT_KEY.encode() + b'": '
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npz", ".npy", ".gguf", ".h5", ".msgpack")
 TRACKED_PACKAGES = ("torch", "triton", "transformers", "transformer_lens", "nnsight", "flash-linear-attention",
@@ -165,9 +170,12 @@ class RowLog:
                     break  # garbage inside the uncommitted tail (a torn write); ignored like the torn last line
                 raise ValueError(f"row log {self.path} is corrupt at byte {pos - len(line) - 1}: a committed line "
                                  f"is not JSON; the file was edited or damaged") from None
-            if isinstance(obj, dict) and set(obj) == {COMMIT_KEY}:
-                if obj[COMMIT_KEY] != len(pending):
-                    raise ValueError(f"row log {self.path} is corrupt: a commit line says {obj[COMMIT_KEY]} rows, "
+            if isinstance(obj, dict) and COMMIT_KEY in obj:
+                count = obj.pop(COMMIT_KEY)
+                if obj:                             # the batch's last row carries the commit
+                    pending.append(obj)
+                if count != len(pending):
+                    raise ValueError(f"row log {self.path} is corrupt: a commit line says {count} rows, "
                                      f"{len(pending)} precede it")
                 rows.extend(pending)
                 pending = []
@@ -240,15 +248,17 @@ class RowLog:
                 raise ValueError(f"rows must be dicts (column -> value), got {type(row).__name__} at position {i}")
             if COMMIT_KEY in row:
                 raise ValueError(f"column name {COMMIT_KEY!r} is reserved for the row log's commit lines (row {i})")
+            if not row:
+                raise ValueError(f"row {i} is empty: every row needs at least one column")
             if self.key is not None:
                 missing = [c for c in self.key if c not in row]
                 if missing:
                     raise ValueError(f"row {i} lacks the table's key columns {missing}; every row needs {self.key}")
+            body = dict(row) if i < len(rows) - 1 else {COMMIT_KEY: len(rows), **row}
             try:
-                lines.append(json.dumps(dict(row), default=_to_jsonable, ensure_ascii=False))
+                lines.append(json.dumps(body, default=_to_jsonable, ensure_ascii=False))
             except (TypeError, ValueError) as err:
                 raise ValueError(f"row {i} is not JSON serialisable: {err}") from None
-        lines.append(json.dumps({COMMIT_KEY: len(rows)}))
         payload = ("\n".join(lines) + "\n").encode("utf-8")
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -289,6 +299,13 @@ def _committed_end(fd: int, size: int) -> int:
                 return start + line_end + 1
             hit = chunk.rfind(_COMMIT_PREFIX, 0, hit)  # that commit line is torn; look further back
         end = start
+    head = os.pread(fd, min(size, _CHUNK), 0)     # the first line commits a one-row first batch
+    if head.startswith(_COMMIT_PREFIX[1:]):
+        line_end = head.find(b"\n")
+        if line_end < 0 and size > len(head):
+            line_end = os.pread(fd, size, 0).find(b"\n")
+        if line_end >= 0:
+            return line_end + 1
     return 0
 
 

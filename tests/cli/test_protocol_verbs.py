@@ -1,6 +1,6 @@
 """A smoke run of every protocol verb on two bundled checkpoints with tiny sizes, a native one (tiny-gla) and a
-transformers-format one through the bridge (tiny-qwen35): each writes its manifest, per-source table, summary, figure
-(PNG and SVG) and report section."""
+transformers-format one through the bridge (tiny-qwen35): each writes its manifest, per-row and per-source tables,
+summary, figure (PNG and SVG) and report section."""
 import json
 
 import pandas as pd
@@ -40,6 +40,7 @@ def test_verb_smoke(verb, model, tmp_path, capsys):
     summary = pd.read_csv(out / f"{verb}_summary.csv")
     assert {"estimate", "low", "high"} <= set(summary.columns) and len(summary)
     assert len(pd.read_csv(out / f"{verb}_sources.csv"))
+    assert len(pd.read_parquet(out / f"{verb}_rows.parquet"))          # the per-row table, beside its jsonl log
     for name in FIGURES[verb]:
         assert (out / "figures" / f"{name}.png").is_file() and (out / "figures" / f"{name}.svg").is_file()
     report = (out / "report.md").read_text()

@@ -131,8 +131,12 @@ def test_row_log_format_and_round_trip(tmp_path):
                                                                              "score": float("nan")}]) == 2
     log.append([{"source": "b", "head": 1, "score": 2.0, "note": "line\nbreak"}])
     lines = (tmp_path / "rows.jsonl").read_text().splitlines()
-    assert [json.loads(x) for x in lines][2] == {COMMIT_KEY: 2}
-    assert json.loads(lines[-1]) == {COMMIT_KEY: 1} and len(lines) == 5
+    # one line per row; each batch's last row carries the commit, so pandas reads exactly the rows
+    assert len(lines) == 3 and COMMIT_KEY not in json.loads(lines[0])
+    assert json.loads(lines[1])[COMMIT_KEY] == 2 and json.loads(lines[2])[COMMIT_KEY] == 1
+    plain = pd.read_json(tmp_path / "rows.jsonl", lines=True)
+    assert list(plain["head"]) == [1, 2, 1] and list(plain["source"]) == ["a", "a", "b"]
+    assert list(log.read().columns) == ["source", "head", "score", "note"]
     assert log.done_keys() == {("a", 1), ("a", 2), ("b", 1)}
     assert log.done_keys("source") == {"a", "b"}
     frame = log.read()
@@ -142,6 +146,27 @@ def test_row_log_format_and_round_trip(tmp_path):
         log.append([{"source": "c"}])
     with pytest.raises(ValueError, match="reserved"):
         log.append([{"source": "c", "head": 0, COMMIT_KEY: 1}])
+    with pytest.raises(ValueError, match="empty"):
+        RowLog(tmp_path / "other.jsonl").append([{}])
+
+
+def test_row_logs_of_the_older_format_with_bare_commit_lines_still_read(tmp_path):
+    path = tmp_path / "old.jsonl"
+    path.write_bytes(b'{"k": 0}\n{"k": 1}\n{"' + COMMIT_KEY.encode() + b'": 2}\n{"k": 2}\n')
+    log = RowLog(path, key=["k"])
+    assert list(log.read()["k"]) == [0, 1]                     # the last row was never committed
+    log.append([{"k": 2}])
+    assert list(log.read()["k"]) == [0, 1, 2]
+
+
+def test_a_one_row_first_batch_commits_on_the_first_line(tmp_path):
+    path = tmp_path / "one.jsonl"
+    log = RowLog(path, key=["k"])
+    log.append([{"k": 0}])
+    with open(path, "ab") as handle:                           # a torn second batch
+        handle.write(b'{"k": 1}\n{"k": 2, "pay')
+    log.append([{"k": 1}])
+    assert list(log.read()["k"]) == [0, 1] and len(path.read_text().splitlines()) == 2
 
 
 def test_torn_tail_is_ignored_then_truncated(tmp_path):
@@ -155,7 +180,7 @@ def test_torn_tail_is_ignored_then_truncated(tmp_path):
     assert log.done_keys() == {(0,), (1,)}
     assert list(log.read()["k"]) == [0, 1]
     log.append([{"k": 2}])
-    assert path.read_bytes() == committed + b'{"k": 2}\n{"' + COMMIT_KEY.encode() + b'": 1}\n'
+    assert path.read_bytes() == committed + b'{"' + COMMIT_KEY.encode() + b'": 1, "k": 2}\n'
     assert list(log.read()["k"]) == [0, 1, 2]
     # Garbage inside an uncommitted tail is tolerated; inside the committed part it is reported.
     with open(path, "ab") as handle:

@@ -6,7 +6,8 @@ report section (Section: title, intro, tables, reading sentences from interp.ver
   result directory), each declared once, and the verb's own options;
 - the result directory and its manifest: the work's arguments are every option the verb declares except how it is
   computed (--resamples, --out, --device, --dtype, --batch-size), so a rerun with the same work resumes;
-- the summary and per-source tables, the figures (PNG and SVG) and report.md, written by finish();
+- the per-row, per-source and summary tables (CSV and parquet), the figures (PNG and SVG) and report.md, written
+  by finish();
 - printing the section and where the results are.
 """
 from __future__ import annotations
@@ -169,8 +170,8 @@ def render(section: Section, figures: dict) -> str:
 
 def finish(result: ProtocolResult, run_dir, section: Callable[[ProtocolResult], Section],
            figures: Sequence[FigureSpec] = ()) -> ProtocolResult:
-    """Draws the figures (when there is a result directory), renders the section and writes the per-source rows,
-    the summary and report.md into run_dir."""
+    """Draws the figures (when there is a result directory), renders the section and writes the per-row and
+    per-source tables, the summary and report.md into run_dir."""
     result.run_dir = run_dir
     if run_dir is not None:
         from recurscope.interp.plots import plot_interval_panels
@@ -182,6 +183,7 @@ def finish(result: ProtocolResult, run_dir, section: Callable[[ProtocolResult], 
     result.section = render(section(result), result.figures)
     if run_dir is None:
         return result
+    run_dir.write_table(f"{result.name}_rows", result.rows)      # the row log's finished copy, CSV and parquet
     run_dir.write_table(f"{result.name}_sources", result.sources)
     run_dir.write_table(f"{result.name}_summary", result.summary)
     (run_dir.path / "report.md").write_text(result.section + "\n")
