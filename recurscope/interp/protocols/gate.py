@@ -139,7 +139,7 @@ def top1_correct(model, ids: torch.Tensor, query_pos: torch.Tensor, answer: torc
     device = iv.model_device(model)
     out = []
     with torch.no_grad():
-        for rows in iv._chunks(torch.arange(len(ids)), batch_size):
+        for rows in iv.chunks(torch.arange(len(ids)), batch_size):
             logits = model(ids[rows].to(device))
             z = logits[torch.arange(len(rows), device=logits.device), query_pos[rows].to(logits.device)]
             if candidate_ids is not None:
