@@ -207,7 +207,7 @@ def control_verdict(name: str, margin: Optional[Measure], specific: Optional[Mea
     if v.kind == AGREES:
         v = Verdict(AGREES, v.sentence.replace(AGREES, "consistent with zero, as a control should be"), margin)
     elif v.kind in (DIFFERS, OPPOSITE):
-        v = Verdict(DIFFERS, v.sentence.replace(v.kind, "NOT near zero, unlike a control in the paper"), margin)
+        v = Verdict(DIFFERS, v.sentence.replace(v.kind, "NOT zero, unlike a null control"), margin)
     extra = []
     if margin is not None and margin.defined and main is not None and main.defined and main.estimate != 0:
         extra.append(f"{100 * margin.estimate / main.estimate:.0f}% of {main_name}'s {main.number(main.estimate)}")
