@@ -4,7 +4,8 @@ A Measure is an estimate with its 95% interval and the number of sources it rest
 says about that quantity: a sign (the effect is positive / negative), a value (the paper's number), a bound (at
 least / at most a number) or a range. judge(measure, claim) returns a Verdict whose kind is one of
 
-- AGREES: the paper's number lies inside the interval, or the interval excludes the opposite of the claim;
+- AGREES: the paper's number lies inside the interval, or the interval excludes the opposite of the claim (a range
+  claim of an effect, e.g. a 30-40 pp loss, also needs the interval to exclude zero);
 - OPPOSITE: the interval excludes zero on the side opposite to the paper's sign;
 - NO_EVIDENCE: the interval includes the reference (zero for a sign), so the data decide neither way;
 - DIFFERS: the interval excludes the paper's number (or bound, or range) without a sign flip;
@@ -178,10 +179,13 @@ def _kind(m: Measure, c: Claim) -> tuple[str, str]:
             return DIFFERS, f"the interval lies {'below' if c.kind == 'at_least' else 'above'} the paper's bound {b}"
         return NO_EVIDENCE, f"the interval includes the paper's bound {b}"
     if c.kind == "range":
-        if hi >= c.value and lo <= c.upper:
-            return AGREES, f"the interval overlaps the paper's range {m.number(c.value)} to {m.number(c.upper)}"
-        side = "above" if lo > c.upper else "below"
-        return DIFFERS, f"the interval lies {side} the paper's range {m.number(c.value)} to {m.number(c.upper)}"
+        span = f"{m.number(c.value)} to {m.number(c.upper)}"
+        if hi < c.value or lo > c.upper:
+            return DIFFERS, f"the interval lies {'above' if lo > c.upper else 'below'} the paper's range {span}"
+        if (c.value > 0 and lo <= 0) or (c.upper < 0 and hi >= 0):
+            # the paper's range is an effect; an interval that still holds zero cannot confirm it
+            return NO_EVIDENCE, f"the interval reaches the paper's range {span} but includes zero"
+        return AGREES, f"the interval overlaps the paper's range {span}"
     raise ValueError(f"unknown claim kind {c.kind!r}; use Claim.positive/negative/equals/near_zero/at_least/"
                      "at_most/between")
 

@@ -45,6 +45,10 @@ def test_range_and_nonzero_claims():
     span = Claim.between(0.30, 0.40)
     assert judge(Measure(0.45, 0.38, 0.52, 16, "pp"), span, "loss").kind == V.AGREES
     assert judge(Measure(0.10, 0.02, 0.18, 16, "pp"), span, "loss").kind == V.DIFFERS
+    # the capacity case: a 6.2 pp loss resting on one source of 16 reaches the range but holds zero
+    assert judge(Measure(0.062, 0.0, 0.312, 16, "pp"), span, "loss").kind == V.NO_EVIDENCE
+    assert judge(Measure(-0.35, -0.45, -0.01, 16), Claim.between(-0.44, -0.27), "d").kind == V.AGREES
+    assert judge(Measure(-0.2, -0.3, 0.01, 16), Claim.between(-0.44, -0.27), "d").kind == V.NO_EVIDENCE
     assert judge(Measure(0.10, 0.02, 0.18, 16), Claim.nonzero(), "d").kind == V.AGREES
     assert judge(Measure(0.10, -0.02, 0.18, 16), Claim.nonzero(), "d").kind == V.NO_EVIDENCE
     with pytest.raises(ValueError, match="low <= high"):
@@ -94,14 +98,16 @@ def _r(metric, est, low, high, **where):
 def test_selectivity_reading():
     from recurscope.interp.protocols import selectivity
 
-    def summary(write_margin):
+    def summary(write_margin, breaks=(0.01, 0.005, 0.03)):
         return _rows([_r("donor_answer", 0.8, 0.7, 0.9, arm="state_swap"),
-                      _r("pooled_break_rate", 0.01, 0.0, 0.03, arm="state_swap"),
+                      _r("pooled_break_rate", *breaks, arm="state_swap"),
                       _r("donor_margin_shift", 13.0, 12.0, 14.0, arm="donor_write"),
                       _r("donor_margin_shift", *write_margin, arm="random_write"),
                       _r("donor_specific_shift", 0.01, -0.1, 0.1, arm="random_write")])
     assert kinds(selectivity.reading(summary((7.66, 6.0, 9.0)))) == [V.AGREES, V.AGREES, V.DIFFERS]
     assert kinds(selectivity.reading(summary((0.1, -0.2, 0.4)))) == [V.AGREES, V.AGREES, V.AGREES]
+    # no break at all: the interval holds zero, so it cannot confirm the paper's 0.4-1.4%
+    assert kinds(selectivity.reading(summary((0.1, -0.2, 0.4), (0.0, 0.0, 0.076))))[1] == V.NO_EVIDENCE
     low = _rows([_r("donor_answer", 0.3, 0.2, 0.4, arm="state_swap")])
     assert kinds(selectivity.reading(low)) == [V.DIFFERS]
 
@@ -179,8 +185,10 @@ def test_headscan_reading():
                       _r("spearman", *rho, scan="write_vs_read")])
     got = kinds(headscan.reading(summary((0.562, 0.321, 0.731), (0.125, 0.0625, 0.1875)), 16))
     assert got == [V.AGREES, V.NO_EVIDENCE, V.DIFFERS, V.DIFFERS]
-    got = kinds(headscan.reading(summary((0.2, -0.01, 0.35), (0.02, 0.0, 0.04)), 96))
+    got = kinds(headscan.reading(summary((0.2, -0.01, 0.35), (0.02, 0.01, 0.04)), 96))
     assert got == [V.AGREES, V.NO_EVIDENCE, V.AGREES, V.AGREES]
+    got = kinds(headscan.reading(summary((0.2, -0.01, 0.35), (0.01, 0.0, 0.03)), 96))
+    assert got[2] == V.NO_EVIDENCE
 
 
 def test_joint_threshold_counts_heads_over_the_threshold_in_both_scans_at_once():
