@@ -73,6 +73,24 @@ def frozen_head(model, head: Optional[Sequence[int]] = None, from_scan=None, *, 
     return (int(table.iloc[0]["layer"]), int(table.iloc[0]["head"])), table
 
 
+def frozen_setup(model, pairs, head, from_scan, *, n_dev: int, layout: Optional[dict], seed: int,
+                 build: Callable[[dict], object]):
+    """What a single-head protocol starts from: the §3.3 layout (overridden by `layout`), the frozen head with the
+    scan table it came from (frozen_head) and the evaluation pairs (`build(layout)` when `pairs` is None).
+    Returns (layout, head, scan table or None, pairs)."""
+    layout = {**pair_kwargs(seed=seed), **(layout or {})}
+    chosen, scan_heads = frozen_head(model, head, from_scan, n_dev=n_dev, layout=layout)
+    return layout, chosen, scan_heads, (build(layout) if pairs is None else pairs)
+
+
+def heldout_pairs(model, n_sources: int):
+    """build(layout) for frozen_setup: held-out swap pairs (build_pairs) of `n_sources` sources."""
+    from recurscope.interp.data import build_pairs
+
+    return lambda layout: build_pairs(model.tokenizer, split="heldout", n_sources=n_sources,
+                                      max_length=max_length(model), **layout)
+
+
 def head_label(heads) -> str:
     heads = [heads] if isinstance(heads, tuple) else heads
     return "+".join(f"L{l}H{h}" for l, h in heads)

@@ -22,7 +22,7 @@ import torch
 
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import ProtocolResult, ci_text, frozen_head, head_label, pair_kwargs
+from recurscope.interp.protocols._common import ProtocolResult, ci_text, frozen_setup, head_label
 from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
 from recurscope.interp.verdicts import Claim, judge, measure_from
 from recurscope.interp.protocols.selectivity import build_selectivity_pairs
@@ -80,10 +80,9 @@ def run_coupling(model, pairs=None, head: Optional[Sequence[int]] = None, *, run
                  n_sources: int = 32, n_dev: int = 16, layout: Optional[dict] = None, seed: int = 0,
                  n_resamples: int = 9999, model_name: str = "model", progress=None) -> ProtocolResult:
     """Rows: one per (pair, fact B != A, arm) with B's answer-margin change, cos(Δ_A, Δ_B) and the norms."""
-    layout = {**pair_kwargs(seed=seed), **(layout or {})}
-    chosen, _ = frozen_head(model, head, from_scan, n_dev=n_dev, layout=layout)
-    if pairs is None:
-        pairs = build_selectivity_pairs(model.tokenizer, n_sources=n_sources, model=model, **layout)
+    layout, chosen, _, pairs = frozen_setup(
+        model, pairs, head, from_scan, n_dev=n_dev, layout=layout, seed=seed,
+        build=lambda lay: build_selectivity_pairs(model.tokenizer, n_sources=n_sources, model=model, **lay))
     iv.check_pairs(model, pairs)
     layer, h = chosen
     device = iv.model_device(model)

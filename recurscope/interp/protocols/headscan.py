@@ -19,7 +19,7 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import ProtocolResult, frozen_head, head_label, max_length, pair_kwargs
+from recurscope.interp.protocols._common import ProtocolResult, frozen_setup, head_label, heldout_pairs
 from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
 from recurscope.interp.verdicts import Claim, Measure, judge
 from recurscope.interp.scan import all_heads, run_scan
@@ -84,13 +84,8 @@ def run_headscan(model, pairs=None, head: Optional[Sequence[int]] = None, *, run
                  n_sources: int = 32, n_dev: int = 16, layout: Optional[dict] = None, seed: int = 0,
                  batch_size: int = 16, n_resamples: int = 2000, model_name: str = "model",
                  progress=None) -> ProtocolResult:
-    from recurscope.interp.data import build_pairs
-
-    layout = {**pair_kwargs(seed=seed), **(layout or {})}
-    chosen, _ = frozen_head(model, head, from_scan, n_dev=n_dev, layout=layout)
-    if pairs is None:
-        pairs = build_pairs(model.tokenizer, split="heldout", n_sources=n_sources, max_length=max_length(model),
-                            **layout)
+    layout, chosen, _, pairs = frozen_setup(model, pairs, head, from_scan, n_dev=n_dev, layout=layout, seed=seed,
+                                            build=heldout_pairs(model, n_sources))
     writes = write_scan(model, pairs, batch_size=batch_size, run_dir=run_dir, progress=progress)
     if progress:
         progress("read scan (every head's state swap)")

@@ -16,7 +16,7 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, logged_arms,
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_setup, head_label, logged_arms,
                                                  max_length, pair_kwargs)
 from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
 from recurscope.interp.verdicts import Claim, judge, measure_from
@@ -55,10 +55,9 @@ def run_neutral(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_
                 n_sources: int = 32, n_dev: int = 16, layout: Optional[dict] = None, seed: int = 0,
                 batch_size: int = 16, n_resamples: int = 9999, model_name: str = "model",
                 progress=None) -> ProtocolResult:
-    layout = {**pair_kwargs(seed=seed), **(layout or {})}
-    chosen, _ = frozen_head(model, head, from_scan, n_dev=n_dev, layout=layout)
-    if pairs is None:
-        pairs = build_neutral_all_pairs(model.tokenizer, n_sources=n_sources, model=model, **layout)
+    layout, chosen, _, pairs = frozen_setup(
+        model, pairs, head, from_scan, n_dev=n_dev, layout=layout, seed=seed,
+        build=lambda lay: build_neutral_all_pairs(model.tokenizer, n_sources=n_sources, model=model, **lay))
     if set(pairs.variants) != {"neutral"}:
         raise ValueError("neutral suppression needs neutral-donor pairs: build them with build_neutral_pairs(..., "
                          "queries='all')")

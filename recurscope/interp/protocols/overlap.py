@@ -23,8 +23,8 @@ from recurscope.hooks.patches import WriteReplace, head_mask
 from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, source_means, summarise_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, logged_arms,
-                                                 max_length, pair_kwargs)
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_setup, head_label, heldout_pairs,
+                                                 logged_arms)
 from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish, layout_from_args
 from recurscope.interp.verdicts import Claim, judge, measure_from
 
@@ -101,14 +101,9 @@ def run_overlap(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_
                 n_sources: int = 32, n_dev: int = 16, layout: Optional[dict] = None, seed: int = 0,
                 batch_size: int = 16, n_resamples: int = 9999, model_name: str = "model",
                 progress=None) -> ProtocolResult:
-    from recurscope.interp.data import build_pairs
-
-    layout = {**pair_kwargs(seed=seed), **(layout or {})}
-    chosen, scan_heads = frozen_head(model, head, from_scan, n_dev=n_dev, layout=layout)
+    layout, chosen, scan_heads, pairs = frozen_setup(model, pairs, head, from_scan, n_dev=n_dev, layout=layout,
+                                                     seed=seed, build=heldout_pairs(model, n_sources))
     control = iv.choose_control_heads(model, [chosen], scan_heads)[0]
-    if pairs is None:
-        pairs = build_pairs(model.tokenizer, split="heldout", n_sources=n_sources, max_length=max_length(model),
-                            **layout)
 
     def compute(arm):
         on, mode = (control, arm.split(":", 1)[1]) if arm.startswith("control_head:") else (chosen, arm)

@@ -17,7 +17,7 @@ import pandas as pd
 
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, source_means, summarise_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, logged_arms,
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_setup, head_label, logged_arms,
                                                  max_length, pair_kwargs, pooled_break_rate)
 from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
 from recurscope.interp.verdicts import Claim, control_verdict, judge, measure_from
@@ -71,13 +71,12 @@ def run_selectivity(model, pairs=None, head: Optional[Sequence[int]] = None, *, 
     """Runs every arm on the frozen head over four-fact pairs (all facts queried); returns rows, per-source means,
     the summary by arm (with the pooled break rate), the figure and the report section. The head is `head`, else the
     top of `from_scan`, else the winner of a scan on `n_dev` dev sources (never the evaluation sources)."""
-    layout = {**pair_kwargs(seed=seed), **(layout or {})}
     bad = [a for a in arms if a not in ARMS]
     if bad:
         raise ValueError(f"unknown arms {bad}; choose from {ARMS}")
-    chosen, scan_heads = frozen_head(model, head, from_scan, n_dev=n_dev, layout=layout)
-    if pairs is None:
-        pairs = build_selectivity_pairs(model.tokenizer, n_sources=n_sources, model=model, **layout)
+    layout, chosen, scan_heads, pairs = frozen_setup(
+        model, pairs, head, from_scan, n_dev=n_dev, layout=layout, seed=seed,
+        build=lambda lay: build_selectivity_pairs(model.tokenizer, n_sources=n_sources, model=model, **lay))
     if int(pairs.is_target.sum()) == len(pairs):
         raise ValueError("selectivity needs non-target rows: build the pairs with build_multifact_pairs "
                          "(queries='all')")
