@@ -109,6 +109,7 @@ def run_confirm(model, pairs, heads: Sequence, run_dir=None, *, scan_heads: Opti
     summary = summarise_confirm(rows, n_resamples=n_resamples, seed=seed)
     if run_dir is not None:
         run_dir.write_table("confirm_summary", summary)
+        run_dir.write_table(CONFIRM_TABLE, rows)         # the row log's finished copy, CSV and parquet
     return ConfirmResult(rows, summary, heads, controls)
 
 

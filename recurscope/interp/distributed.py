@@ -428,6 +428,7 @@ def run_scan_ray(model_factory: Callable, pairs, heads: Sequence, run_dir=None, 
     result = summarise_scan(frame)
     if run_dir is not None:
         run_dir.write_table("scan_heads", result.heads)
+        run_dir.write_table(SCAN_TABLE, frame)           # the row log's finished copy, CSV and parquet
     stats.wall_s = time.perf_counter() - t0
     return result, stats
 
@@ -495,5 +496,6 @@ def run_confirm_ray(model_factory: Callable, pairs, heads: Sequence, controls: S
     summary = summarise_confirm(rows, n_resamples=n_resamples, seed=seed)
     if run_dir is not None:
         run_dir.write_table("confirm_summary", summary)
+        run_dir.write_table(CONFIRM_TABLE, rows)         # the row log's finished copy, CSV and parquet
     stats.wall_s = time.perf_counter() - t0
     return ConfirmResult(rows, summary, heads, list(controls)), stats

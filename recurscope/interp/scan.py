@@ -237,6 +237,7 @@ def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optiona
     result = summarise_scan(frame)
     if run_dir is not None:
         run_dir.write_table("scan_heads", result.heads)
+        run_dir.write_table(SCAN_TABLE, frame)           # the row log's finished copy, CSV and parquet
     return result
 
 

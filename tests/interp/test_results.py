@@ -286,3 +286,18 @@ def test_write_table_and_figure_path(checkpoint, tmp_path):
     assert figure == tmp_path / "run" / "figures" / "head_scan" and figure.parent.is_dir()
     with pytest.raises(ValueError, match="plain file name"):
         run.table("../escape")
+
+
+def test_a_finished_scan_writes_its_rows_as_parquet_equal_to_the_row_log(tmp_path, word_tok):
+    from helpers_models import tiny_model
+    from recurscope.interp.data import build_pairs
+    from recurscope.interp.scan import SCAN_TABLE, run_scan
+
+    model = tiny_model("gla_conv", layers=2, vocab_size=len(word_tok))
+    pairs = build_pairs(word_tok, split="dev", n_sources=2, n_facts=2, presentations=2, filler_tokens=8)
+    run = RunDir.create(tmp_path / "scan", kind="scan", model_name="tiny", args={})
+    run_scan(model, pairs, run_dir=run)
+    logged = run.table(SCAN_TABLE).read()
+    finished = pd.read_parquet(tmp_path / "scan" / f"{SCAN_TABLE}.parquet")
+    pd.testing.assert_frame_equal(finished.reset_index(drop=True), logged.reset_index(drop=True), check_dtype=False)
+    assert len(pd.read_json(tmp_path / "scan" / f"{SCAN_TABLE}.jsonl", lines=True)) == len(logged)
