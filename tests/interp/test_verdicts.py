@@ -319,3 +319,29 @@ def test_the_logits_and_state_corrector_rescues_answers_its_features_hold(word_t
         corrector.corrector_logits(None, dev, fit, _synthetic_features(dev, (0, 0), 1))
     with pytest.raises(ValueError, match="method must be one of"):
         corrector.fit_corrector(None, dev, (0, 0), feats=_synthetic_features(dev, (0, 0), 1), method="magic")
+
+
+def test_reuse_subspace_claims_on_both_sides():
+    from recurscope.interp.protocols import reuse
+
+    def summary(kept, shape_answers):
+        return _rows([_r("shift_kept", *kept, part="subspace", vocab="colours", projection="colour_basis"),
+                      _r("donor_answer", *shape_answers, part="subspace", vocab="shapes", projection="colour_basis")])
+    info = {"formats": [], "rank": 4}
+    assert kinds(reuse.reading(summary((0.4, 0.3, 0.5), (0.0, 0.0, 0.1)), info)) == [V.AGREES, V.AGREES]
+    assert kinds(reuse.reading(summary((0.01, -0.02, 0.04), (0.3, 0.2, 0.4)), info)) == [V.NO_EVIDENCE, V.DIFFERS]
+
+
+def test_the_main_report_judges_its_arms_with_the_verdict_function():
+    from recurscope.interp.report import _reading
+
+    def summary(last):
+        return _rows([_r("donor_margin_shift", 17.0, 15.0, 19.0, intervention="state_swap"),
+                      _r("clean_accuracy", 0.95, 0.9, 0.98, intervention="state_swap"),
+                      _r("donor_margin_shift", *last, intervention="output_restore_last")], 32)
+    for last, kind in (((0.02, -0.1, 0.1), V.AGREES), ((0.4, 0.2, 0.6), V.DIFFERS)):
+        lines = _reading(summary(last))
+        verdict = judge(Measure(*last, 32), Claim.near_zero(), "x")
+        assert verdict.kind == kind and any(kind in line and Measure(*last, 32).text() in line for line in lines)
+    swap_line = next(line for line in _reading(summary((0.0, -0.1, 0.1))) if "+17.00 [+15.00, +19.00]" in line)
+    assert V.AGREES in swap_line
