@@ -67,11 +67,16 @@ class StateHookPoint(HookPoint):
 
 
 def is_intercepted(point: nn.Module) -> bool:
-    """Whether anything can see or change what this hook point returns: a forward hook (TransformerLens's hooks
-    and caches, plain torch hooks) or a replaced `forward` (nnsight installs its controller that way). A point
+    """Whether anything can see or change what this hook point returns, or asks for its gradient: a forward hook
+    (TransformerLens's hooks and caches, plain torch hooks), a backward hook (TransformerLens's dir="bwd",
+    `run_with_cache(incl_bwd=True)`) or a replaced `forward` (nnsight installs its controller that way). A point
     nobody intercepts returns its input unchanged, so the model can skip looking for patches there."""
-    global_hooks = getattr(nn.modules.module, "_global_forward_hooks", None)   # torch's register_module_forward_hook
-    return bool(point._forward_hooks) or "forward" in point.__dict__ or bool(global_hooks)
+    module = nn.modules.module
+    global_hooks = (getattr(module, "_global_forward_hooks", None)            # torch's register_module_forward_hook
+                    or getattr(module, "_global_backward_hooks", None)
+                    or getattr(module, "_global_backward_pre_hooks", None))
+    return (bool(point._forward_hooks) or bool(point._backward_hooks) or bool(point._backward_pre_hooks)
+            or "forward" in point.__dict__ or bool(global_hooks))
 
 
 def hook_name(point: str, layer: int | None = None) -> str:

@@ -9,14 +9,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def _accumulate(x: torch.Tensor) -> torch.Tensor:
+    """x in at least float32 (float64 stays float64, so that a float64 model is float64 throughout)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
+    xf = _accumulate(x)
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(|x|^2 + eps), the form fla's kernels use inside the delta rules."""
-    xf = x.float()
+    xf = _accumulate(x)
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 

@@ -25,6 +25,11 @@ def _split_heads(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.reshape(*t.shape[:-1], -1, dim)
 
 
+def _acc(t: torch.Tensor) -> torch.dtype:
+    """The gates' dtype: at least float32, float64 in a float64 model."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def _repeat_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
     """(B, T, H, D) -> (B, T, H*groups, D), head h serving heads h*groups .. h*groups+groups-1."""
     return t if groups == 1 else t.repeat_interleave(groups, dim=2)
@@ -69,23 +74,33 @@ class RecurrentMixer(nn.Module):
         The hook points fire on every call that something intercepts them (hooks.is_intercepted: TransformerLens
         hooks, nnsight's forward replacement, whose edits may be in place), and only then is a point's output
         compared with its input to find what changed: a forward without hooks makes no host sync here.
+
+        With autograd on (grad mode, and an input that requires grad), an intercepted write or state point's output
+        is what the recurrence reads even where it equals its input, so that its gradient is the loss's gradient
+        with respect to that quantity: backward hooks fire and `retain_grad` works (docs/gradients.md).
         """
         B, T, H, K = q.shape
+        scale_dtype = _acc(q)   # write scales in at least float32, float64 in a float64 model
         u, ws = k, None
         if is_intercepted(self.hook_write_key):
             u = self.hook_write_key(k.clone())
         else:
             self.hook_write_key(k)
         x = self.hook_write_value(x)
+        grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, u, x, g, a, init_state))
         if is_intercepted(self.hook_write_scale):
-            ws = self.hook_write_scale(torch.ones(B, T, H, dtype=torch.float32, device=q.device))
-            if bool((ws == 1).all()):
+            ones = torch.ones(B, T, H, dtype=scale_dtype, device=q.device)
+            # Under autograd the ones take part in the graph (a non-leaf, so that in-place edits stay allowed).
+            ws = self.hook_write_scale(ones.requires_grad_().clone() if grad else ones)
+            if not grad and bool((ws == 1).all()):
                 ws = None
         extra = None
-        if u is not k and not torch.equal(u, k):
-            # A patched write key must not move the erase: block the k x^T write and add u x^T instead.
+        if u is not k and (grad or not torch.equal(u, k)):
+            # A patched write key must not move the erase: block the k x^T write and add u x^T instead. Under
+            # autograd this holds for an unchanged key too, so that the write's gradient reaches u, the erase's k.
             extra = (u, x if ws is None else x * ws[..., None].to(x.dtype))
-            ws = torch.zeros(B, T, H, dtype=torch.float32, device=q.device)
+            ws = torch.zeros(B, T, H, dtype=scale_dtype, device=q.device)
         run = lambda sl, init, cap=None, final=True: kernels.recurrence(  # noqa: E731
             q[:, sl], k[:, sl], x[:, sl], g[:, sl], None if a is None else a[:, sl], scale=scale,
             initial_state=init, write_scale=None if ws is None else ws[:, sl],
@@ -112,14 +127,17 @@ class RecurrentMixer(nn.Module):
             raise ValueError(f"a hook_state hook must return shape {tuple(states.shape)}, got {tuple(patched.shape)}")
         changed = (patched.to(states.dtype) != states).flatten(3).any(-1)   # (B, P, H)
         hit = [i for i, c in enumerate(changed.any(dim=(0, 2)).tolist()) if c]
-        if not hit:
+        # Under autograd the recurrence continues from the hook's output at every captured position.
+        tracked = grad and patched.requires_grad
+        follow = list(range(len(positions))) if tracked else hit
+        if not follow:
             return out.o, out.final_state
-        # Rerun from the first patched position; each patch replaces the (batch, head) states it changes and
+        # Rerun from the first followed position; each patch replaces the (batch, head) states it changes and
         # the recurrence continues from there, so the change carries into every later step.
         o = out.o.clone()
         S = None
         prev = None
-        for i in hit:
+        for i in follow:
             p = positions[i]
             if prev is None:
                 S = states[:, i]
@@ -128,7 +146,14 @@ class RecurrentMixer(nn.Module):
                 o[:, prev + 1:p + 1] = seg.o
                 S = seg.final_state
             mask = changed[:, i][..., None, None]
-            S = torch.where(mask, patched[:, i].to(S.dtype), S)
+            new = patched[:, i].to(S.dtype)
+            if tracked:
+                # An unchanged entry keeps the carried value S and takes the gradient at the hook's output: the
+                # hook receives dL/dS_p (through every later step, later captures included), and the cancelling
+                # term stops that gradient from reaching the inputs a second time through the captured state.
+                kept = states[:, i].to(S.dtype)
+                S = S + (new - new.detach()) - (kept - kept.detach())
+            S = torch.where(mask, new, S)
             o[:, p] = (scale * torch.einsum("bhkv,bhk->bhv", S, q[:, p].to(S.dtype))).to(o.dtype)
             prev = p
         if prev + 1 < T:
@@ -202,7 +227,7 @@ class GLAMixer(RecurrentMixer):
         v = _repeat_heads(_split_heads(v, self.head_v), self.groups)
         gk = _repeat_heads(_split_heads(gk, self.head_k), self.groups)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        g = F.logsigmoid(gk.float()) / self.gate_logit_normalizer
+        g = F.logsigmoid(gk.to(_acc(gk))) / self.gate_logit_normalizer
         if self.clamp_min is not None:
             g = g.clamp_min(self.clamp_min)
         g = self.hook_decay(g)
@@ -270,12 +295,13 @@ class GatedDeltaNetMixer(_DeltaBase):
     def forward(self, h, layer_cache: Optional[LayerCache] = None, state_positions=None):
         new_conv = {}
         q, k, v = self._qkv(h, layer_cache, new_conv)
-        beta = torch.sigmoid(self.b_proj(h).float())
+        acc = _acc(h)
+        beta = torch.sigmoid(self.b_proj(h).to(acc))
         if self.allow_neg_eigval:
             beta = beta * 2.0
-        g = self.hook_decay(-self.A_log.float().exp() * F.softplus(self.a_proj(h).float() + self.dt_bias))
-        a = self.hook_erase(beta[..., None] * k.float())
-        x = beta[..., None] * v.float()
+        g = self.hook_decay(-self.A_log.to(acc).exp() * F.softplus(self.a_proj(h).to(acc) + self.dt_bias))
+        a = self.hook_erase(beta[..., None] * k.to(acc))
+        x = beta[..., None] * v.to(acc)
         init = None if layer_cache is None else layer_cache.state
         o, S = self._recur(q, k, x, g, a, init, state_positions, self.head_k ** -0.5)
         gate = _split_heads(self.g_proj(h), self.head_v) if self.use_gate else None
@@ -328,25 +354,26 @@ class GatedDeltaNet2Mixer(_DeltaBase):
         """lam_h per state head, strength applied; None for the GDN-2 arm."""
         if self.erase_arm == "gdn2":
             return None
-        return self.lambda_max * torch.sigmoid(self.qed_theta.float()) * self.strength
+        return self.lambda_max * torch.sigmoid(self.qed_theta.to(_acc(self.qed_theta))) * self.strength
 
     def forward(self, h, layer_cache: Optional[LayerCache] = None, state_positions=None):
         new_conv = {}
         q, k, v = self._qkv(h, layer_cache, new_conv)
-        g = F.softplus(self.f_proj(h).float() + self.dt_bias)
-        g = _split_heads(g, self.head_k) * -self.A_log.float().exp()[:, None]
-        b = torch.sigmoid(_split_heads(self.b_proj(h).float(), self.head_k))
-        w = torch.sigmoid(_split_heads(self.w_proj(h).float(), self.head_v))
+        acc = _acc(h)
+        g = F.softplus(self.f_proj(h).to(acc) + self.dt_bias)
+        g = _split_heads(g, self.head_k) * -self.A_log.to(acc).exp()[:, None]
+        b = torch.sigmoid(_split_heads(self.b_proj(h).to(acc), self.head_k))
+        w = torch.sigmoid(_split_heads(self.w_proj(h).to(acc), self.head_v))
         g, b = _repeat_heads(g, self.groups), _repeat_heads(b, self.groups)
         if self.allow_neg_eigval:
             b = b * 2.0
         b = self.hook_erase_gate(b)
         g = self.hook_decay(g)
         lam = self.qed_lambda()
-        a = kernels.erase_vector(k.float(), q.float(), b, lam if lam is not None else torch.zeros(k.shape[2]),
+        a = kernels.erase_vector(k.to(acc), q.to(acc), b, lam if lam is not None else torch.zeros(k.shape[2]),
                                  self.erase_arm, getattr(self, "qed_z", None))
         a = self.hook_erase(a)
-        x = w * v.float()
+        x = w * v.to(acc)
         init = None if layer_cache is None else layer_cache.state
         o, S = self._recur(q, k, x, g, a, init, state_positions, self.head_k ** -0.5)
         gate = _split_heads(self.g_proj(h), self.head_v)
