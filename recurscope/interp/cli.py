@@ -179,6 +179,7 @@ def validate_args(args) -> None:
         if value is not None and value < low:
             raise UsageError(f"--{name.replace('_', '-')} must be at least {low}, got {value}; e.g. "
                              f"--{name.replace('_', '-')} {max(low, 1) if name != 'seed' else 0}")
+    _check_scan_method(args)
     for h in getattr(args, "head", None) or []:
         if h < 0:
             raise UsageError(f"--head must be at least 0, got {h}; heads are numbered from 0")
@@ -198,6 +199,16 @@ def validate_args(args) -> None:
         require_ray()   # before --out is created: say how to install Ray at once
     if getattr(args, "out", None) is not None:
         _check_out(args.out)
+
+
+def _check_scan_method(args) -> None:
+    method, top = getattr(args, "method", None), getattr(args, "confirm_top", None)
+    if top is not None and method != "attribution":
+        raise UsageError("--confirm-top picks heads by their attribution estimate; add --method attribution")
+    if top is not None and top < 1:
+        raise UsageError(f"--confirm-top must be at least 1, got {top}; e.g. --confirm-top 5")
+    if method == "attribution" and getattr(args, "ray", None):
+        raise UsageError("--method attribution runs in one process (one backward pass per batch of pairs); drop --ray")
 
 
 def _check_device(spec: str) -> None:
@@ -271,8 +282,11 @@ def cmd_scan(args):
     spec = _ray_spec(args) if getattr(args, "ray", None) else None
     model = _load(args)
     pairs = _pairs(model, args)
+    method = getattr(args, "method", "exact")   # `run` calls this with its own arguments, which have no --method
+    # An exact scan's manifest is as before (its directories resume); an attribution scan's names its method.
+    how = {} if method == "exact" else {"method": method, "confirm_top": args.confirm_top}
     run = RunDir.create_or_open(args.out, kind="scan", model_name=args.model, checkpoint_path=model.checkpoint_dir,
-                                args=_work_args(args, PAIR_KEYS), seeds=[args.seed],
+                                args={**_work_args(args, PAIR_KEYS), **how}, seeds=[args.seed],
                                 sources=sorted(set(pairs.source_id.tolist())), split=args.sources,
                                 extra=_filler_record(pairs, args))
     if spec is not None:
@@ -286,6 +300,16 @@ def cmd_scan(args):
                                      progress=progress)
         finally:
             bar.close()
+    elif method == "attribution":
+        from recurscope.interp.scan_attribution import run_attribution_scan
+
+        with _progress_bar(desc="scan by attribution: pairs", unit="pair") as bar:
+            def progress(done, total):
+                bar.total = total
+                bar.n = done
+                bar.refresh()
+            result = run_attribution_scan(model, pairs, run_dir=run, batch_size=args.batch_size,
+                                          confirm_top=args.confirm_top, progress=progress)
     else:
         with _progress_bar(desc="scan: (pair, head) rows", unit="row") as bar:
             def progress(done, total):
@@ -296,7 +320,8 @@ def cmd_scan(args):
     from recurscope.interp.plots import plot_head_scan
 
     plot_head_scan(result.scores, run.figure_path("scan_heatmap"), selected=result.winner,
-                   title=f"{args.model}: state-swap donor-margin shift per head",
+                   title=f"{args.model}: state-swap donor-margin shift per head"
+                   + (" (first-order estimate)" if method == "attribution" and args.confirm_top is None else ""),
                    masked_layers={layer: "attention" for layer in model.attention_layers})
     best = result.heads.iloc[0]
     print(f"scan of {len(result.heads)} heads on {pairs.source_id.unique().numel()} {args.sources} sources: "
@@ -440,6 +465,11 @@ def main(argv=None) -> int:
     _model_args(p)
     _pair_args(p, "dev")
     _ray_args(p, scan=True)
+    p.add_argument("--method", default="exact", choices=["exact", "attribution"],
+                   help="exact: every head's state swap run (default); attribution: every head's effect estimated "
+                        "to first order from one backward pass per batch of pairs (docs/gradients.md)")
+    p.add_argument("--confirm-top", type=int, default=None, metavar="K",
+                   help="with --method attribution: scan the K heads with the largest estimates exactly")
     p.add_argument("--out", required=True)
     p.set_defaults(fn=cmd_scan)
     p = sub.add_parser("confirm", parents=[common], help="confirmatory patching of the scan's head on held-out sources")
