@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from recurscope.interp.interventions import check_pairs, model_device, normalise_heads
+from recurscope.interp.interventions.common import check_pairs, model_device, normalise_heads
 from recurscope.interp.models.cache import RecurrentCache
 from recurscope.interp.scan import (SCAN_KEY, SCAN_TABLE, ScanResult, _margins, _outputs_only, _prefix_cache,
                                     _query_logits, _target_rows, all_heads, run_scan, summarise_scan)

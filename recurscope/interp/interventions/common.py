@@ -166,8 +166,10 @@ def boundary_groups(b: torch.Tensor, batch_size: int) -> Iterable[tuple[int, tor
 
 
 def candidate_logits(logits_last: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-    """(B, C) float32 logits of each row's candidates, on the CPU, from (B, vocab) logits."""
-    return logits_last.float().gather(1, cand.to(logits_last.device)).cpu()
+    """(B, C) logits of each row's candidates, on the CPU, from (B, vocab) logits: float32, or float64 for a float64
+    model (a head's small effect is then not float32's rounding of the margin)."""
+    acc = torch.promote_types(logits_last.dtype, torch.float32)
+    return logits_last.to(acc).gather(1, cand.to(logits_last.device)).cpu()
 
 
 class Collector:
