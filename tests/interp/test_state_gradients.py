@@ -165,10 +165,9 @@ def test_with_every_position_captured_the_write_gradient_is_the_state_gradient_a
 
 
 @pytest.mark.parametrize("name", ("tiny-gla", "tiny-qwen35"))
-def test_state_gradients_reach_retain_grad_and_the_caching_hooks(name):
-    """The issue's two symptoms: retain_grad on hook_state gave None and a backward hook never fired. The cache that
-    run_with_cache(incl_bwd=True) fills (TransformerLens's get_caching_hooks) now holds hook_state_grad, equal to the
-    retained gradient."""
+def test_state_gradients_reach_retain_grad_and_run_with_cache_incl_bwd(name):
+    """The issue's two symptoms: retain_grad on hook_state gave None and a backward hook never fired.
+    run_with_cache(..., incl_bwd=True) now returns hook_state_grad, equal to the retained gradient of the same loss."""
     from recurscope.interp.loading import load_model
 
     model = load_model(name)
@@ -181,10 +180,9 @@ def test_state_gradients_reach_retain_grad_and_the_caching_hooks(name):
         kept["state"] = t
 
     with model.hooks(fwd_hooks=[(state, retain)]):
-        model(tokens, state_positions=[4, 9])[0, -1].sum().backward()
+        model(tokens, state_positions=[4, 9], return_type="loss").backward()
     assert kept["state"].grad is not None and kept["state"].grad.abs().sum() > 0
     model.zero_grad()
-    cache, fwd, bwd = model.get_caching_hooks(names_filter=lambda n: n == state, incl_bwd=True)
-    with model.hooks(fwd_hooks=fwd, bwd_hooks=bwd):
-        model(tokens, state_positions=[4, 9])[0, -1].sum().backward()
+    _, cache = model.run_with_cache(tokens, state_positions=[4, 9], return_type="loss", incl_bwd=True,
+                                    names_filter=lambda n: n == state)
     assert torch.allclose(cache[state + "_grad"], kept["state"].grad, rtol=1e-5, atol=1e-6)
