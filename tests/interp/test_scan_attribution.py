@@ -82,6 +82,7 @@ def test_estimate_equals_the_exact_shift_for_a_swap_of_vanishing_size(word_tok, 
     assert exact / alpha == pytest.approx(row["shift"], rel=1e-2, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_cli_attribution_scan_writes_the_scan_directory_and_confirms_the_top_heads(tiny_checkpoint, tmp_path,
                                                                                     capsys):
     from recurscope.interp.cli import main
