@@ -235,12 +235,13 @@ def test_error_cases(tok, tmp_path):
 def test_multitoken_values_rejected_or_filtered(bpe_tok):
     vocab = list(VALUE_VOCABS["cities"][:6]) + ["Zyzzyvaquux"]
     with pytest.raises(ValueError, match="Zyzzyvaquux"):
-        build_pairs(bpe_tok, n_sources=1, vocab=vocab, **SMALL)
-    batch = build_pairs(bpe_tok, n_sources=4, vocab=vocab, on_multitoken="filter", **SMALL)
+        build_pairs(bpe_tok, n_sources=1, vocab=vocab, on_multitoken="error", **SMALL)
+    batch = build_pairs(bpe_tok, n_sources=4, vocab=vocab, **SMALL)   # filter is the default
     assert batch.report["n_filtered"] == 1 and list(batch.report["dropped_values"]) == ["Zyzzyvaquux"]
     assert all("Zyzzyvaquux" not in c for c in batch.candidates)
     with pytest.raises(ValueError, match="Zyzzyvaquux"):
-        build_pairs(bpe_tok, n_sources=1, keys=["Alice", "Bob", "Zyzzyvaquux"], n_facts=2, filler_tokens=4)
+        build_pairs(bpe_tok, n_sources=1, keys=["Alice", "Bob", "Zyzzyvaquux"], n_facts=2, filler_tokens=4,
+                    on_multitoken="error")
 
 
 def test_load_extremes(word_tok):

@@ -14,8 +14,9 @@ from typing import Iterator, Sequence
 import torch
 
 from .filler import SPLITS, FillerSource, Source
-from .tokenizer import encode_continuation, single_token_ids, token_strings
-from .words import KEY_NAMES, NATURAL_TEMPLATES, TEMPLATES, VALUE_VOCABS, Template, recall_words
+from .layout import LAYOUTS, PairLayout, resolve_layout
+from .tokenizer import decode_text, encode_continuation, encode_text, span_tokens, token_strings
+from .words import KEY_NAMES, LAYOUT_TEMPLATES, NATURAL_TEMPLATES, TEMPLATES, VALUE_VOCABS, Template, recall_words
 
 __all__ = [
     "Template",
@@ -25,6 +26,8 @@ __all__ = [
     "PairBatch",
     "iter_pairs",
     "build_pairs",
+    "PairLayout",
+    "MisalignedPairError",
     "build_multifact_pairs",
     "build_neutral_pairs",
     "build_update_pairs",
@@ -34,33 +37,29 @@ __all__ = [
 VARIANTS = ("swap", "neutral", "update")
 
 
-# --- compiled templates: token ids with slot markers -------------------------------------------------------------
+# --- templates as text: the filled sentence and where its key and value sit ---------------------------------------
 
-_KEY, _VALUE = -1, -2
-
-
-def _compile(tokenizer, text: str, name: str) -> list[int]:
-    """Encode a template string to ids, with _KEY / _VALUE marking the single-token slots."""
-    out: list[int] = []
-    pieces = re.split(r"(\{key\}|\{value\})", text)
-    unk = getattr(tokenizer, "unk_token_id", None)
-    for index, piece in enumerate(pieces):
-        if piece == "{key}":
-            out.append(_KEY)
-        elif piece == "{value}":
-            out.append(_VALUE)
-        elif piece.strip():
-            leading = index == 0 or piece[0].isspace()
-            ids = encode_continuation(tokenizer, piece.strip(), leading_space=leading)
-            if unk is not None and unk in ids:
-                raise ValueError(f"template {name!r}: {piece.strip()!r} contains words unknown to this tokenizer "
-                                 f"(tokens {token_strings(tokenizer, ids)}); add them to its vocabulary.")
-            out.extend(ids)
-    return out
+_SLOT = re.compile(r"\{key\}|\{value\}")
 
 
-def _fill(compiled: list[int], key_id: int, value_id: int | None) -> list[int]:
-    return [key_id if t == _KEY else (value_id if t == _VALUE else t) for t in compiled]
+def _render(text: str, key: str, value: str | None) -> tuple[str, tuple[int, int] | None, list[tuple[int, int]]]:
+    """`text` with its slots filled; the character span of the value (None without one) and of each key."""
+    out, pos, length = [], 0, 0
+    value_span, key_spans = None, []
+    for match in _SLOT.finditer(text):
+        literal = text[pos:match.start()]
+        out.append(literal)
+        length += len(literal)
+        word = key if match.group() == "{key}" else value
+        if match.group() == "{key}":
+            key_spans.append((length, length + len(word)))
+        else:
+            value_span = (length, length + len(word))
+        out.append(word)
+        length += len(word)
+        pos = match.end()
+    out.append(text[pos:])
+    return "".join(out), value_span, key_spans
 
 
 # --- records ------------------------------------------------------------------------------------------------------
@@ -268,7 +267,7 @@ class PairBatch:
 def _resolve_template(template: str | Template) -> Template:
     if isinstance(template, Template):
         return template
-    known = {**TEMPLATES, **NATURAL_TEMPLATES}
+    known = {**TEMPLATES, **NATURAL_TEMPLATES, **LAYOUT_TEMPLATES}
     if template not in known:
         raise ValueError(f"template must be a Template or one of {sorted(known)}; received {template!r}.")
     return known[template]
@@ -317,79 +316,178 @@ def _check_args(n_facts, presentations, filler_tokens, gap_tokens, lead_tokens, 
 
 @dataclass(frozen=True)
 class _Vocabulary:
-    """The single-token keys and values of one call, as words and as token ids (index i of each list matches)."""
+    """The keys and values of one call that are single tokens in the template's context and leave their neighbours'
+    tokens as they are, as words and as token ids (index i of each list matches)."""
 
     name: str
     key_words: list[str]
     key_ids: list[int]
     value_words: list[str]
     value_ids: list[int]
+    fact_len: int     # tokens of one fact sentence in context
+    query_len: int    # tokens of the query prompt in context
 
 
-def _vocabulary(tokenizer, keys: Sequence[str] | None, vocab: str | Sequence[str], on_multitoken: str, n_facts: int,
-                n_candidates: int, variant: str, report: dict | None) -> _Vocabulary:
-    """Resolve and filter the keys and values to single tokens; check there are enough for the task."""
+# Context a word is checked in: filler-like words around the template, as in a prompt.
+_BEFORE, _BETWEEN = "the old man said that", "and the"
+
+
+def _probe(tokenizer, tmpl: Template, key: str, value: str):
+    """Tokenise one fact and the query of `key` in a prompt-like context; the token span of the value, of every key
+    occurrence, of the fact and of the query (None where a token also holds a neighbour's characters), and the
+    ids with the value's tokens cut out (what must not depend on the value)."""
+    fact, value_span, fact_keys = _render(tmpl.fact, key, value)
+    query, _, query_keys = _render(tmpl.query, key, None)
+    fact_at = len(_BEFORE) + 1
+    query_at = fact_at + len(fact) + 1 + len(_BETWEEN) + 1
+    text = f"{_BEFORE} {fact} {_BETWEEN} {query}"
+    ids, offsets = encode_text(tokenizer, text)
+    value_tokens = span_tokens(text, offsets, fact_at + value_span[0], fact_at + value_span[1])
+    key_tokens = [span_tokens(text, offsets, at + s, at + e) for at, spans in ((fact_at, fact_keys),
+                                                                            (query_at, query_keys)) for s, e in spans]
+    fact_tokens = span_tokens(text, offsets, fact_at, fact_at + len(fact))
+    query_tokens = span_tokens(text, offsets, query_at, query_at + len(query))
+    rest = None if value_tokens is None else (tuple(ids[:value_tokens[0]]), tuple(ids[value_tokens[1]:]))
+    return ids, offsets, value_tokens, key_tokens, fact_tokens, query_tokens, rest
+
+
+def _tokens_near(tokenizer, ids, offsets, start: int, end: int) -> list[str]:
+    """The token strings overlapping characters [start, end) (for messages)."""
+    return token_strings(tokenizer, [t for t, (s, e) in zip(ids, offsets) if e > s and s < end and e > start])
+
+
+def _check_words(tokenizer, tmpl: Template, words: list[str], role: str, other: str, on_multitoken: str,
+                 list_name: str) -> tuple[list[str], list[int], dict[str, list[str]]]:
+    """Keep the words (keys when role='key', values otherwise) that are one token wherever the template puts them
+    and leave every other token of the prompt as it is; `other` fills the other slot. Returns (kept, ids, dropped
+    word -> its tokens in context)."""
+    if on_multitoken not in ("error", "filter"):
+        raise ValueError(f"on_multitoken must be 'error' or 'filter'; received {on_multitoken!r}.")
+    unk = getattr(tokenizer, "unk_token_id", None)
+    kept, ids_out, dropped, rests = [], [], {}, {}
+    for word in words:
+        key, value = (word, other) if role == "key" else (other, word)
+        ids, offsets, value_tokens, key_tokens, *_ , rest = _probe(tokenizer, tmpl, key, value)
+        spans = key_tokens if role == "key" else [value_tokens]
+        single = all(sp is not None and sp[1] - sp[0] == 1 for sp in spans)
+        token_ids = {ids[sp[0]] for sp in spans if sp is not None}
+        if single and len(token_ids) == 1 and (unk is None or unk not in token_ids):
+            kept.append(word)
+            ids_out.append(token_ids.pop())
+            if role == "value":
+                rests[word] = rest
+        else:
+            text = _render(f"{_BEFORE} {tmpl.fact}", key, value)[0]
+            at = text.find(word, len(_BEFORE) + 1)
+            dropped[word] = _tokens_near(tokenizer, ids, offsets, at, at + len(word))
+    if role == "value" and rests:
+        # The prompt around a value must tokenise the same whatever the value: a value that changes a neighbour's
+        # tokens would make donor and recipient differ outside the value.
+        common = max(set(rests.values()), key=list(rests.values()).count)
+        for word in [w for w in kept if rests[w] != common]:
+            i = kept.index(word)
+            del kept[i], ids_out[i]
+            dropped[word] = ["(changes the tokens around it)"]
+    if dropped and on_multitoken == "error":
+        detail = "; ".join(f"{w!r} -> {t}" for w, t in dropped.items())
+        raise ValueError(
+            f"{len(dropped)} {role}(s) of {list_name} are not single known tokens in template {tmpl.name!r} for this "
+            f"tokenizer, or change the tokens around them: {detail}. Use other words (--keys/--values), or pass "
+            f"on_multitoken='filter' (--on-multitoken filter, the default) to drop them.")
+    by_id: dict[int, list[str]] = {}
+    for word, token in zip(kept, ids_out):
+        by_id.setdefault(token, []).append(word)
+    collisions = {token: ws for token, ws in by_id.items() if len(ws) > 1}
+    if collisions:
+        raise ValueError(f"several {role}s map to the same token id: {collisions}; {role}s must be distinct words "
+                         f"with distinct tokens.")
+    return kept, ids_out, dropped
+
+
+def _vocabulary(tokenizer, tmpl: Template, keys: Sequence[str] | None, vocab: str | Sequence[str],
+                on_multitoken: str, n_facts: int, n_candidates: int, variant: str,
+                report: dict | None) -> _Vocabulary:
+    """Resolve the keys and values, keep those that are single tokens in the template's context; check there are
+    enough for the task."""
     vocab_name, value_words = _resolve_vocab(vocab)
     key_words = list(KEY_NAMES if keys is None else keys)
+    if not key_words:
+        raise ValueError("keys is empty; pass at least n_facts distinct key words.")
     if len(set(key_words)) != len(key_words):
         raise ValueError(f"keys must be distinct; received duplicates in {key_words}.")
-    value_words, value_ids, dropped_values = single_token_ids(tokenizer, value_words, on_multitoken, "value")
-    key_words, key_ids, dropped_keys = single_token_ids(tokenizer, key_words, on_multitoken, "key")
+    key_list = "the keys" if keys is None else "the given keys (--keys)"
+    value_list = f"vocab {vocab_name!r}" if vocab_name != "custom" else "the given values (--values)"
+    key_words, key_ids, dropped_keys = _check_words(tokenizer, tmpl, key_words, "key", value_words[0],
+                                                    on_multitoken, key_list)
+    if not key_words:
+        raise ValueError(f"none of the {len(dropped_keys)} words of {key_list} is a single token in template "
+                         f"{tmpl.name!r} for this tokenizer (e.g. {next(iter(dropped_keys.items()))}); "
+                         f"pass single-token keys with --keys.")
+    value_words, value_ids, dropped_values = _check_words(tokenizer, tmpl, value_words, "value", key_words[0],
+                                                          on_multitoken, value_list)
     if set(value_ids) & set(key_ids):
         raise ValueError("a key and a value map to the same token id; keys and values must be distinct words.")
     if report is not None:
         report.update({"dropped_values": dropped_values, "dropped_keys": dropped_keys,
-                       "n_filtered": len(dropped_values) + len(dropped_keys)})
+                       "n_filtered": len(dropped_values) + len(dropped_keys),
+                       "value_list": value_list, "key_list": key_list,
+                       "n_values_kept": len(value_words), "n_keys_kept": len(key_words)})
+    after = " after dropping the words that are not single tokens" if (dropped_keys or dropped_values) else ""
     if n_facts > len(key_words):
-        raise ValueError(f"n_facts={n_facts} bindings need {n_facts} distinct keys, but only {len(key_words)} "
-                         f"single-token keys are available{' after filtering' if dropped_keys else ''}; "
-                         f"lower n_facts or pass more keys.")
+        raise ValueError(f"n_facts={n_facts} bindings need {n_facts} distinct keys, but {key_list} has only "
+                         f"{len(key_words)} single-token keys{after} (dropped: {sorted(dropped_keys)}); "
+                         f"lower n_facts or pass more keys (--keys).")
     if len(value_words) < n_candidates:
-        raise ValueError(f"vocab {vocab_name!r} has {len(value_words)} single-token values"
-                         f"{' after filtering' if dropped_values else ''}; at least n_candidates={n_candidates} "
-                         f"are needed. Use a larger vocabulary.")
+        raise ValueError(f"{value_list} has {len(value_words)} single-token values{after} (dropped: "
+                         f"{sorted(dropped_values)}); at least n_candidates={n_candidates} are needed. Use another "
+                         f"vocabulary or pass values (--values).")
     min_values = 2 + (variant == "update") + (n_facts > 1)
     if len(value_words) < min_values:
-        raise ValueError(f"vocab {vocab_name!r} has {len(value_words)} single-token values; variant={variant!r} "
-                         f"with n_facts={n_facts} needs at least {min_values}. Use a larger vocabulary.")
-    return _Vocabulary(vocab_name, key_words, key_ids, value_words, value_ids)
+        raise ValueError(f"{value_list} has {len(value_words)} single-token values{after}; variant={variant!r} "
+                         f"with n_facts={n_facts} needs at least {min_values}. Use another vocabulary or pass values "
+                         f"(--values).")
+    ids, offsets, _, _, fact_tokens, query_tokens, _ = _probe(tokenizer, tmpl, key_words[0], value_words[0])
+    if fact_tokens is None or query_tokens is None:
+        raise ValueError(f"template {tmpl.name!r}: its fact or query merges with the surrounding text in this "
+                         "tokenizer's tokens; choose another template.")
+    template_ids = ids[fact_tokens[0]:fact_tokens[1]] + ids[query_tokens[0]:query_tokens[1]]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is not None and unk in template_ids:
+        raise ValueError(f"template {tmpl.name!r} contains words unknown to this tokenizer (tokens "
+                         f"{token_strings(tokenizer, template_ids)}); add them to its vocabulary or choose another "
+                         "template.")
+    return _Vocabulary(vocab_name, key_words, key_ids, value_words, value_ids,
+                       fact_tokens[1] - fact_tokens[0], query_tokens[1] - query_tokens[0])
 
 
 @dataclass(frozen=True)
 class _Layout:
-    """Token layout shared by every sequence of one call: [bos] lead, then each presentation followed by a gap (the
-    last one by the long filler), then the query prompt."""
+    """The planned token layout of one call: [bos] lead, then each presentation followed by a gap (the last one by
+    the long filler), then the query prompt. Filler pieces are exact token counts; the whole prompt is then
+    tokenised as text, so the actual length can differ by the merges the tokenizer makes across piece borders."""
 
-    fact_ids: list[int]     # compiled fact template, with _KEY / _VALUE slots
-    query_ids: list[int]    # compiled query template, with a _KEY slot
-    value_offset: int       # position of the value token inside a fact
-    bos: list[int]
+    template: Template
+    fact_len: int
+    query_len: int
     filler_lengths: list[int]  # token counts of the filler pieces, in layout order
-    length: int             # tokens per sequence
-
-    @property
-    def fact_len(self) -> int:
-        return len(self.fact_ids)
+    length: int             # planned tokens per sequence
 
 
-def _layout(tokenizer, tmpl: Template, n_facts: int, presentations: int, filler_tokens: int, gap_tokens: int,
-            lead_tokens: int, add_bos: bool, max_length: int | None) -> _Layout:
-    fact_ids = _compile(tokenizer, tmpl.fact, tmpl.name)
-    query_ids = _compile(tokenizer, tmpl.query, tmpl.name)
+def _layout(tokenizer, tmpl: Template, words: _Vocabulary, n_facts: int, presentations: int, filler_tokens: int,
+            gap_tokens: int, lead_tokens: int, add_bos: bool, max_length: int | None) -> _Layout:
     n_pres_total = n_facts * presentations
-    bos = []
-    if add_bos:
-        if getattr(tokenizer, "bos_token_id", None) is None:
-            raise ValueError("add_bos=True but this tokenizer has no bos_token_id; pass add_bos=False.")
-        bos = [tokenizer.bos_token_id]
+    if add_bos and getattr(tokenizer, "bos_token_id", None) is None:
+        raise ValueError("add_bos=True but this tokenizer has no bos_token_id; pass add_bos=False.")
+    specials = len(encode_text(tokenizer, "the")[0]) - len(encode_continuation(tokenizer, "the", leading_space=False))
+    bos = max(specials, int(add_bos))
     filler_lengths = [lead_tokens] + [gap_tokens] * (n_pres_total - 1) + [filler_tokens]
-    length = len(bos) + sum(filler_lengths) + n_pres_total * len(fact_ids) + len(query_ids)
+    length = bos + sum(filler_lengths) + n_pres_total * words.fact_len + words.query_len
     if max_length is not None and length > max_length:
         raise ValueError(
             f"filler_tokens={filler_tokens} with n_facts={n_facts}, presentations={presentations}, "
             f"gap_tokens={gap_tokens} makes sequences {length} tokens long, more than max_length={max_length}; "
             f"lower filler_tokens to at most {filler_tokens - (length - max_length)} or shrink the layout.")
-    return _Layout(fact_ids, query_ids, fact_ids.index(_VALUE), bos, filler_lengths, length)
+    return _Layout(tmpl, words.fact_len, words.query_len, filler_lengths, length)
 
 
 @dataclass(frozen=True)
@@ -428,22 +526,24 @@ def _schedule(n_pairs: int, n_values: int, n_candidates: int, n_facts: int, rng:
 
 @dataclass
 class _Context:
-    """One pair's donor and recipient context (everything before the query prompt) and what it binds."""
+    """One pair's donor and recipient context as text (everything before the query prompt), what it binds and where
+    (character spans: facts and values in the recipient's text, the target's values in the donor's)."""
 
-    recipient: list[int]
-    donor: list[int]
-    fact_spans: list[list[tuple[int, int]]]
-    value_spans: list[list[tuple[int, int]]]
+    recipient: str
+    donor: str
+    fact_chars: list[list[tuple[int, int]]]
+    value_chars: list[list[tuple[int, int]]]
+    donor_value_chars: list[tuple[int, int] | None]  # the target's presentations, in round order
     fact_keys: list[int]    # key index of each fact
     fact_values: list[int]  # recipient value index of each fact
     stale_value: int        # the overwritten value (update), else -1
     updated_rounds: list[int]
 
 
-def _context(rng: random.Random, layout: _Layout, words: _Vocabulary, pieces: list[list[int]],
-             spare: list[list[int]], target: int, r_value: int, d_value: int, n_facts: int, presentations: int,
-             variant: str, n_updated: int) -> _Context:
-    """Draw the other facts' keys and values and the presentation order, and write both contexts."""
+def _context(rng: random.Random, layout: _Layout, words: _Vocabulary, pieces: list[str], spare: list[str],
+             target: int, r_value: int, d_value: int, n_facts: int, presentations: int, variant: str,
+             n_updated: int) -> _Context:
+    """Draw the other facts' keys and values and the presentation order, and write both contexts as text."""
     n_values = len(words.value_ids)
     used = {r_value, d_value}
     stale_value = -1
@@ -461,39 +561,73 @@ def _context(rng: random.Random, layout: _Layout, words: _Vocabulary, pieces: li
         order.extend((rnd, f) for f in perm)
     updated_rounds = list(range(presentations - n_updated, presentations)) if variant == "update" else []
 
-    recipient: list[int] = list(layout.bos)
-    donor: list[int] = list(layout.bos)
-    piece_iter = iter(pieces)
-    spare_iter = iter(spare)
+    # Segments in order: (recipient text, donor text, (fact, round, recipient value span, donor value span) or None).
+    segments: list[tuple[str, str, tuple | None]] = []
+    piece_iter, spare_iter = iter(pieces), iter(spare)
 
     def add_filler() -> None:
         chunk = next(piece_iter)
-        recipient.extend(chunk)
-        donor.extend(chunk)
+        segments.append((chunk, chunk, None))
 
-    fact_len, value_offset = layout.fact_len, layout.value_offset
-    fact_spans = [[None] * presentations for _ in range(n_facts)]
-    value_spans = [[None] * presentations for _ in range(n_facts)]
     add_filler()
+    value_word = words.value_words
     for rnd, f in order:
-        start = len(recipient)
-        key_id = words.key_ids[fact_keys[f]]
+        key = words.key_words[fact_keys[f]]
         if f == target and variant == "update" and rnd not in updated_rounds:
-            r_val, d_val = words.value_ids[stale_value], words.value_ids[stale_value]
+            r_val = d_val = value_word[stale_value]
         elif f == target and variant in ("swap", "update"):
-            r_val, d_val = words.value_ids[r_value], words.value_ids[d_value]
+            r_val, d_val = value_word[r_value], value_word[d_value]
         else:
-            r_val = d_val = words.value_ids[fact_values[f]]
-        recipient.extend(_fill(layout.fact_ids, key_id, r_val))
+            r_val = d_val = value_word[fact_values[f]]
+        r_text, r_span, _ = _render(layout.template.fact, key, r_val)
+        d_text, d_span, _ = _render(layout.template.fact, key, d_val)
         if f == target and variant == "neutral":
-            donor.extend(next(spare_iter))
-        else:
-            donor.extend(_fill(layout.fact_ids, key_id, d_val))
-        fact_spans[f][rnd] = (start, start + fact_len)
-        value_spans[f][rnd] = (start + value_offset, start + value_offset + 1)
+            d_text, d_span = next(spare_iter), None
+        segments.append((r_text, d_text, (f, rnd, r_span, d_span)))
         add_filler()
-    assert len(recipient) == len(donor) == layout.length - len(layout.query_ids)
-    return _Context(recipient, donor, fact_spans, value_spans, fact_keys, fact_values, stale_value, updated_rounds)
+
+    fact_chars = [[None] * presentations for _ in range(n_facts)]
+    value_chars = [[None] * presentations for _ in range(n_facts)]
+    donor_value_chars: list = [None] * presentations
+    r_parts, d_parts, r_len, d_len = [], [], 0, 0
+    for r_text, d_text, tag in segments:
+        if not r_text and not d_text:
+            continue
+        if r_parts:   # segments are joined by one space
+            r_len, d_len = r_len + 1, d_len + 1
+        if tag is not None:
+            f, rnd, r_span, d_span = tag
+            fact_chars[f][rnd] = (r_len, r_len + len(r_text))
+            value_chars[f][rnd] = (r_len + r_span[0], r_len + r_span[1])
+            if f == target and d_span is not None:
+                donor_value_chars[rnd] = (d_len + d_span[0], d_len + d_span[1])
+        r_parts.append(r_text)
+        d_parts.append(d_text)
+        r_len, d_len = r_len + len(r_text), d_len + len(d_text)
+    return _Context(" ".join(r_parts), " ".join(d_parts), fact_chars, value_chars, donor_value_chars, fact_keys,
+                    fact_values, stale_value, updated_rounds)
+
+
+def _tokenise_prompt(tokenizer, text: str, add_bos: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    """The model tokenizer's ids of `text` (its own specials), with a BOS in front when `add_bos` asks for one and
+    the tokenizer did not add it."""
+    ids, offsets = encode_text(tokenizer, text)
+    if add_bos and (not ids or ids[0] != tokenizer.bos_token_id):
+        ids, offsets = [tokenizer.bos_token_id] + ids, [(0, 0)] + offsets
+    return ids, offsets
+
+
+class MisalignedPairError(ValueError):
+    """A donor/recipient pair whose tokens differ outside the target value (or fact, for neutral pairs)."""
+
+
+def _token_span(text: str, offsets, chars: tuple[int, int], what: str) -> tuple[int, int]:
+    span = span_tokens(text, offsets, *chars)
+    if span is None:
+        raise MisalignedPairError(f"{what} ({text[chars[0]:chars[1]]!r}) shares a token with the text around it in "
+                                  "this tokenizer, so its tokens cannot be told apart; choose another template or "
+                                  "other words.")
+    return span
 
 
 def _candidates(rng: random.Random, queried: int, target: int, r_value: int, d_value: int, slots: tuple[int, int],
@@ -532,20 +666,48 @@ def _candidates(rng: random.Random, queried: int, target: int, r_value: int, d_v
 
 
 def iter_pairs(tokenizer, split: str = "dev", n_sources: int = 16, *, sources: Sequence[Source] | None = None,
-               n_facts: int = 4, presentations: int = 3, filler_tokens: int = 512, gap_tokens: int = 24,
-               lead_tokens: int | None = None, template: str | Template = "is_in",
-               vocab: str | Sequence[str] = "cities", keys: Sequence[str] | None = None, variant: str = "swap",
-               queries: str = "target", n_updated: int = 1, pairs_per_source: int = 1, n_candidates: int = 4,
-               seed: int = 0, max_length: int | None = None, on_multitoken: str = "error",
-               add_bos: bool = False, report: dict | None = None) -> Iterator[RecallPair]:
+               layout: "PairLayout | str | None" = None, n_facts: int | None = None,
+               presentations: int | None = None, filler_tokens: int | None = None, gap_tokens: int | None = None,
+               lead_tokens: int | None = None, template: str | Template | None = None,
+               vocab: str | Sequence[str] = "cities", keys: Sequence[str] | None = None,
+               values: Sequence[str] | None = None, variant: str = "swap", queries: str = "target",
+               n_updated: int = 1, pairs_per_source: int = 1, n_candidates: int = 4, seed: int = 0,
+               max_length: int | None = None, on_multitoken: str = "filter", add_bos: bool = False,
+               report: dict | None = None) -> Iterator[RecallPair]:
     """Yield recall pairs: `pairs_per_source` per source (rows per pair: 1, or n_facts with queries='all').
 
+    Layout: `layout` (a PairLayout or a name in interp.data.layout.LAYOUTS; default "where_is"), with any of
+    n_facts, presentations, filler_tokens, gap_tokens, lead_tokens, template given here overriding its field: lead
+    filler, then `presentations` rounds presenting every fact once (order shuffled per round) separated by
+    `gap_tokens` of filler, then `filler_tokens` of filler, then the query prompt.
+
+    Every prompt is written as text and tokenised once by `tokenizer` itself (its BOS and special tokens as its
+    config says; `add_bos` adds a BOS when the tokenizer does not), so the ids are `tokenizer(text).input_ids`; every
+    span (facts, values, query) comes from the tokens' character offsets. Donor and recipient differ only at the
+    target value's token (the target fact's tokens for neutral pairs), which is checked on every pair.
+
+    Words: keys (default the recall key names) and values (`values`, or the vocabulary `vocab`: a name or a list)
+    must each be one token where the template puts them and must not change the tokens around them.
+    on_multitoken='filter' (the default) drops the others and lists them in `report` (dropped_keys, dropped_values,
+    each word with its tokens); a call refuses only when fewer remain than the task needs, naming the list and the
+    count. on_multitoken='error' refuses any such word by name.
+
     Filler comes from `sources` when given (e.g. interp.data.corpora), else from generated filler sources 0..n-1 of
-    `split` under `seed`. Layout: lead filler, then `presentations` rounds presenting every fact once (order shuffled
-    per round) separated by `gap_tokens` of filler, then `filler_tokens` of filler, then the query prompt.
-    Every sequence of one call has the same length. Pass a dict as `report` to receive what was filtered.
+    `split` under `seed`; filler pieces are exact token counts on word boundaries before the prompt is tokenised as a
+    whole, so a prompt can be a few tokens shorter than planned where the tokenizer merges across piece borders
+    (rows of one batch are then left-padded). Pass a dict as `report` to receive what was filtered.
     """
-    lead_tokens = gap_tokens if lead_tokens is None else lead_tokens
+    base = resolve_layout(layout) if layout is not None else LAYOUTS["where_is"]
+    if isinstance(template, Template):
+        tmpl = template
+        template = None
+    else:
+        tmpl = None
+    base = base.with_(n_facts=n_facts, presentations=presentations, filler_tokens=filler_tokens,
+                      gap_tokens=gap_tokens, lead_tokens=lead_tokens, template=template)
+    n_facts, presentations, filler_tokens, gap_tokens = (base.n_facts, base.presentations, base.filler_tokens,
+                                                         base.gap_tokens)
+    lead_tokens = gap_tokens if base.lead_tokens is None else base.lead_tokens
     _check_args(n_facts, presentations, filler_tokens, gap_tokens, lead_tokens, variant, queries, n_updated,
                 pairs_per_source, n_candidates)
     if sources is None:
@@ -557,10 +719,13 @@ def iter_pairs(tokenizer, split: str = "dev", n_sources: int = 16, *, sources: S
     sources = list(sources)
     if not sources:
         raise ValueError("sources is empty; pass at least one Source.")
-    tmpl = _resolve_template(template)
-    words = _vocabulary(tokenizer, keys, vocab, on_multitoken, n_facts, n_candidates, variant, report)
-    layout = _layout(tokenizer, tmpl, n_facts, presentations, filler_tokens, gap_tokens, lead_tokens, add_bos,
-                     max_length)
+    tmpl = tmpl or _resolve_template(base.template)
+    words = _vocabulary(tokenizer, tmpl, keys, vocab if values is None else list(values), on_multitoken, n_facts,
+                        n_candidates, variant, report)
+    plan = _layout(tokenizer, tmpl, words, n_facts, presentations, filler_tokens, gap_tokens, lead_tokens, add_bos,
+                   max_length)
+    if report is not None:
+        report["layout"] = {**base.to_dict(), "template": tmpl.name, "lead_tokens": lead_tokens}
     reserved = frozenset(words.key_ids) | frozenset(words.value_ids)
     n_values = len(words.value_ids)
     n_pairs = len(sources) * pairs_per_source
@@ -571,30 +736,36 @@ def iter_pairs(tokenizer, split: str = "dev", n_sources: int = 16, *, sources: S
     for source in sources:
         # Filler pieces in layout order, each an exact token count on word boundaries; shared by the source's pairs.
         stream = source.stream(tokenizer, reserved)
-        pieces = [stream.take(n) for n in layout.filler_lengths]
-        spare = [stream.take(layout.fact_len) for _ in range(presentations)] if variant == "neutral" else []
+        piece_ids = [stream.take(n) for n in plan.filler_lengths]
+        pieces = [decode_text(tokenizer, ids).strip() for ids in piece_ids]
+        spare = ([decode_text(tokenizer, stream.take(plan.fact_len)).strip() for _ in range(presentations)]
+                 if variant == "neutral" else [])
+        slack = _slack(stream) if plan.filler_lengths[-1] else []
         for j in range(pairs_per_source):
             i = pair_index
             pair_index += 1
-            rng = random.Random(f"recall-pair/{seed}/{source.split}/{source.origin}/{source.id}/{j}/{tmpl.name}/"
-                                f"{words.name}/{variant}/{i}")
+            seed_text = (f"recall-pair/{seed}/{source.split}/{source.origin}/{source.id}/{j}/{tmpl.name}/"
+                         f"{words.name}/{variant}/{i}")
             target = schedule.target[i]
             r_value, d_value = schedule.recipient_answer[i], schedule.donor_answer[i]
-            ctx = _context(rng, layout, words, pieces, spare, target, r_value, d_value, n_facts, presentations,
-                           variant, n_updated)
-            query_start = len(ctx.recipient)
+            rng, ctx = _fit_context(tokenizer, seed_text, plan, words, pieces, slack, spare, target,
+                                    r_value, d_value, n_facts, presentations, variant, n_updated, add_bos)
             keys_out = [words.key_words[ctx.fact_keys[f]] for f in range(n_facts)]
             r_values_out = [words.value_words[ctx.fact_values[f]] for f in range(n_facts)]
             d_values_out = list(r_values_out)
             d_values_out[target] = "" if variant == "neutral" else words.value_words[d_value]
             for q in [target] if queries == "target" else range(n_facts):
-                prompt = _fill(layout.query_ids, words.key_ids[ctx.fact_keys[q]], None)
+                query_text = _render(tmpl.query, words.key_words[ctx.fact_keys[q]], None)[0]
+                spans = _prompt_spans(tokenizer, ctx, query_text, words, target, variant, add_bos,
+                                      f"pair {i} (source {source.id} of {source.split}, key "
+                                      f"{keys_out[target]!r})")
+                recipient_ids, donor_ids, fact_spans, value_spans, query_start, query_pos = spans
                 chosen, answer_slot, donor_slot, stale_slot = _candidates(
                     rng, q, target, r_value, d_value, schedule.slots[i], ctx, n_values, n_candidates, variant)
                 yield RecallPair(
-                    recipient_ids=ctx.recipient + prompt, donor_ids=ctx.donor + prompt,
-                    fact_spans=[list(s) for s in ctx.fact_spans], value_spans=[list(s) for s in ctx.value_spans],
-                    query_start=query_start, query_pos=query_start + len(prompt) - 1,
+                    recipient_ids=recipient_ids, donor_ids=donor_ids,
+                    fact_spans=fact_spans, value_spans=value_spans,
+                    query_start=query_start, query_pos=query_pos,
                     candidate_ids=[words.value_ids[v] for v in chosen],
                     candidates=[words.value_words[v] for v in chosen],
                     recipient_answer_index=answer_slot, donor_answer_index=donor_slot,
@@ -603,6 +774,98 @@ def iter_pairs(tokenizer, split: str = "dev", n_sources: int = 16, *, sources: S
                     split=source.split, origin=source.origin, template=tmpl.name, vocab=words.name,
                     variant=variant, group=i, updated_presentations=ctx.updated_rounds,
                 )
+
+
+# Extra filler tokens drawn after a source's pieces, to lengthen or shorten the last filler piece of a prompt whose
+# tokenizer merged tokens across piece borders, so every prompt of a call keeps the planned length.
+_SLACK_TOKENS = 16
+
+
+def _slack(stream) -> list[int]:
+    try:
+        return stream.take(_SLACK_TOKENS, whole_words=False)
+    except ValueError:   # a short corpus window: no slack, prompts may then differ in length
+        return []
+
+
+def _fit_context(tokenizer, seed_text: str, plan: _Layout, words: _Vocabulary, pieces: list[str],
+                 slack: list[int], spare: list[str], target: int, r_value: int, d_value: int,
+                 n_facts: int, presentations: int, variant: str, n_updated: int, add_bos: bool):
+    """The pair's context (and its random generator, advanced past the context's draws), with the last filler piece
+    lengthened from `slack` or shortened, a whole word at a time at either end, until the prompt has the planned
+    token count (when a few tries reach it; otherwise the closest is kept)."""
+
+    def build(piece: str | None):
+        rng = random.Random(seed_text)
+        chosen = pieces if piece is None else pieces[:-1] + [piece]
+        ctx = _context(rng, plan, words, chosen, spare, target, r_value, d_value, n_facts, presentations, variant,
+                       n_updated)
+        query = _render(plan.template.query, words.key_words[ctx.fact_keys[target]], None)[0]
+        text = ctx.recipient + (" " if ctx.recipient else "") + query
+        return rng, ctx, len(_tokenise_prompt(tokenizer, text, add_bos)[0]) - plan.length
+
+    rng, ctx, excess = build(None)
+    if excess == 0 or not slack:
+        return rng, ctx
+    pool = decode_text(tokenizer, slack).split() + pieces[-1].split()
+    n_slack, n = len(pool) - len(pieces[-1].split()), len(pool)
+    counts = [len(encode_continuation(tokenizer, w)) for w in pool]
+    prefix = [0]
+    for c in counts:
+        prefix.append(prefix[-1] + c)
+    want = prefix[n] - prefix[n_slack] - excess
+    # Word windows [start, stop) whose words, counted one by one, give the wanted count; nearest the original first.
+    windows = sorted(((abs(start - n_slack) + (n - stop), start, stop) for start in range(n)
+                      for stop in range(max(start + 1, n - 8), n + 1) if prefix[stop] - prefix[start] == want))
+    best = (abs(excess), rng, ctx)
+    for _, start, stop in windows[:12]:
+        rng, ctx, excess = build(" ".join(pool[start:stop]))
+        if excess == 0:
+            return rng, ctx
+        if abs(excess) < best[0]:
+            best = (abs(excess), rng, ctx)
+    return best[1], best[2]
+
+
+def _prompt_spans(tokenizer, ctx: _Context, query_text: str, words: _Vocabulary, target: int, variant: str,
+                  add_bos: bool, where: str):
+    """Tokenise recipient and donor prompts; recover every span from the offsets and check that the two differ
+    only where they must (MisalignedPairError, naming the pair and the words, otherwise)."""
+    sep = " " if ctx.recipient else ""
+    r_text, d_text = ctx.recipient + sep + query_text, ctx.donor + sep + query_text
+    r_ids, r_off = _tokenise_prompt(tokenizer, r_text, add_bos)
+    d_ids, d_off = _tokenise_prompt(tokenizer, d_text, add_bos)
+    query_start, query_end = _token_span(r_text, r_off, (len(ctx.recipient) + len(sep), len(r_text)),
+                                         f"{where}: the query")
+    if query_end != len(r_ids):
+        raise ValueError(f"this tokenizer appends {token_strings(tokenizer, r_ids[query_end:])} after the text, so "
+                         "the answer would not be the next token after the query; use a tokenizer configuration "
+                         "that adds no end-of-sequence token.")
+    fact_spans = [[_token_span(r_text, r_off, c, f"{where}: a fact") for c in f] for f in ctx.fact_chars]
+    value_spans = [[_token_span(r_text, r_off, c, f"{where}: a value") for c in f] for f in ctx.value_chars]
+    value_ids = set(words.value_ids)
+    for spans in value_spans:
+        for (a, b) in spans:
+            if b - a != 1 or r_ids[a] not in value_ids:
+                raise MisalignedPairError(f"{where}: a value tokenises as {token_strings(tokenizer, r_ids[a:b])} "
+                                          "in the prompt, not as its single token; drop it with --values.")
+    # Where donor and recipient may differ: the target's value tokens (its whole fact for neutral pairs).
+    allowed = set()
+    for rnd, (a, b) in enumerate(fact_spans[target] if variant == "neutral" else value_spans[target]):
+        allowed.update(range(a, b))
+        if variant != "neutral" and ctx.donor_value_chars[rnd] is not None:
+            donor_span = span_tokens(d_text, d_off, *ctx.donor_value_chars[rnd])
+            if donor_span != (a, b):
+                allowed = None
+                break
+    differ = None if len(d_ids) != len(r_ids) else [t for t, (x, y) in enumerate(zip(r_ids, d_ids)) if x != y]
+    if allowed is None or differ is None or not set(differ) <= allowed:
+        raise MisalignedPairError(
+            f"{where}: the donor's tokens differ from the recipient's outside the target "
+            f"{'fact' if variant == 'neutral' else 'value'} (recipient {len(r_ids)} tokens, donor {len(d_ids)}): "
+            f"a word changes the tokens around it in this tokenizer. Drop the target's value "
+            f"{r_text[slice(*ctx.value_chars[target][-1])]!r} with --values, or use another template.")
+    return r_ids, d_ids, fact_spans, value_spans, query_start, query_end - 1
 
 
 def _pad_id(tokenizer) -> int:

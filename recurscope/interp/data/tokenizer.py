@@ -207,3 +207,38 @@ def load_word_tokenizer(directory: str | os.PathLike):
         raise ValueError(f"tokenizer directory {str(directory)!r} has no tokenizer.json; write it with "
                          f"save_word_tokenizer(tokenizer, directory) first.")
     return AutoTokenizer.from_pretrained(str(directory))
+
+
+# --- whole-text encoding: the ids a model's own tokenizer gives a prompt, and where each character went ----------
+
+def encode_text(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """`tokenizer(text).input_ids` (special tokens and BOS as the tokenizer's config says) and each token's
+    character offsets in `text` ((0, 0) for special tokens). Needs a fast (Rust-backed) tokenizer for the offsets."""
+    if hasattr(tokenizer, "encode_batch") and not callable(getattr(tokenizer, "convert_ids_to_tokens", None)):
+        encoding = tokenizer.encode(text)   # a raw `tokenizers.Tokenizer`: its post-processor adds the specials
+        return list(encoding.ids), [tuple(o) for o in encoding.offsets]
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"{type(tokenizer).__name__} is a slow tokenizer without character offsets; recall pairs "
+                         "are built as text and need offsets: load the model's fast tokenizer (tokenizer.json).")
+    encoding = tokenizer(text, return_offsets_mapping=True)
+    return list(encoding["input_ids"]), [tuple(o) for o in encoding["offset_mapping"]]
+
+
+def span_tokens(text: str, offsets: Sequence[tuple[int, int]], start: int, end: int) -> tuple[int, int] | None:
+    """The half-open token span [a, b) that covers exactly the characters text[start:end]: every token overlapping
+    them, provided those tokens hold nothing else but whitespace. None when a token also holds a neighbour's
+    characters (the word's tokenisation merged with its context)."""
+    hits = [i for i, (s, e) in enumerate(offsets) if e > s and s < end and e > start]
+    if not hits or hits != list(range(hits[0], hits[-1] + 1)):
+        return None
+    first, last = offsets[hits[0]], offsets[hits[-1]]
+    if text[first[0]:start].strip() or text[end:last[1]].strip():
+        return None
+    return hits[0], hits[-1] + 1
+
+
+def decode_text(tokenizer, ids: Sequence[int]) -> str:
+    """The text of `ids` as the tokenizer writes it back (for filler handed out as token ids)."""
+    if hasattr(tokenizer, "encode_batch") and not callable(getattr(tokenizer, "convert_ids_to_tokens", None)):
+        return tokenizer.decode(list(ids), skip_special_tokens=False)
+    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)

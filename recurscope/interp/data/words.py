@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 __all__ = ["KEY_NAMES", "VALUE_VOCABS", "NUMBER_WORDS", "RESERVED_WORDS", "Template", "TEMPLATES",
-           "NATURAL_TEMPLATES", "recall_words",
+           "NATURAL_TEMPLATES", "LAYOUT_TEMPLATES", "recall_words",
            "NOISE_SENTENCES", "NEEDLE", "NIAH_QUERY", "niah_words", "FillerLexicon", "FILLER_WORDS",
            "filler_vocabulary", "default_word_list"]
 
@@ -110,6 +110,15 @@ NATURAL_TEMPLATES: dict[str, Template] = {
     t.name: t for t in (
         Template("natural_lives", "{key} moved to the town of {value} and now lives there.",
                  "where does {key} live now? {key} lives in"),
+    )
+}
+
+
+#: The paper layout's template (interp.data.layout): the fact "KEY VALUE." and a query that is the key alone, one
+#: token, whose next token is the value. Kept out of TEMPLATES for the same reason as NATURAL_TEMPLATES.
+LAYOUT_TEMPLATES: dict[str, Template] = {
+    t.name: t for t in (
+        Template("key_value", "{key} {value}.", "{key}"),
     )
 }
 
