@@ -50,12 +50,53 @@ def _pair_args(p, split, choose_sources=True):
     p.add_argument("--allow-unk", action="store_true",
                    help=f"run even if more than {MAX_FILLER_UNKNOWN_RATE:.0%}% of the --corpus filler tokens are "
                         "the tokenizer's unknown token")
-    p.add_argument("--n-facts", type=int, default=4)
-    p.add_argument("--presentations", type=int, default=3)
-    p.add_argument("--filler", type=int, default=512, help="filler tokens between the last presentation and the query")
-    p.add_argument("--template", default="is_in")
-    p.add_argument("--vocab", default="cities")
+    _layout_args(p)
     p.add_argument("--seed", type=int, default=0)
+
+
+def _layout_args(p):
+    """The prompt layout and its words: every verb that builds pairs takes them (docs/data.md)."""
+    from recurscope.interp.data.layout import DEFAULT_LAYOUT, LAYOUTS
+
+    p.add_argument("--layout", default=None, choices=sorted(LAYOUTS),
+                   help="the prompt layout (default: the one the checkpoint records in pair_layout.json, else "
+                        f"{DEFAULT_LAYOUT!r}: 4 bindings x 3 presentations, 512 filler tokens, a single-token query)")
+    p.add_argument("--n-facts", type=int, default=None, help="bindings per prompt (default: the layout's)")
+    p.add_argument("--presentations", type=int, default=None, help="presentations of each binding (default: the layout's)")
+    p.add_argument("--filler", type=int, default=None,
+                   help="filler tokens between the last presentation and the query (default: the layout's)")
+    p.add_argument("--gap", type=int, default=None, help="filler tokens between presentations (default: the layout's)")
+    p.add_argument("--template", default=None, help="fact/query template (default: the layout's)")
+    p.add_argument("--vocab", default="cities", help="value vocabulary (see docs/data.md); --values overrides it")
+    p.add_argument("--keys", default=None, help="key words: a comma list, or a file with one word a line")
+    p.add_argument("--values", default=None, help="value words: a comma list, or a file with one word a line")
+    p.add_argument("--on-multitoken", default="filter", choices=["filter", "error"],
+                   help="words that are not single tokens for the model's tokenizer: drop them and list them in the "
+                        "report (filter, the default) or refuse the run naming them (error)")
+
+
+def word_list(spec):
+    """A --keys/--values value: a file with one word a line, or a comma-separated list."""
+    if spec is None:
+        return None
+    path = Path(spec)
+    words = path.read_text().split("\n") if path.is_file() else spec.split(",")
+    words = [w.strip() for w in words if w.strip()]
+    if not words:
+        raise UsageError(f"{spec!r} holds no words; pass a comma list (--values red,blue,green,gold) or a file with "
+                         "one word a line")
+    return words
+
+
+def pair_layout(model, args):
+    """The PairLayout of a run: --layout, else the checkpoint's recorded layout, else the paper's; the explicit
+    layout options override its fields."""
+    from recurscope.interp.data.layout import DEFAULT_LAYOUT, recorded_layout, resolve_layout
+
+    base = (resolve_layout(args.layout) if getattr(args, "layout", None) else
+            recorded_layout(getattr(model, "checkpoint_dir", None)) or resolve_layout(DEFAULT_LAYOUT))
+    return base.with_(n_facts=args.n_facts, presentations=args.presentations, filler_tokens=args.filler,
+                      gap_tokens=getattr(args, "gap", None), template=args.template)
 
 
 def _load(args):
@@ -64,29 +105,37 @@ def _load(args):
     # Under --ray the workers compute on --device; the driver only builds pairs, lists and checks heads, picks
     # controls and hashes the checkpoint, so its copy stays on the CPU rather than taking GPU 0 beside actor 0.
     device = "cpu" if getattr(args, "ray", None) else args.device
-    model = load_model(args.model, device=device, dtype=DTYPES[args.dtype])
-    if model.tokenizer is None:
-        raise UsageError(f"{args.model} has no tokenizer in its directory; recall pairs need one: save the model's "
-                         "tokenizer.json beside config.json")
-    return model
+    return load_model(args.model, device=device, dtype=DTYPES[args.dtype])
 
 
 def _pairs(model, args):
     from recurscope.interp.data import build_pairs
 
-    kwargs = dict(n_facts=args.n_facts, presentations=args.presentations, filler_tokens=args.filler,
-                  template=args.template, vocab=args.vocab, seed=args.seed, pairs_per_source=args.pairs_per_source,
+    layout = pair_layout(model, args)
+    args.pair_layout = layout.to_dict()
+    kwargs = dict(layout=layout, vocab=args.vocab, keys=word_list(getattr(args, "keys", None)),
+                  values=word_list(getattr(args, "values", None)), on_multitoken=args.on_multitoken,
+                  seed=args.seed, pairs_per_source=args.pairs_per_source,
                   max_length=getattr(model.cfg, "max_position_embeddings", None) if model.attention_layers else None)
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise UsageError(f"{args.model} has no tokenizer, and recall pairs are written as text for the model's own "
+                         "tokenizer: save its tokenizer.json beside config.json, or pass one to "
+                         "load_model(dir, tokenizer=...)")
     if args.corpus:
         from recurscope.interp.data import corpus_sources, read_text_folder, read_wikitext
 
         path = Path(args.corpus)
         docs = read_wikitext(path) if path.is_file() else read_text_folder(path)
         srcs = corpus_sources(docs, split=args.sources, n=args.n_sources)
-        pairs = build_pairs(model.tokenizer, srcs, **kwargs)
+        pairs = build_pairs(tokenizer, srcs, **kwargs)
     else:
-        pairs = build_pairs(model.tokenizer, split=args.sources, n_sources=args.n_sources, **kwargs)
-    _check_filler(pairs, args, model.tokenizer)
+        pairs = build_pairs(tokenizer, split=args.sources, n_sources=args.n_sources, **kwargs)
+    _check_filler(pairs, args, tokenizer)
+    dropped = {**pairs.report.get("dropped_keys", {}), **pairs.report.get("dropped_values", {})}
+    if dropped:
+        print(f"dropped {len(dropped)} word(s) that are not single tokens for this tokenizer "
+              f"(--on-multitoken filter): {', '.join(sorted(dropped))}", file=sys.stderr)
     return pairs
 
 
@@ -110,11 +159,58 @@ def _filler_record(pairs, args) -> dict:
     """What the filler was, for the manifest's `extra` and the report."""
     origin = (f"local corpus {args.corpus}" if args.corpus else
               f"generated filler (recurscope's grammar, seed {args.seed})")
-    return {"filler_source": origin, "filler_unknown_rate": pairs.report.get("filler_unknown_rate", 0.0),
+    report = pairs.report
+    return {"filler_source": origin, "pair_layout": getattr(args, "pair_layout", None),
+            "dropped_keys": report.get("dropped_keys", {}), "dropped_values": report.get("dropped_values", {}),
+            "key_list": report.get("key_list"), "value_list": report.get("value_list"),
+            "filler_unknown_rate": pairs.report.get("filler_unknown_rate", 0.0),
             "filler_unknown_tokens": pairs.report.get("filler_unknown_tokens", 0),
             "filler_tokens": pairs.report.get("filler_tokens", 0), "allow_unk": bool(args.allow_unk),
             "filler_unknown_limit": MAX_FILLER_UNKNOWN_RATE,
             "pairs_per_source": args.pairs_per_source, "device": args.device, "batch_size": args.batch_size}
+
+
+# Clean recall below this share of the pairs means the model does not do the task: no head is named and no control
+# is read (How Linear Attention Remembers, App. F.2 gates at 80% top-1).
+GATE_THRESHOLD = 0.8
+# Intervals over fewer sources than this are flagged in the output and the report.
+MIN_INTERVAL_SOURCES = 8
+
+
+def _gate_args(p):
+    p.add_argument("--gate-threshold", type=float, default=GATE_THRESHOLD,
+                   help="clean recall (recipient and donor, on the same pairs) below which the model is said not "
+                        f"to do the task and no head or control is read (default {GATE_THRESHOLD:.0%}, App. F.2)")
+
+
+def _capability(model, pairs, args, run) -> dict:
+    """Clean recall of recipient and donor on `pairs`, against --gate-threshold; written to gate.json in `run`."""
+    from recurscope.interp.protocols.gate import capability_gate
+
+    gate = capability_gate(model, pairs, threshold=args.gate_threshold, condition=f"{args.sources} pairs",
+                           batch_size=args.batch_size, seed=args.seed)
+    n_sources = int(pairs.source_id.unique().numel())
+    record = {"threshold": gate.threshold, "passed": gate.passed, "n_sources": n_sources,
+              "recipient": [gate.recipient.estimate, gate.recipient.low, gate.recipient.high],
+              "donor": [gate.donor.estimate, gate.donor.low, gate.donor.high], "split": args.sources}
+    (Path(run.path) / "gate.json").write_text(json.dumps(record, indent=1) + "\n")
+    line = (f"clean recall on these {args.sources} pairs: recipient {100 * gate.recipient.estimate:.1f}% "
+            f"[{100 * gate.recipient.low:.1f}, {100 * gate.recipient.high:.1f}], donor "
+            f"{100 * gate.donor.estimate:.1f}% (n = {n_sources} sources; gate {100 * gate.threshold:.0f}%)")
+    if not gate.passed:
+        print(f"THE MODEL DOES NOT DO THE TASK: {line}. No head is named and no control is read; see "
+              "README 'Your own checkpoint' (layout, filler, words).")
+    else:
+        print(line)
+    if n_sources < MIN_INTERVAL_SOURCES:
+        print(f"WARNING: only {n_sources} sources back each interval (fewer than {MIN_INTERVAL_SOURCES}); "
+              "intervals over so few sources are unreliable: raise --n-sources", file=sys.stderr)
+    return record
+
+
+def read_gate(run_dir):
+    path = Path(run_dir) / "gate.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _ray_args(p, scan=True):
@@ -151,8 +247,8 @@ def _work_args(args, keys):
     return {k: getattr(args, k) for k in keys}
 
 
-PAIR_KEYS = ("sources", "n_sources", "pairs_per_source", "corpus", "n_facts", "presentations", "filler", "template",
-             "vocab", "seed")
+PAIR_KEYS = ("sources", "n_sources", "pairs_per_source", "corpus", "layout", "n_facts", "presentations", "filler",
+             "gap", "template", "vocab", "keys", "values", "on_multitoken", "seed")
 
 
 @contextlib.contextmanager
@@ -289,6 +385,8 @@ def cmd_scan(args):
                                 args={**_work_args(args, PAIR_KEYS), **how}, seeds=[args.seed],
                                 sources=sorted(set(pairs.source_id.tolist())), split=args.sources,
                                 extra=_filler_record(pairs, args))
+    if not _capability(model, pairs, args, run)["passed"]:
+        return 0
     if spec is not None:
         from recurscope.interp.distributed import run_scan_ray
         from recurscope.interp.scan import all_heads
@@ -324,11 +422,30 @@ def cmd_scan(args):
                    + (" (first-order estimate)" if method == "attribution" and args.confirm_top is None else ""),
                    masked_layers={layer: "attention" for layer in model.attention_layers})
     best = result.heads.iloc[0]
+    verdict = winner_verdict(result, run.path)
+    name = (f"winner L{result.winner[0]}H{result.winner[1]}" if verdict["winner"] else
+            f"NO HEAD: the top head L{result.winner[0]}H{result.winner[1]}'s J interval "
+            f"[{verdict['low']:+.3f}, {verdict['high']:+.3f}] includes zero")
     print(f"scan of {len(result.heads)} heads on {pairs.source_id.unique().numel()} {args.sources} sources: "
-          f"winner L{result.winner[0]}H{result.winner[1]} (J = {best['J']:+.3f}, won {int(best['wins'])}/"
+          f"{name} (J = {best['J']:+.3f}, won {int(best['wins'])}/"
           f"{int(best['n_sources'])} sources" + (f", leave-one-source-out {'stable' if result.loso.stable else 'unstable'}"
                                                  if result.loso is not None else "") + f"); results in {run.path}")
     return 0
+
+
+def winner_verdict(result, run_path=None) -> dict:
+    """The top head's J with its source-bootstrap interval; a winner only when the interval excludes zero (it is
+    "no head" otherwise). Written to winner.json in `run_path`."""
+    from recurscope.interp import stats
+
+    layer, head = result.winner
+    scores = result.scores[(result.scores["layer"] == layer) & (result.scores["head"] == head)]
+    ci = stats.source_bootstrap_ci(scores["score"].to_numpy(), scores["source"].to_numpy())
+    verdict = {"layer": layer, "head": head, "J": ci.estimate, "low": ci.low, "high": ci.high,
+               "n_sources": int(scores["source"].nunique()), "winner": bool(ci.low > 0)}
+    if run_path is not None:
+        (Path(run_path) / "winner.json").write_text(json.dumps(verdict, indent=1) + "\n")
+    return verdict
 
 
 def cmd_confirm(args):
@@ -351,6 +468,8 @@ def cmd_confirm(args):
                                 args={**_work_args(args, PAIR_KEYS), "heads": heads, "from_scan": str(args.from_scan)},
                                 seeds=[args.seed], sources=sorted(set(pairs.source_id.tolist())), split=args.sources,
                                 extra=extra)
+    if not _capability(model, pairs, args, run)["passed"]:
+        return None
     if spec is not None:
         from recurscope.interp.distributed import run_confirm_ray
         from recurscope.interp.interventions import choose_control_heads, normalise_heads
@@ -425,19 +544,28 @@ def cmd_run(args):
     from recurscope.interp.confirm import heads_from_scan
     from recurscope.interp.report import write_report
     from recurscope.interp.scan import summarise_scan
-    import pandas as pd
 
     out = Path(args.out)
     scan_dir, confirm_dir = out / "scan", out / "confirm"
     scan_args = argparse.Namespace(**{**vars(args), "sources": "dev", "n_sources": args.n_dev, "out": scan_dir})
     cmd_scan(scan_args)
+    scan_gate = read_gate(scan_dir)
+    scan = None
+    if scan_gate["passed"]:
+        from recurscope.interp.results import RunDir
+
+        scan = summarise_scan(RunDir.open(scan_dir).table("scan_rows").read())
+        verdict = winner_verdict(scan)
+    if scan is None or not verdict["winner"]:
+        path = write_report(out, model_name=args.model, scan_dir=scan_dir, confirm_dir=None, heads=[],
+                            control_heads=[], scan_heads=None if scan is None else scan.heads,
+                            loso=None if scan is None else scan.loso, summary=None, figures={},
+                            gate=scan_gate, winner=None if scan is None else verdict)
+        print(f"report: {path}")
+        return 0
     conf_args = argparse.Namespace(**{**vars(args), "sources": "heldout", "n_sources": args.n_heldout,
                                       "out": confirm_dir, "from_scan": scan_dir, "top_k": 1})
     result = cmd_confirm(conf_args)
-    from recurscope.interp.results import RunDir
-
-    scan_rows = RunDir.open(scan_dir).table("scan_rows").read()
-    scan = summarise_scan(scan_rows)
     figures = {"scan_heatmap": scan_dir / "figures" / "scan_heatmap.png", "effects": confirm_dir / "figures" / "effects.png"}
     for key, src in list(figures.items()):
         if src.is_file():
@@ -445,8 +573,10 @@ def cmd_run(args):
             dst.write_bytes(src.read_bytes())
             figures[key] = dst
     path = write_report(out, model_name=args.model, scan_dir=scan_dir, confirm_dir=confirm_dir,
-                        heads=result.heads, control_heads=result.control_heads, scan_heads=scan.heads,
-                        loso=scan.loso, summary=result.summary, figures=figures)
+                        heads=[] if result is None else result.heads,
+                        control_heads=[] if result is None else result.control_heads, scan_heads=scan.heads,
+                        loso=scan.loso, summary=None if result is None else result.summary, figures=figures,
+                        gate=read_gate(confirm_dir), winner=verdict)
     print(f"report: {path}")
     return 0
 
@@ -470,6 +600,7 @@ def main(argv=None) -> int:
                         "to first order from one backward pass per batch of pairs (docs/gradients.md)")
     p.add_argument("--confirm-top", type=int, default=None, metavar="K",
                    help="with --method attribution: scan the K heads with the largest estimates exactly")
+    _gate_args(p)
     p.add_argument("--out", required=True)
     p.set_defaults(fn=cmd_scan)
     p = sub.add_parser("confirm", parents=[common], help="confirmatory patching of the scan's head on held-out sources")
@@ -478,6 +609,7 @@ def main(argv=None) -> int:
     p.add_argument("--from-scan", required=True, help="a scan result directory")
     p.add_argument("--top-k", type=int, default=1, help="confirm the top-k heads jointly")
     _ray_args(p, scan=False)
+    _gate_args(p)
     p.add_argument("--out", required=True)
     p.set_defaults(fn=cmd_confirm)
     p = sub.add_parser("patch", parents=[common], help="run the five interventions on one pair and print the table")
@@ -493,12 +625,15 @@ def main(argv=None) -> int:
     p.add_argument("--n-dev", type=int, default=N_SOURCES["dev"], help="dev sources for the scan")
     p.add_argument("--n-heldout", type=int, default=N_SOURCES["heldout"], help="held-out sources for the confirmation")
     _ray_args(p, scan=True)
-    p.add_argument("--out", default="results/tiny-gla")
+    _gate_args(p)
+    p.add_argument("--out", default=None, help="result directory (default results/<model name>)")
     p.set_defaults(fn=cmd_run)
     from recurscope.interp.protocols import register_verbs
 
     register_verbs(sub, _model_args, _load)
     args = parser.parse_args(argv)
+    if args.command == "run" and args.out is None:
+        args.out = str(Path("results") / (Path(str(args.model)).name or "model"))
     return _run_command(args)
 
 

@@ -110,11 +110,15 @@ def checkpoint_format(raw_config: dict) -> str:
 
 
 def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu",
-               dtype: Optional[torch.dtype] = None, backend: str = "auto") -> RecurrentModel:
+               dtype: Optional[torch.dtype] = None, backend: str = "auto", tokenizer=None) -> RecurrentModel:
     """Loads a local checkpoint directory (or a bundled name) strictly: every mismatch is listed.
 
     fla's format gives a RecurrentLM; a transformers checkpoint of a family the bridge knows (Qwen3.5 dense, MoE or
-    multimodal, Qwen3-Next, OLMo-hybrid, Kimi-Linear) gives a BridgedLM. Both implement the same model protocol (interp.models.protocol)."""
+    multimodal, Qwen3-Next, OLMo-hybrid, Kimi-Linear) gives a BridgedLM. Both implement the same model protocol (interp.models.protocol).
+
+    tokenizer: a tokenizer object, or a directory to load one from (AutoTokenizer); by default the checkpoint's own
+    (tokenizer.json beside config.json). A checkpoint without one loads for forward and hook work; building recall
+    pairs then asks for one."""
     directory = resolve_checkpoint(path_or_name)
     cfg_file = directory / "config.json"
     if not cfg_file.is_file():
@@ -127,7 +131,8 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     if fmt == "transformers":
         from recurscope.interp.bridge import load_transformers
 
-        model = load_transformers(directory, raw_config, device=device, dtype=dtype, backend=backend)
+        model = load_transformers(directory, raw_config, device=device, dtype=dtype, backend=backend,
+                                  tokenizer=tokenizer)
         model.name_or_path = str(path_or_name)
         return model
     cfg = _read_config(cfg_file)
@@ -160,7 +165,11 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     model.name_or_path = str(path_or_name)
     model.checkpoint_dir = directory
     model.eval()
-    if (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file():
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        model.tokenizer = tokenizer
+        return model
+    tokenizer_dir = Path(tokenizer) if tokenizer is not None else directory
+    if (tokenizer_dir / "tokenizer.json").is_file() or (tokenizer_dir / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -168,7 +177,7 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
         previous = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
-            model.tokenizer = AutoTokenizer.from_pretrained(str(directory))
+            model.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         finally:
             hf_logging.set_verbosity(previous)
     return model

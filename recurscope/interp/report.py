@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 
@@ -23,36 +24,77 @@ def _ci(summary: pd.DataFrame, intervention: str, metric: str, pct: bool = False
     return f"{f(r['estimate'])} [{f(r['low'])}, {f(r['high'])}]"
 
 
-def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, control_heads, scan_heads: pd.DataFrame,
-                 loso=None, summary: pd.DataFrame, figures: dict) -> Path:
+MIN_INTERVAL_SOURCES = 8
+
+
+def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, control_heads,
+                 scan_heads: Optional[pd.DataFrame], loso=None, summary: Optional[pd.DataFrame], figures: dict,
+                 gate: Optional[dict] = None, winner: Optional[dict] = None) -> Path:
+    """report.md in `out_dir`. `gate`: the clean-recall gate of the last stage that ran (gate.json); below its
+    threshold the report leads with "the model does not do the task" and names no head, reads no control.
+    `winner`: the top head's J interval (a winner only when it excludes zero; "no head" otherwise)."""
     out_dir = Path(out_dir)
-    manifest = json.loads((Path(confirm_dir) / "manifest.json").read_text())
+    main_dir = Path(confirm_dir) if confirm_dir is not None and (Path(confirm_dir) / "manifest.json").is_file() \
+        else Path(scan_dir)
+    manifest = json.loads((main_dir / "manifest.json").read_text())
     scan_manifest_path = Path(scan_dir) / "manifest.json"
     scan_manifest = json.loads(scan_manifest_path.read_text()) if scan_manifest_path.is_file() else {}
     extra, args = manifest.get("extra", {}), manifest.get("args", {})
     lines = [f"# recurscope report: {model_name}", ""]
-    if manifest.get("split") == "dev" or extra.get("confirmation_on_selection_sources"):
+    failed = gate is not None and not gate.get("passed", True)
+    if failed:
+        lines += [f"> **The model does not do the task.** {_gate_line(gate)}: below the preset "
+                  f"{100 * gate['threshold']:.0f}% gate (`--gate-threshold`). No head is named and no control is "
+                  "read: patching a model that does not recall the bindings measures nothing. Check the layout "
+                  "(`--layout`), the filler (`--corpus`) and the words (`--keys`, `--values`) against what the "
+                  "model was trained on (README, 'Your own checkpoint').", ""]
+    if manifest.get("split") == "dev" and confirm_dir is not None and main_dir == Path(confirm_dir) \
+            or extra.get("confirmation_on_selection_sources"):
         lines += ["> **WARNING: this \"confirmation\" ran on the dev sources, where the scan selected its heads. "
                   "Selection and test on the same sources is not a confirmation; rerun `recurscope confirm` with "
                   "`--sources heldout`.**", ""]
+    n_confirm = int(summary["n_sources"].max()) if summary is not None and len(summary) else 0
     lines += [f"- checkpoint: `{manifest.get('checkpoint_path')}` ({manifest.get('checkpoint_hash', '')[:19]}...)",
-              f"- scan: `{scan_dir}` on {scan_manifest.get('split', 'dev')} sources; "
-              f"confirmation: `{confirm_dir}` on {manifest.get('split')} sources "
-              f"(n = {summary['n_sources'].max() if len(summary) else 0}, "
-              f"{args.get('pairs_per_source', 1)} pair(s) per source)",
+              f"- scan: `{scan_dir}` on {scan_manifest.get('split', 'dev')} sources"
+              + (f"; confirmation: `{confirm_dir}` on {manifest.get('split')} sources (n = {n_confirm}, "
+                 f"{args.get('pairs_per_source', 1)} pair(s) per source)" if summary is not None else
+                 "; no confirmation ran"),
+              f"- layout: {_layout_line(extra.get('pair_layout'))}",
               f"- filler: {_filler_line(extra)}",
-              f"- seeds: {manifest.get('seeds')}; command: `{' '.join(manifest.get('argv', []))}`", ""]
+              f"- words: {_dropped_line(extra)}"]
+    if gate is not None:
+        lines.append(f"- clean recall on the {gate.get('split', '')} pairs (the gate): {_gate_line(gate)}, "
+                     f"threshold {100 * gate['threshold']:.0f}%: {'passed' if not failed else 'NOT passed'}")
+    lines += [f"- seeds: {manifest.get('seeds')}; command: `{' '.join(manifest.get('argv', []))}`", ""]
+    if failed:
+        path = out_dir / "report.md"
+        path.write_text("\n".join(lines) + "\n")
+        return path
     lines += ["## Head selection (dev sources)", "",
               "J(l, h) is the mean over sources of the donor-margin shift from a state swap of that single head at "
               "the query boundary (the difference the paper's text defines; its eq. 6 prints a product by mistake).", "",
               "| rank | head | J (logits) | sources won | mean rank |", "|---|---|---|---|---|"]
     for i, r in enumerate(scan_heads.head(10).itertuples(), 1):
         lines.append(f"| {i} | L{r.layer}H{r.head} | {r.J:+.3f} | {r.wins}/{r.n_sources} | {r.mean_rank:.1f} |")
+    if winner is not None:
+        lines += ["", (f"The top head L{winner['layer']}H{winner['head']} has J = {winner['J']:+.3f} "
+                       f"[{winner['low']:+.3f}, {winner['high']:+.3f}] (95% source bootstrap, n = "
+                       f"{winner['n_sources']}): " + ("its interval excludes zero, so it is the scan's winner."
+                                                      if winner["winner"] else
+                                                      "**no head**: the interval includes zero, so the scan names no "
+                                                      "winner and nothing is confirmed."))]
+        if winner["n_sources"] < MIN_INTERVAL_SOURCES:
+            lines += ["", f"> WARNING: only {winner['n_sources']} sources back this interval (fewer than "
+                          f"{MIN_INTERVAL_SOURCES}); it is unreliable."]
     if loso is not None:
         lines += ["", f"Leave-one-source-out: the winner is {'stable' if loso.stable else 'NOT stable'} "
                       f"({loso.n_stable}/{loso.n_sources} leave-outs agree)."]
     if "scan_heatmap" in figures:
         lines += ["", f"![head scan]({Path(figures['scan_heatmap']).name})"]
+    if summary is None or (winner is not None and not winner["winner"]):
+        path = out_dir / "report.md"
+        path.write_text("\n".join(lines) + "\n")
+        return path
     lines += ["", f"## Confirmation on held-out sources: {', '.join(f'L{l}H{h}' for l, h in heads)}", "",
               f"Control head(s): {', '.join(f'L{l}H{h}' for l, h in control_heads)} (the median-|J| head of the same "
               "layer). Estimates are means over sources. " + _intervals_line(summary), "",
@@ -66,6 +108,12 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
                      f"{_ci(summary, arm, 'donor_specific_shift')} | {_ci(summary, arm, 'distractor_shift')} | "
                      f"{_ci(summary, arm, 'donor_answer', True)} | {_ci(summary, arm, 'intervened_accuracy', True)} | "
                      f"{_ci(summary, arm, 'clean_accuracy', True)} |")
+    if n_confirm and n_confirm < MIN_INTERVAL_SOURCES:
+        lines += ["", f"> WARNING: only {n_confirm} held-out sources back these intervals (fewer than "
+                      f"{MIN_INTERVAL_SOURCES}); they are unreliable."]
+    identities = _by_construction(heads, extra.get("pair_layout"))
+    if identities:
+        lines += ["", "Arms equal by construction here:"] + [f"- {line}" for line in identities]
     if "effects" in figures:
         lines += ["", f"![intervention effects]({Path(figures['effects']).name})"]
     lines += ["", "## Reading", ""] + _reading(summary)
@@ -76,6 +124,48 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _gate_line(gate: dict) -> str:
+    r, d = gate["recipient"], gate["donor"]
+    return (f"recipient {100 * r[0]:.1f}% [{100 * r[1]:.1f}, {100 * r[2]:.1f}], donor {100 * d[0]:.1f}% "
+            f"[{100 * d[1]:.1f}, {100 * d[2]:.1f}] over {gate.get('n_sources')} sources")
+
+
+def _layout_line(layout: Optional[dict]) -> str:
+    if not layout:
+        return "not recorded"
+    lead = layout.get("lead_tokens")
+    return (f"`{layout.get('name')}`: {layout.get('n_facts')} bindings x {layout.get('presentations')} "
+            f"presentations, {layout.get('gap_tokens')} filler tokens between presentations"
+            + (f" ({lead} before the first)" if lead is not None else "")
+            + f", {layout.get('filler_tokens')} before the query, template `{layout.get('template')}`")
+
+
+def _dropped_line(extra: dict) -> str:
+    keys, values = extra.get("dropped_keys") or {}, extra.get("dropped_values") or {}
+    if "dropped_keys" not in extra:
+        return "not recorded"
+    if not keys and not values:
+        return "every key and value is a single token for this tokenizer; none dropped"
+    parts = []
+    for what, dropped, name in (("key", keys, extra.get("key_list")), ("value", values, extra.get("value_list"))):
+        if dropped:
+            parts.append(f"{len(dropped)} {what}(s) of {name} dropped, not single tokens here: "
+                         + ", ".join(f"{w} ({'/'.join(t)})" for w, t in sorted(dropped.items())))
+    return "; ".join(parts)
+
+
+def _by_construction(heads, layout: Optional[dict]) -> list[str]:
+    """Arms that cannot differ for these heads and this layout, whatever the model."""
+    out = []
+    if heads and all(int(layer) == 0 for layer, _ in heads):
+        out.append("output patch = state swap: at a layer-0 head donor and recipient feed the head the same query "
+                   "tokens after the boundary, so the swapped state produces exactly the donor's query-time outputs.")
+    if layout and layout.get("template") == "key_value":
+        out.append("output restore (every readout) = output restore (answer position): the query is one token, so "
+                   "the suffix has a single readout.")
+    return out
 
 
 def _filler_line(extra: dict) -> str:

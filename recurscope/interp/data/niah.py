@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from .tokenizer import decode_text, encode_continuation, encode_text, single_token_ids, span_tokens, token_strings
+from .tokenizer import require_tokenizer, decode_text, encode_continuation, encode_text, single_token_ids, span_tokens, token_strings
 from .words import KEY_NAMES, NEEDLE, NIAH_QUERY, NOISE_SENTENCES, NUMBER_WORDS, niah_words
 
 __all__ = ["NOISE_SENTENCES", "NEEDLE", "NIAH_QUERY", "NiahBatch", "build_niah", "niah_words"]
@@ -179,6 +179,7 @@ def build_niah(tokenizer, n: int, total_tokens: int, *, depths: float | Sequence
     each example also gets `n_choices` balanced candidate numbers (its answer among them) for candidate_loglik.
     Deterministic for a given seed.
     """
+    require_tokenizer(tokenizer)
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be an integer >= 1; received {n!r}.")
     if depths is None:

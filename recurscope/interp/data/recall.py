@@ -15,7 +15,7 @@ import torch
 
 from .filler import SPLITS, FillerSource, Source
 from .layout import LAYOUTS, PairLayout, resolve_layout
-from .tokenizer import decode_text, encode_continuation, encode_text, span_tokens, token_strings
+from .tokenizer import require_tokenizer, decode_text, encode_continuation, encode_text, span_tokens, token_strings
 from .words import KEY_NAMES, LAYOUT_TEMPLATES, NATURAL_TEMPLATES, TEMPLATES, VALUE_VOCABS, Template, recall_words
 
 __all__ = [
@@ -697,6 +697,7 @@ def iter_pairs(tokenizer, split: str = "dev", n_sources: int = 16, *, sources: S
     whole, so a prompt can be a few tokens shorter than planned where the tokenizer merges across piece borders
     (rows of one batch are then left-padded). Pass a dict as `report` to receive what was filtered.
     """
+    require_tokenizer(tokenizer)
     base = resolve_layout(layout) if layout is not None else LAYOUTS["where_is"]
     if isinstance(template, Template):
         tmpl = template

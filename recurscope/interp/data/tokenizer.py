@@ -242,3 +242,11 @@ def decode_text(tokenizer, ids: Sequence[int]) -> str:
     if hasattr(tokenizer, "encode_batch") and not callable(getattr(tokenizer, "convert_ids_to_tokens", None)):
         return tokenizer.decode(list(ids), skip_special_tokens=False)
     return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def require_tokenizer(tokenizer) -> None:
+    """A clear error where a model without a tokenizer meets code that writes prompts as text."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer, and prompts are written as text for the model's own "
+                         "tokenizer: save its tokenizer.json (and tokenizer_config.json) beside config.json, or load "
+                         "it with load_model(dir, tokenizer=<a tokenizer or its directory>).")
