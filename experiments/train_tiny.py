@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from recurscope.interp.data.layout import LAYOUT_FILE, LAYOUTS
 from recurscope.interp.data import TEMPLATES, VALUE_VOCABS, FillerSource, build_pairs, build_word_tokenizer, save_word_tokenizer
 from recurscope.interp.data import sources as filler_sources
 from recurscope.interp.loading import CHECKPOINT_DIR, save_model
@@ -736,6 +737,8 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     save_model(model, out, extra_config={"recurscope": meta})
     save_word_tokenizer(tokenizer, out)
     (out / "eval_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    # The layout the model is evaluated on (EVAL: where_is, is_in at 4 x 3, 512 filler), which the CLI then uses.
+    (out / LAYOUT_FILE).write_text(json.dumps(LAYOUTS["where_is"].to_dict(), indent=1) + "\n")
     (out / "eval_summary.md").write_text(_summary_markdown(name, summary, log_path))
     finish_run(out)
     return model, summary

@@ -27,6 +27,7 @@ from experiments import train_tiny as tt  # the curriculum, losses and evaluatio
 from experiments.training import train_loop
 
 from recurscope.interp.bridge.torch_path import use_torch_path
+from recurscope.interp.data.layout import LAYOUT_FILE, LAYOUTS
 from recurscope.interp.data import build_word_tokenizer, save_word_tokenizer
 from recurscope.interp.loading import CHECKPOINT_DIR
 
@@ -134,6 +135,8 @@ def train(out: Path, steps: int = 100_000, seed: int = 0, max_minutes: Optional[
     hf.save_pretrained(final_dir)
     save_word_tokenizer(tokenizer, final_dir)
     (final_dir / "eval_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    # The layout the model is evaluated on (EVAL: where_is, is_in at 4 x 3, 512 filler), which the CLI then uses.
+    (final_dir / LAYOUT_FILE).write_text(json.dumps(LAYOUTS["where_is"].to_dict(), indent=1) + "\n")
     (final_dir / "eval_summary.md").write_text(tt._summary_markdown(NAME, summary, out / "train_log.csv"))
     shutil.copy(out / "train_log.csv", final_dir / "train_log.csv")
     return summary

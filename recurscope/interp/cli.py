@@ -180,13 +180,21 @@ MIN_INTERVAL_SOURCES = 8
 def _gate_args(p):
     p.add_argument("--gate-threshold", type=float, default=GATE_THRESHOLD,
                    help="clean recall (recipient and donor, on the same pairs) below which the model is said not "
-                        f"to do the task and no head or control is read (default {GATE_THRESHOLD:.0%}, App. F.2)")
+                        f"to do the task and nothing is scanned or confirmed (default {GATE_THRESHOLD:.0%}, App. F.2;"
+                        " 0 turns the gate off, for plumbing checks on random weights)")
 
 
 def _capability(model, pairs, args, run) -> dict:
-    """Clean recall of recipient and donor on `pairs`, against --gate-threshold; written to gate.json in `run`."""
+    """Clean recall of recipient and donor on `pairs`, against --gate-threshold; written to gate.json in `run`.
+    --gate-threshold 0 turns the gate off (plumbing checks on random weights); the record and the report say so."""
     from recurscope.interp.protocols.gate import capability_gate
 
+    if args.gate_threshold == 0:
+        record = {"threshold": 0.0, "passed": True, "off": True, "split": args.sources}
+        (Path(run.path) / "gate.json").write_text(json.dumps(record, indent=1) + "\n")
+        print("WARNING: --gate-threshold 0: the capability gate is off; nothing here shows the model does the task",
+              file=sys.stderr)
+        return record
     gate = capability_gate(model, pairs, threshold=args.gate_threshold, condition=f"{args.sources} pairs",
                            batch_size=args.batch_size, seed=args.seed)
     n_sources = int(pairs.source_id.unique().numel())
@@ -279,6 +287,10 @@ def validate_args(args) -> None:
     for h in getattr(args, "head", None) or []:
         if h < 0:
             raise UsageError(f"--head must be at least 0, got {h}; heads are numbered from 0")
+    threshold = getattr(args, "gate_threshold", None)
+    if threshold is not None and not 0 <= threshold <= 1:
+        raise UsageError(f"--gate-threshold must be a fraction in [0, 1], got {threshold}; e.g. --gate-threshold 0.8 "
+                         "(0 turns the gate off)")
     if getattr(args, "device", None) is not None:
         _check_device(args.device)
     if getattr(args, "corpus", None) and not Path(args.corpus).exists():
@@ -550,19 +562,15 @@ def cmd_run(args):
     scan_args = argparse.Namespace(**{**vars(args), "sources": "dev", "n_sources": args.n_dev, "out": scan_dir})
     cmd_scan(scan_args)
     scan_gate = read_gate(scan_dir)
-    scan = None
-    if scan_gate["passed"]:
-        from recurscope.interp.results import RunDir
-
-        scan = summarise_scan(RunDir.open(scan_dir).table("scan_rows").read())
-        verdict = winner_verdict(scan)
-    if scan is None or not verdict["winner"]:
+    if not scan_gate["passed"]:
         path = write_report(out, model_name=args.model, scan_dir=scan_dir, confirm_dir=None, heads=[],
-                            control_heads=[], scan_heads=None if scan is None else scan.heads,
-                            loso=None if scan is None else scan.loso, summary=None, figures={},
-                            gate=scan_gate, winner=None if scan is None else verdict)
+                            control_heads=[], scan_heads=None, loso=None, summary=None, figures={}, gate=scan_gate)
         print(f"report: {path}")
         return 0
+    from recurscope.interp.results import RunDir
+
+    scan = summarise_scan(RunDir.open(scan_dir).table("scan_rows").read())
+    verdict = winner_verdict(scan)
     conf_args = argparse.Namespace(**{**vars(args), "sources": "heldout", "n_sources": args.n_heldout,
                                       "out": confirm_dir, "from_scan": scan_dir, "top_k": 1})
     result = cmd_confirm(conf_args)

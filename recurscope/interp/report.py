@@ -62,7 +62,9 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
               f"- layout: {_layout_line(extra.get('pair_layout'))}",
               f"- filler: {_filler_line(extra)}",
               f"- words: {_dropped_line(extra)}"]
-    if gate is not None:
+    if gate is not None and gate.get("off"):
+        lines.append(f"- clean recall gate: {_gate_line(gate)}")
+    elif gate is not None:
         lines.append(f"- clean recall on the {gate.get('split', '')} pairs (the gate): {_gate_line(gate)}, "
                      f"threshold {100 * gate['threshold']:.0f}%: {'passed' if not failed else 'NOT passed'}")
     lines += [f"- seeds: {manifest.get('seeds')}; command: `{' '.join(manifest.get('argv', []))}`", ""]
@@ -82,7 +84,8 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
                        f"{winner['n_sources']}): " + ("its interval excludes zero, so it is the scan's winner."
                                                       if winner["winner"] else
                                                       "**no head**: the interval includes zero, so the scan names no "
-                                                      "winner and nothing is confirmed."))]
+                                                      "winner; the confirmation below measures the top head by J, "
+                                                      "which is not a finding."))]
         if winner["n_sources"] < MIN_INTERVAL_SOURCES:
             lines += ["", f"> WARNING: only {winner['n_sources']} sources back this interval (fewer than "
                           f"{MIN_INTERVAL_SOURCES}); it is unreliable."]
@@ -91,11 +94,13 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
                       f"({loso.n_stable}/{loso.n_sources} leave-outs agree)."]
     if "scan_heatmap" in figures:
         lines += ["", f"![head scan]({Path(figures['scan_heatmap']).name})"]
-    if summary is None or (winner is not None and not winner["winner"]):
+    if summary is None:
         path = out_dir / "report.md"
         path.write_text("\n".join(lines) + "\n")
         return path
-    lines += ["", f"## Confirmation on held-out sources: {', '.join(f'L{l}H{h}' for l, h in heads)}", "",
+    no_head = winner is not None and not winner["winner"]
+    lines += ["", f"## Confirmation on held-out sources: {', '.join(f'L{l}H{h}' for l, h in heads)}"
+              + (" (the top head by J; no head: not a winner)" if no_head else ""), "",
               f"Control head(s): {', '.join(f'L{l}H{h}' for l, h in control_heads)} (the median-|J| head of the same "
               "layer). Estimates are means over sources. " + _intervals_line(summary), "",
               "| intervention | donor-margin shift | donor-specific shift | distractor shift | donor-answer rate | "
@@ -127,6 +132,8 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
 
 
 def _gate_line(gate: dict) -> str:
+    if gate.get("off"):
+        return "not measured (the gate was off: --gate-threshold 0; nothing here shows the model does the task)"
     r, d = gate["recipient"], gate["donor"]
     return (f"recipient {100 * r[0]:.1f}% [{100 * r[1]:.1f}, {100 * r[2]:.1f}], donor {100 * d[0]:.1f}% "
             f"[{100 * d[1]:.1f}, {100 * d[2]:.1f}] over {gate.get('n_sources')} sources")

@@ -7,6 +7,8 @@ import pytest
 from recurscope.interp.cli import main
 
 SMALL = ["--n-facts", "2", "--presentations", "2", "--filler", "12", "--batch-size", "8"]
+# The capability gate off: these models have random weights and the tests check the plumbing, not a finding.
+GATE_OFF = ["--gate-threshold", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +16,7 @@ def study(tmp_path_factory, tiny_checkpoint):
     root = tmp_path_factory.mktemp("cli")
     ckpt = tiny_checkpoint(root / "ckpt")
     out = root / "study"
-    assert main(["run", str(ckpt), "--n-dev", "3", "--n-heldout", "4", "--out", str(out), *SMALL]) == 0
+    assert main(["run", str(ckpt), "--n-dev", "3", "--n-heldout", "4", "--out", str(out), *SMALL, *GATE_OFF]) == 0
     return root, ckpt, out
 
 
@@ -49,7 +51,7 @@ def test_run_writes_scan_confirmation_and_report(study):
 def test_rerun_resumes_without_duplicates(study):
     root, ckpt, out = study
     before = pd.read_json(out / "scan" / "scan_rows.jsonl", lines=True)
-    assert main(["run", str(ckpt), "--n-dev", "3", "--n-heldout", "4", "--out", str(out), *SMALL]) == 0
+    assert main(["run", str(ckpt), "--n-dev", "3", "--n-heldout", "4", "--out", str(out), *SMALL, *GATE_OFF]) == 0
     after = pd.read_json(out / "scan" / "scan_rows.jsonl", lines=True)
     assert len(after) == len(before)
 
@@ -58,7 +60,7 @@ def test_rerun_resumes_without_duplicates(study):
 def test_confirm_refuses_a_scan_from_another_model(study, tiny_checkpoint, tmp_path, capsys):
     root, ckpt, out = study
     other = tiny_checkpoint(tmp_path / "other", seed=1)
-    code = main(["confirm", str(other), "--from-scan", str(out / "scan"), "--n-sources", "2", "--out",
+    code = main(["confirm", str(other), *GATE_OFF, "--from-scan", str(out / "scan"), "--n-sources", "2", "--out",
                  str(tmp_path / "c"), *SMALL])
     assert code == 2
     assert "made on another model" in capsys.readouterr().err

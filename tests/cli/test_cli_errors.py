@@ -15,7 +15,7 @@ import pytest
 
 from recurscope.interp import cli
 from recurscope.interp.data import FillerSource
-from tests.cli.test_cli import SMALL
+from tests.cli.test_cli import GATE_OFF, SMALL
 
 pytestmark = pytest.mark.slow  # the real command in subprocesses, and CLI runs
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,6 +51,7 @@ def _corrupt(src: Path, dst: Path, how: str) -> Path:
 
 
 SMALL1 = [*SMALL, "--n-sources", "2"]
+GATED = [*SMALL1, *GATE_OFF]   # for commands that must get past the gate on random weights
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def base(tmp_path_factory, tiny_checkpoint):
     """A tiny checkpoint and a finished scan of it (in-process)."""
     root = tmp_path_factory.mktemp("errors")
     ckpt = tiny_checkpoint(root / "ckpt")
-    assert cli.main(["scan", str(ckpt), "--out", str(root / "scan"), *SMALL1]) == 0
+    assert cli.main(["scan", str(ckpt), "--out", str(root / "scan"), *GATED]) == 0
     return root, ckpt
 
 
@@ -186,12 +187,12 @@ def test_corrected_rerun_after_a_refused_one(base, cases):
     root, ckpt = base
     # the refused `--top-k 0` left no manifest behind, so the corrected command runs in the same --out
     assert cli.main(["confirm", str(ckpt), "--from-scan", str(root / "scan"), "--top-k", "1", "--out",
-                     str(root / "out_topk"), *SMALL1]) == 0
+                     str(root / "out_topk"), *GATED]) == 0
 
 
 def test_pairs_per_source_is_used_and_recorded(base):
     root, ckpt = base
-    assert cli.main(["scan", str(ckpt), "--out", str(root / "pps"), *SMALL, "--n-sources", "2",
+    assert cli.main(["scan", str(ckpt), "--out", str(root / "pps"), *SMALL, *GATE_OFF, "--n-sources", "2",
                      "--pairs-per-source", "3"]) == 0
     manifest = json.loads((root / "pps" / "manifest.json").read_text())
     assert manifest["args"]["pairs_per_source"] == 3 and manifest["extra"]["pairs_per_source"] == 3
@@ -207,7 +208,7 @@ def test_confirm_on_dev_sources_warns_loudly_and_is_recorded(base, capsys):
     root, ckpt = base
     out = root / "confirm_dev"
     assert cli.main(["confirm", str(ckpt), "--from-scan", str(root / "scan"), "--sources", "dev", "--out", str(out),
-                     *SMALL1]) == 0
+                     *GATED]) == 0
     err = capsys.readouterr().err
     assert err.count("WARNING: confirm --sources dev") == 2 and "NOT a confirmation" in err
     manifest = json.loads((out / "manifest.json").read_text())
@@ -224,7 +225,7 @@ def test_corpus_unknown_rate_is_reported_recorded_and_allowed_on_request(base, t
     english = tmp_path / "english"
     english.mkdir()
     (english / "minutes.txt").write_text(ENGLISH * 250)
-    args = ["scan", str(ckpt), "--corpus", str(english), *SMALL1]
+    args = ["scan", str(ckpt), "--corpus", str(english), *GATED]
     assert cli.main([*args, "--out", str(tmp_path / "refused")]) == 2
     assert cli.main([*args, "--out", str(tmp_path / "allowed"), "--allow-unk"]) == 0
     err = capsys.readouterr().err
@@ -236,7 +237,7 @@ def test_corpus_unknown_rate_is_reported_recorded_and_allowed_on_request(base, t
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "filler.txt").write_text(FillerSource(0, "dev").text(900))
-    assert cli.main(["scan", str(ckpt), "--corpus", str(plain), "--out", str(tmp_path / "plain_out"), *SMALL1]) == 0
+    assert cli.main(["scan", str(ckpt), "--corpus", str(plain), "--out", str(tmp_path / "plain_out"), *GATED]) == 0
     assert "0.0% of the filler tokens" in capsys.readouterr().err
     assert json.loads((tmp_path / "plain_out" / "manifest.json").read_text())["extra"]["filler_unknown_rate"] == 0.0
 

@@ -11,7 +11,7 @@ import textwrap
 import pandas as pd
 import pytest
 
-from tests.cli.test_cli import SMALL
+from tests.cli.test_cli import GATE_OFF, SMALL
 
 # argv: kill_after_rows, then the CLI's own arguments.
 _KILLED_CLI = textwrap.dedent("""
@@ -44,7 +44,7 @@ def _rows(out):
 def test_scan_survives_sigkill_and_resumes(tmp_path, tiny_checkpoint):
     ckpt = tiny_checkpoint(tmp_path / "ckpt", family="gated_deltanet")
     out = tmp_path / "scan"
-    args = ["scan", str(ckpt), "--n-sources", "6", "--out", str(out), *SMALL[:-2], "--batch-size", "1",
+    args = ["scan", str(ckpt), "--n-sources", "6", "--out", str(out), *SMALL[:-2], *GATE_OFF, "--batch-size", "1",
             "--pairs-per-source", "1"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     total = 6 * 2 * 2  # 6 pairs x 2 layers x 2 heads; --batch-size 1 commits one row per append

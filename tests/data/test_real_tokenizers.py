@@ -51,7 +51,8 @@ def check_batch(tok, batch, variant):
     assert len(set(batch.recipient_ids.shape)) == 2 and (batch.recipient_ids.shape[1] > 0)
 
 
-@pytest.mark.parametrize("template", ALL_TEMPLATES)
+@pytest.mark.parametrize("template", [pytest.param(t, marks=() if t == "is_in" else pytest.mark.slow)
+                                      for t in ALL_TEMPLATES])
 def test_swap_pairs_are_the_tokenizers_own_ids_on_every_template(real_tok, template):
     batch = build_pairs(real_tok, n_sources=3, pairs_per_source=2, template=template, **SMALL)
     check_batch(real_tok, batch, "swap")
@@ -59,6 +60,7 @@ def test_swap_pairs_are_the_tokenizers_own_ids_on_every_template(real_tok, templ
     assert not bool((batch.recipient_ids[:, 0] == real_tok.pad_token_id).any())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("builder", sorted(BUILDERS))
 def test_every_pair_builder(real_tok, builder):
     batch = BUILDERS[builder](real_tok, n_sources=3, **SMALL)

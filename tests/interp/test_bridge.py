@@ -616,7 +616,7 @@ def test_recurscope_run_completes_on_a_tiny_qwen35(dense, tmp_path):
 
     out = tmp_path / "study"
     args = ["run", str(dense), "--n-dev", "2", "--n-heldout", "3", "--out", str(out), "--n-facts", "2",
-            "--presentations", "2", "--filler", "12", "--batch-size", "8"]
+            "--presentations", "2", "--filler", "12", "--batch-size", "8", "--gate-threshold", "0"]
     assert main(args) == 0
     report = (out / "report.md").read_text()
     assert "Head selection" in report and "Confirmation on held-out sources" in report
@@ -633,7 +633,8 @@ def test_recurscope_scan_then_confirm_from_the_scan_on_a_tiny_qwen35(dense, tmp_
     from recurscope.interp.confirm import ARMS
     from recurscope.interp.results import RunDir
 
-    small = ["--n-facts", "2", "--presentations", "2", "--filler", "12", "--batch-size", "8", "--n-sources", "2"]
+    small = ["--n-facts", "2", "--presentations", "2", "--filler", "12", "--batch-size", "8", "--n-sources", "2",
+             "--gate-threshold", "0"]
     scan_dir, confirm_dir = tmp_path / "scan", tmp_path / "confirm"
     assert main(["scan", str(dense), *small, "--out", str(scan_dir)]) == 0
     manifest = json.loads((scan_dir / "manifest.json").read_text())

@@ -26,7 +26,7 @@ from recurscope.interp.interventions import choose_control_heads
 from recurscope.interp.loading import load_model
 from recurscope.interp.results import RowLog, RunDir
 from recurscope.interp.scan import SCAN_KEY, all_heads, run_scan
-from tests.cli.test_cli import SMALL
+from tests.cli.test_cli import GATE_OFF, SMALL
 
 ROOT = Path(__file__).resolve().parents[2]
 PAIRS = dict(n_facts=2, presentations=2, filler_tokens=12)
@@ -152,7 +152,7 @@ def test_ray_driver_loads_on_the_cpu_and_workers_get_the_device(ckpt, tmp_path, 
     monkeypatch.setattr(dist, "run_scan_ray", scan_ray)
     monkeypatch.setattr(dist, "run_confirm_ray", confirm_ray)
     monkeypatch.chdir(ckpt.parent)
-    assert main(["run", ckpt.name, "--n-dev", "2", "--n-heldout", "2", "--pairs-per-source", "1", *SMALL,
+    assert main(["run", ckpt.name, "--n-dev", "2", "--n-heldout", "2", "--pairs-per-source", "1", *SMALL, *GATE_OFF,
                  "--device", "cuda", "--out", str(tmp_path / "run"), "--ray"]) == 0
     assert driver_devices == ["cpu", "cpu"]                       # scan's driver, confirm's driver
     assert [(s.path, s.device, s.dtype) for s in specs] == [(str(ckpt.resolve()), "cuda", "float32")] * 2
@@ -182,7 +182,7 @@ def ray_address():
 
 @pytest.mark.slow
 def test_ray_scan_equals_single_process_scan(ckpt, ray_address, tmp_path):
-    args = [str(ckpt), "--n-sources", "4", "--pairs-per-source", "1", *SMALL]
+    args = [str(ckpt), "--n-sources", "4", "--pairs-per-source", "1", *SMALL, *GATE_OFF]
     assert main(["scan", *args, "--out", str(tmp_path / "local")]) == 0
     assert main(["scan", *args, "--out", str(tmp_path / "ray"), "--ray", ray_address, "--workers", "2",
                  "--head-block", "2"]) == 0
@@ -201,7 +201,7 @@ CONFIRM_VALUES = ["clean_margin", "margin", "donor_margin_shift", "target_margin
 
 @pytest.mark.slow
 def test_ray_confirm_equals_single_process_confirm(ckpt, ray_address, tmp_path):
-    args = [str(ckpt), "--pairs-per-source", "1", *SMALL]
+    args = [str(ckpt), "--pairs-per-source", "1", *SMALL, *GATE_OFF]
     assert main(["scan", *args, "--n-sources", "2", "--out", str(tmp_path / "scan")]) == 0
     confirm = ["confirm", *args, "--n-sources", "3", "--from-scan", str(tmp_path / "scan")]
     assert main([*confirm, "--out", str(tmp_path / "local")]) == 0

@@ -415,7 +415,7 @@ def _vocabulary(tokenizer, tmpl: Template, keys: Sequence[str] | None, vocab: st
         raise ValueError("keys is empty; pass at least n_facts distinct key words.")
     if len(set(key_words)) != len(key_words):
         raise ValueError(f"keys must be distinct; received duplicates in {key_words}.")
-    key_list = "the keys" if keys is None else "the given keys (--keys)"
+    key_list = "the default key names" if keys is None else "the given keys (--keys)"
     value_list = f"vocab {vocab_name!r}" if vocab_name != "custom" else "the given values (--values)"
     key_words, key_ids, dropped_keys = _check_words(tokenizer, tmpl, key_words, "key", value_words[0],
                                                     on_multitoken, key_list)

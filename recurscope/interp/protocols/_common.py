@@ -34,10 +34,18 @@ class ProtocolResult:
 
 
 def pair_kwargs(filler: int = 512, presentations: int = 3, n_facts: int = 4, template: str = "is_in",
-                vocab: str = "cities", seed: int = 0, gap_tokens: int = 24) -> dict:
+                vocab: str = "cities", seed: int = 0, gap_tokens: int = 24, keys=None, values=None,
+                on_multitoken: str = "filter") -> dict:
     """The layout of §3.3 (K = 4 facts, 3 presentations, 512 filler tokens) as build_pairs keyword arguments."""
-    return dict(filler_tokens=filler, presentations=presentations, n_facts=n_facts, template=template, vocab=vocab,
-                seed=seed, gap_tokens=gap_tokens)
+    out = dict(filler_tokens=filler, presentations=presentations, n_facts=n_facts, template=template, vocab=vocab,
+               seed=seed, gap_tokens=gap_tokens)
+    if on_multitoken != "filter":   # build_pairs' default; left out so that default layouts read as before
+        out["on_multitoken"] = on_multitoken
+    if keys is not None:
+        out["keys"] = keys
+    if values is not None:
+        out["values"] = values
+    return out
 
 
 def max_length(model) -> Optional[int]:

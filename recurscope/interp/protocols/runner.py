@@ -51,6 +51,11 @@ def _layout_options(p, *, filler: bool, presentations: Optional[int], gap: Optio
     if template:
         p.add_argument("--template", default=template)
         p.add_argument("--vocab", default="cities")
+        p.add_argument("--keys", default=None, help="key words: a comma list, or a file with one word a line")
+        p.add_argument("--values", default=None, help="value words: a comma list, or a file with one word a line")
+        p.add_argument("--on-multitoken", default="filter", choices=["filter", "error"],
+                       help="words that are not single tokens for the tokenizer: drop and list them (filter), or "
+                            "refuse them by name (error)")
 
 
 def add_gate_option(p, default: Optional[float], help: str) -> None:
@@ -60,7 +65,23 @@ def add_gate_option(p, default: Optional[float], help: str) -> None:
 def layout_from_args(args) -> dict:
     """The §3.3 layout of the parsed options, as build_pairs keyword arguments."""
     return pair_kwargs(filler=args.filler, presentations=args.presentations, template=args.template,
-                       vocab=args.vocab, seed=args.seed, gap_tokens=args.gap)
+                       vocab=args.vocab, seed=args.seed, gap_tokens=args.gap,
+                       keys=_words(getattr(args, "keys", None)), values=_words(getattr(args, "values", None)),
+                       on_multitoken=getattr(args, "on_multitoken", "filter"))
+
+
+def _words(spec):
+    """A --keys/--values value: a file with one word a line, or a comma list."""
+    if spec is None:
+        return None
+    from pathlib import Path
+
+    path = Path(spec)
+    words = path.read_text().splitlines() if path.is_file() else spec.split(",")
+    words = [w.strip() for w in words if w.strip()]
+    if not words:
+        raise ValueError(f"{spec!r} holds no words; pass a comma list or a file with one word a line")
+    return words
 
 
 @dataclass(frozen=True)
