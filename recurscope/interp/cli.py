@@ -180,7 +180,7 @@ MIN_INTERVAL_SOURCES = 8
 def _gate_args(p):
     p.add_argument("--gate-threshold", type=float, default=GATE_THRESHOLD,
                    help="clean recall (recipient and donor, on the same pairs) below which the model is said not "
-                        f"to do the task and nothing is scanned or confirmed (default {GATE_THRESHOLD:.0%}, App. F.2;"
+                        f"to do the task and nothing is scanned or confirmed (default {100 * GATE_THRESHOLD:.0f}%%, App. F.2;"
                         " 0 turns the gate off, for plumbing checks on random weights)")
 
 

@@ -250,6 +250,6 @@ def test_an_error_is_not_glued_to_a_progress_bar(base, monkeypatch, capsys):
         raise ValueError("the scan failed half way; fix the input")
     monkeypatch.setattr(scan_module, "run_scan", failing_scan)
     root, ckpt = base
-    assert cli.main(["scan", str(ckpt), "--out", str(root / "glued"), *SMALL1]) == 2
+    assert cli.main(["scan", str(ckpt), "--out", str(root / "glued"), *GATED]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert "error: the scan failed half way; fix the input" in lines

@@ -67,6 +67,7 @@ def test_a_bridged_checkpoint_without_a_tokenizer(real_tokenizer_dir, tmp_path, 
     from recurscope.interp.loading import load_model
 
     ckpt = _checkpoint(tmp_path / "bare", real_tokenizer_dir("gpt2"), with_tokenizer=False)
+    capsys.readouterr()
     model = load_model(ckpt)             # loads for forward and hook work
     assert model.tokenizer is None
     ids = torch.tensor([[1, 2, 3, 4]])
@@ -84,6 +85,7 @@ def test_a_config_that_does_not_match_its_weights(real_tokenizer_dir, tmp_path, 
     config = json.loads((ckpt / "config.json").read_text())
     config["intermediate_size"] = 96
     (ckpt / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
     assert main(["scan", str(ckpt), "--n-sources", "2", "--out", str(tmp_path / "scan")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: checkpoint") and "does not match its config.json" in err
