@@ -107,3 +107,53 @@ def test_a_top_head_whose_interval_includes_zero_is_no_head():
     assert not verdict["winner"]
     clear = _scan_result({(0, 0): list(np.linspace(2.0, 3.0, 8)), (0, 1): [0.1, -0.1] * 4})
     assert winner_verdict(clear)["winner"]
+
+
+def test_the_layout_a_run_uses(tmp_path):
+    """--layout, else the checkpoint's pair_layout.json (every bundled checkpoint records `where_is`), else the
+    paper's; single options override one field each."""
+    import argparse
+
+    from recurscope.interp.cli import pair_layout
+    from recurscope.interp.loading import CHECKPOINT_DIR, bundled_names
+
+    def args(**kw):
+        base = dict(layout=None, n_facts=None, presentations=None, filler=None, gap=None, template=None)
+        return argparse.Namespace(**{**base, **kw})
+
+    class Model:
+        checkpoint_dir = tmp_path
+
+    for name in bundled_names():
+        Model.checkpoint_dir = CHECKPOINT_DIR / name
+        assert pair_layout(Model, args()).name == "where_is"
+        assert pair_layout(Model, args(layout="paper")).template == "key_value"
+    Model.checkpoint_dir = tmp_path
+    assert pair_layout(Model, args()).name == "paper"
+    custom = pair_layout(Model, args(filler=64, gap=4))
+    assert (custom.filler_tokens, custom.gap_tokens, custom.n_facts, custom.name) == (64, 4, 4, "paper+custom")
+    (tmp_path / "pair_layout.json").write_text("{not json")
+    with pytest.raises(ValueError, match="pair_layout.json"):
+        pair_layout(Model, args())
+
+
+def test_word_lists_from_commas_or_a_file(tmp_path):
+    from recurscope.interp.cli import UsageError, word_list
+
+    assert word_list("red, blue,green") == ["red", "blue", "green"]
+    path = tmp_path / "values.txt"
+    path.write_text("red\n\nblue\n gold \n")
+    assert word_list(str(path)) == ["red", "blue", "gold"]
+    assert word_list(None) is None
+    with pytest.raises(UsageError, match="holds no words"):
+        word_list(" , ")
+
+
+def test_the_report_names_arms_equal_by_construction():
+    from recurscope.interp.report import _by_construction
+
+    paper = {"template": "key_value"}
+    lines = _by_construction([(0, 1)], paper)
+    assert any(line.startswith("output patch = state swap") for line in lines)
+    assert any(line.startswith("output restore (every readout) = output restore (answer position)") for line in lines)
+    assert _by_construction([(1, 0)], {"template": "is_in"}) == []

@@ -878,7 +878,10 @@ def _pad_id(tokenizer) -> int:
 
 def build_pairs(tokenizer, sources: Sequence[Source] | None = None, *, split: str = "dev", n_sources: int = 16,
                 **kwargs) -> PairBatch:
-    """All pairs of `iter_pairs` collated into a PairBatch (same arguments; see iter_pairs).
+    """All pairs of `iter_pairs` collated into a PairBatch (same arguments; see iter_pairs): among them
+    layout= (a PairLayout or "paper" / "where_is"), keys= and values= (word lists), vocab=, and
+    on_multitoken="filter" (default: words that are not single tokens where the template puts them are dropped and
+    listed in batch.report) or "error" (refused by name).
 
     report (on the batch): dropped keys/values with their tokenisations, the count filtered, and the filler's
     unknown-token count and rate (filler_unknown_rate).
