@@ -586,11 +586,15 @@ def test_refuses_an_unsupported_architecture(tmp_path):
         load_model(tmp_path)
 
 
-def test_refuses_a_checkpoint_without_tokenizer(dense, tmp_path):
+def test_a_checkpoint_without_tokenizer_loads_and_refuses_only_pairs(dense, tmp_path):
+    """As a native checkpoint: it loads for forward and hook work; building pairs names the fix (issue 27)."""
     for f in ("config.json", "model.safetensors"):
         (tmp_path / f).write_bytes((dense / f).read_bytes())
-    with pytest.raises(ValueError, match="has no tokenizer"):
-        load_model(tmp_path)
+    model = load_model(tmp_path)
+    assert model.tokenizer is None and model(torch.tensor([[1, 2, 3]])).shape[:2] == (1, 3)
+    with pytest.raises(ValueError, match=r"no tokenizer.*load_model\(dir, tokenizer="):
+        build_pairs(model.tokenizer, n_sources=1)
+    assert load_model(tmp_path, tokenizer=dense).tokenizer is not None
 
 
 def test_refuses_shards_that_do_not_match_the_index(dense, tmp_path):
