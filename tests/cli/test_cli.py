@@ -39,7 +39,7 @@ def test_run_writes_scan_confirmation_and_report(study):
     assert manifest["args"]["pairs_per_source"] == 4 and "4 pair(s) per source" in report
     assert "- filler: generated filler (recurscope's grammar, seed 0); 0.0% of its" in report
     # the all-readouts restore is clean by construction, and the report says so instead of citing it as evidence
-    assert "gives the clean margin on every row by construction" in report and "as in the paper" not in report.split(
+    assert "the clean margin on every row by construction" in report and "as in the paper" not in report.split(
         "by construction")[0].rsplit("\n", 1)[-1]
     assert "95% intervals: margins by source bootstrap" in report
     # rates never get a zero-width "95%" interval (0% and 100% included)
