@@ -2,6 +2,7 @@
 manipulation, a wheel ships every package and the bundled checkpoints, and the layering contract holds."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -62,8 +63,11 @@ def test_a_plain_copy_of_the_tree_imports_without_an_install(tmp_path):
 
 @pytest.mark.slow
 def test_a_wheel_ships_every_package_and_the_bundled_checkpoints(tmp_path):
+    # Without PYTHONPATH: a checkout on the path would put its `kernels` link before Hugging Face's `kernels`
+    # package, whose setuptools plugin the build loads (docs/architecture.md, "Layout").
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600)
+                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     (wheel,) = tmp_path.glob("recurscope-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
