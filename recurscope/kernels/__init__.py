@@ -167,10 +167,16 @@ def _per_sequence(run, q, k, x, g, a, cu_seqlens, dtype, *, scale, initial_state
     return o, S, torch.cat(states, 1) if states else None
 
 
+def _l2norm(t):
+    """t / sqrt(|t|^2 + 1e-6) along K, worked in at least float32 and returned in t's dtype (as fla's l2norm)."""
+    acc = t.to(torch.promote_types(t.dtype, torch.float32))
+    return (acc * torch.rsqrt((acc * acc).sum(-1, keepdim=True) + 1e-6)).to(t.dtype)
+
+
 def _fla_options(q, k, x, g, a, use_qk_l2norm, beta, use_beta_sigmoid, A_log, dt_bias):
     """fla's in-kernel options as the torch operations they stand for; q and k keep their own (key) heads."""
     if use_qk_l2norm:
-        q, k = (t * torch.rsqrt((t.float() * t.float()).sum(-1, keepdim=True) + 1e-6).to(t.dtype) for t in (q, k))
+        q, k = (_l2norm(t) for t in (q, k))
     if A_log is not None or dt_bias is not None:
         if A_log is None:
             raise ValueError("dt_bias without A_log: the gate g = -exp(A_log) softplus(g + dt_bias) needs both (or "
