@@ -176,7 +176,8 @@ def _grouped(dst, src):
     H, Hs = dst.shape[-2], src.shape[-2]
     if Hs == H:
         return dst, src
-    return dst.unflatten(-2, (Hs, H // Hs)), src.unsqueeze(-2)
+    # expanded, not only broadcastable: an out= operation sizes its result by its inputs (a scalar factor included)
+    return dst.unflatten(-2, (Hs, H // Hs)), src.unsqueeze(-2).expand(*src.shape[:-1], H // Hs, src.shape[-1])
 
 
 def _chunk_major(t, B, T, H, N, C, dtype, scale=None, new=None):
