@@ -1,5 +1,6 @@
-"""The fused recurrent Triton kernel (forward only): one program per (batch*head, V tile) keeps its slice of
-the state in fp32 registers and walks the time loop, with every patch feature behind a constexpr flag.
+"""The fused recurrent Triton kernel: one program per (batch*head, V tile) keeps its slice of the state in fp32
+registers and walks the time loop, with every patch feature behind a constexpr flag. Its backward recomputes the call
+in the chunked form (plain torch, on the same device) and differentiates that.
 
     S_t = (I - k_t a_t^T) Diag(exp g_t) S_{t-1} + write_scale_t k_t x_t^T + u_t y_t^T
     o_t = scale * S_t^T q_t
@@ -176,19 +177,37 @@ def _launch(q, k, x, g, a, write_scale, u, y, initial_state, capture, scale, out
     return o, final_state, states
 
 
-class _ForwardOnlyRecurrence(torch.autograd.Function):
-    """Runs the kernel; the outputs stay attached to the graph so that a backward call reaches the clear error."""
+class _Recurrence(torch.autograd.Function):
+    """The kernel forward; the backward recomputes the call in the chunked form (kernels.chunked, plain torch, which
+    runs on the caller's device) under autograd and differentiates that: exact to float rounding, at the cost of one
+    more forward. The kernel keeps nothing for the backward but the inputs."""
 
     @staticmethod
     def forward(ctx, q, k, x, g, a, write_scale, u, y, initial_state, capture, scale, output_final_state):
+        ctx.save_for_backward(q, k, x, g, a, write_scale, u, y, initial_state)
+        ctx.capture, ctx.scale, ctx.output_final_state = capture, scale, output_final_state
         return _launch(q, k, x, g, a, write_scale, u, y, initial_state, capture, scale, output_final_state)
 
     @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            "the triton backend of kernels.recurrence is forward-only and has no backward; "
-            "use backend='chunked' (or 'reference') for gradients"
-        )
+    def backward(ctx, d_o, d_final, d_states):
+        from recurscope.kernels._validate import compute_dtype
+        from recurscope.kernels.chunked import recurrence_chunked
+
+        saved = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:9]
+        with torch.enable_grad():
+            leaves = [None if t is None else t.detach().requires_grad_(bool(n)) for t, n in zip(saved, needs)]
+            q, k, x, g, a, write_scale, u, y, initial_state = leaves
+            outs = recurrence_chunked(
+                q, k, x, g, a, scale=ctx.scale, initial_state=initial_state, write_scale=write_scale,
+                extra_write=None if u is None else (u, y), capture=ctx.capture, dtype=compute_dtype(q),
+                final_state=ctx.output_final_state)
+            pairs = [(t, d) for t, d in zip(outs, (d_o, d_final, d_states)) if t is not None and d is not None]
+            wrt = [t for t in leaves if t is not None and t.requires_grad]
+            got = iter(torch.autograd.grad([t for t, _ in pairs], wrt, [d for _, d in pairs], allow_unused=True)
+                       if pairs and wrt else [None] * len(wrt))
+        grads = [next(got) if t is not None and t.requires_grad else None for t in leaves]
+        return (*grads, None, None, None)
 
 
 def recurrence_triton(
@@ -200,5 +219,5 @@ def recurrence_triton(
     _check_device(q)
     u, y = (None, None) if extra_write is None else extra_write
     capture = list(capture) if capture else None
-    return _ForwardOnlyRecurrence.apply(
+    return _Recurrence.apply(
         q, k, x, g, a, write_scale, u, y, initial_state, capture, scale, output_final_state)
