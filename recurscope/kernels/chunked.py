@@ -194,7 +194,9 @@ def _chunk_major(t, B, T, H, N, C, dtype, scale=None, new=None):
         out = (torch.zeros if N * C > T else torch.empty)(N, B, H, C, D, dtype=dtype, device=t.device)
     else:
         out = new(N, B, H, C, D, dtype=dtype)
-    dst, src = _grouped(out.permute(1, 0, 3, 2, 4), t)    # (B, N, C, H, D) view of the chunk-major buffer
+    dst, src = out.permute(1, 0, 3, 2, 4), t              # (B, N, C, H, D) view of the chunk-major buffer
+    if t.shape[2] != H:                                   # grouped heads
+        dst, src = _grouped(dst, t)
     # Without a graph the scale is applied in the copy itself (out= records none), when no cast would round first.
     fused = scale is not None and not grad and t.dtype == dtype
     put = (lambda d, s: torch.mul(s, scale, out=d)) if fused else (lambda d, s: d.copy_(s))
@@ -215,19 +217,21 @@ def _into_chunk_major(t, factor, B, T, H, N, C, out, op=torch.mul):
     """out = op(t, factor) with t (B, T, H_s, D) in the caller's layout and factor and out chunk-major, (N, B*H, C, ·):
     the layout change and the scaling in one pass over t (a copy when factor is None); grouped heads broadcast.
     Rows past T are zeroed."""
-    D = out.shape[-1]
-    dst, src = _grouped(out.view(N, B, H, C, D).permute(1, 0, 3, 2, 4), t)         # (B, N, C, H, D)
-    fac = None
-    if factor is not None:
-        fac = factor.view(N, B, H, C, -1).permute(1, 0, 3, 2, 4)
-        fac = fac if dst.dim() == 5 else fac.unflatten(-2, (t.shape[-2], -1))
+    D = t.shape[-1]
+    dst = out.view(N, B, H, C, D).permute(1, 0, 3, 2, 4)                          # (B, N, C, H, D)
+    fac = None if factor is None else factor.view(N, B, H, C, -1).permute(1, 0, 3, 2, 4)
+    src, rows = t, (H, D)
+    if t.shape[2] != H:                                                              # grouped heads
+        dst, src = _grouped(dst, t)
+        fac = None if fac is None else fac.unflatten(-2, (t.shape[2], -1))
+        rows = src.shape[2:]
     full = T // C
     for lo, n, steps in ((0, slice(0, full), full * C), (full * C, full, T - full * C)):
         if not steps:
             continue
         s = src[:, lo:lo + steps]
         if isinstance(n, slice):
-            s, d, f = s.reshape(B, full, C, *s.shape[2:]), dst[:, n], None if fac is None else fac[:, n]
+            s, d, f = s.reshape(B, full, C, *rows), dst[:, n], None if fac is None else fac[:, n]
         else:
             d, f = dst[:, n, :steps], None if fac is None else fac[:, n, :steps]
             dst[:, n, steps:].zero_()
