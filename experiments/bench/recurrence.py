@@ -28,7 +28,8 @@ graph. Elementwise work (exponentials, decay factors) is not counted. The bmm th
 one fixed shape, (128, 64, 128) @ (128, 128, 128), whatever C is.
 
 --baseline DIR adds an older checkout's chunked kernel (DIR/kernels/chunked.py, e.g. from `git archive`) as a
-contender, called after the same input checks, so that old against new is a paired ratio of one run.
+contender, called through the same entry, so that old against new is a paired ratio of one run; --no-peers leaves
+only those two (no peers, no bmm between their calls).
 
 --families GVA varlen adds the GDN cases of grouped value heads (q and k with half the heads, against repeating
 them first) and of packed sequences of different lengths (cu_seqlens, against padding to the longest and a loop),
@@ -257,6 +258,9 @@ def main() -> None:
                     help="wall: elapsed time; cpu: this process's CPU time (at one thread, time other jobs hold the "
                          "core does not count, which steadies the figures on a loaded machine)")
     ap.add_argument("--baseline", default=None, help="an older checkout whose chunked kernel runs as a contender")
+    ap.add_argument("--no-peers", action="store_true",
+                    help="time recurscope (and --baseline) only, without the peers and the bmm: an old-against-new "
+                         "pair with nothing else between its calls, the steadiest reading of a small difference")
     ap.add_argument("--slow-peer-max-T", type=int, default=2048,
                     help="skip fla's naive GDN-2 and recurrent GLA above this length (they take seconds per call)")
     args = ap.parse_args()
@@ -292,10 +296,11 @@ def main() -> None:
                     rc_args, peer = fams[fam]
                     fns = {"recurscope chunked": lambda: kernels.recurrence(*rc_args, backend="chunked").o}
                     slow = fam in ("GDN-2", "GLA") and T > args.slow_peer_max_T
-                    fns.update({} if slow else peer)
+                    fns.update({} if slow or args.no_peers else peer)
                     if base is not None:
                         fns["baseline chunked"] = (lambda a_: lambda: base(*a_))(rc_args)
-                fns["torch bmm"] = lambda: torch.bmm(a, b)
+                if not args.no_peers:
+                    fns["torch bmm"] = lambda: torch.bmm(a, b)
                 mine = fns["recurscope chunked"]()
                 for name, fn in fns.items():
                     if name not in ("recurscope chunked", "torch bmm", "step reference"):
@@ -315,7 +320,7 @@ def main() -> None:
                           f"{paired:15.2f}x {min(ts) / min(tc):12.2f}x {statistics.median(faults[name]):11.0f}")
                     if name not in ("recurscope chunked", "step reference", "baseline chunked"):
                         best_peer = min(best_peer or (paired, name), (paired, name))
-                if fam in cases:
+                if fam in cases or args.no_peers:
                     continue
                 flops = chunked_flops(T, with_erase=fam != "GLA")
                 pct = [100 * (flops / c) / (BMM_FLOPS / m) for c, m in zip(tc, times["torch bmm"])]
