@@ -81,9 +81,11 @@ def recurrence(
 
     fla's options (docs/kernels.md, "Grouped heads, packed sequences and fla's options"):
     - grouped value heads: q and k (and optionally a and u) with H_k heads where x, g and the states have
-      H = n H_k; value head h reads key head h // n. The chunked backend reads q and k once per key head (no copy).
+      H = n H_k; value head h reads key head h // n. The chunked and triton backends read q and k per key head (no
+      copy); the reference and fla backends get them repeated.
     - cu_seqlens: n + 1 offsets into T (B = 1): n packed sequences, each from its own initial state (n, H, K, V)
       to its own final state (n, H, K, V); empty sequences keep their initial state. capture counts packed steps.
+      The chunked and triton backends run the packed batch in one call; reference and fla loop over sequences.
     - chunk_size: the chunked backend's chunk length (a multiple of 16; other backends ignore it).
     - use_qk_l2norm: q and k are L2-normalised along K first (x / sqrt(|x|^2 + 1e-6), as fla).
     - beta (B, T, H): the delta rule's step, a = beta k and x = beta x (a must then be None); use_beta_sigmoid
@@ -108,23 +110,27 @@ def recurrence(
             kwargs["chunk_size"] = chunk_size
         o, S, states = recurrence_chunked(q, k, x, g, a, dtype=dtype, final_state=output_final_state, **kwargs)
         return RecurrenceOutput(o, S if output_final_state else None, states)
-    # The other backends take one sequence per row and as many heads in q and k as in x.
-    if dims.H_k != dims.H:
-        q, k = (t.repeat_interleave(dims.H // dims.H_k, dim=2) for t in (q, k))
+    # a and u with the key heads are repeated over the value heads; the triton kernel reads q and k per key head and
+    # runs packed sequences itself, the reference and fla paths take one sequence per row and q and k repeated.
     a = _value_heads(a, dims)
     if extra_write is not None:
         kwargs["extra_write"] = (_value_heads(extra_write[0], dims), extra_write[1])
+    if chosen == "triton":
+        from recurscope.kernels.triton_recurrent import recurrence_triton
+
+        cu = None if cu_seqlens is None else [int(b) for b in (cu_seqlens.tolist() if isinstance(
+            cu_seqlens, torch.Tensor) else cu_seqlens)]
+        o, S, states = recurrence_triton(q, k, x, g, a, output_final_state=output_final_state, cu_seqlens=cu, **kwargs)
+        return RecurrenceOutput(o, S if output_final_state else None, states)
+    if dims.H_k != dims.H:
+        q, k = (t.repeat_interleave(dims.H // dims.H_k, dim=2) for t in (q, k))
 
     def run(q, k, x, g, a, **kw):
         if chosen == "reference":
             return recurrence_reference(q, k, x, g, a, dtype=dtype, **kw)
-        if chosen == "fla":
-            from recurscope.kernels.fla_chunk import recurrence_fla
+        from recurscope.kernels.fla_chunk import recurrence_fla
 
-            return recurrence_fla(q, k, x, g, a, output_final_state=output_final_state, **kw)
-        from recurscope.kernels.triton_recurrent import recurrence_triton
-
-        return recurrence_triton(q, k, x, g, a, output_final_state=output_final_state, **kw)
+        return recurrence_fla(q, k, x, g, a, output_final_state=output_final_state, **kw)
 
     if cu_seqlens is None:
         o, S, states = run(q, k, x, g, a, **kwargs)

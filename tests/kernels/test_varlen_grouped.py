@@ -74,6 +74,33 @@ def test_cu_seqlens_on_the_triton_backend_and_without_initial_states(family):
         torch.testing.assert_close(out.final_state, ref.final_state, atol=2e-5, rtol=2e-5)
 
 
+def test_triton_runs_packed_sequences_and_grouped_heads_in_one_launch(monkeypatch):
+    """The triton kernel takes cu_seqlens (one program row per sequence) and q, k with the key heads itself: one
+    launch, captures, initial states and empty sequences included, and its backward (the chunked form recomputed)
+    gives the loop's gradients."""
+    from recurscope.kernels import triton_recurrent
+
+    launches = []
+    real = triton_recurrent._launch
+    monkeypatch.setattr(triton_recurrent, "_launch", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    cu, groups = [0, 5, 5, 23, 40], 2
+    inp = family_inputs("gdn2", 1, 40, 2 * groups, 8, 4, dtype=torch.float32, seed=6)
+    q, k = inp.q[:, :, ::groups].clone().requires_grad_(), inp.k[:, :, ::groups].clone()
+    init = torch.randn(4, 2 * groups, 8, 4, generator=torch.Generator().manual_seed(2))
+    kw = dict(cu_seqlens=cu, initial_state=init, capture=[0, 4, 5, 30, 39])
+    tri = kernels.recurrence(q, k, inp.x, inp.g, inp.a, backend="triton", **kw)
+    assert launches == [1]
+    rep = lambda t: t.repeat_interleave(groups, dim=2)  # noqa: E731
+    q_ref = q.detach().clone().requires_grad_()
+    ref = kernels.recurrence(rep(q_ref), rep(k), inp.x, inp.g, inp.a, backend="reference", **kw)
+    for name, mine, theirs in zip(("o", "final_state", "states"), tri, ref):
+        torch.testing.assert_close(mine, theirs, atol=2e-5, rtol=2e-5, msg=lambda m: f"{name}: {m}")
+    assert torch.equal(tri.final_state[1], init[1])                       # the empty sequence keeps its state
+    (d_tri,) = torch.autograd.grad(tri.o.sum() + tri.states.sum(), [q])
+    (d_ref,) = torch.autograd.grad(ref.o.sum() + ref.states.sum(), [q_ref])
+    torch.testing.assert_close(d_tri, d_ref, atol=5e-5, rtol=5e-5)
+
+
 def test_cu_seqlens_all_empty_and_errors():
     q = torch.zeros(1, 0, H, K, dtype=torch.float64)
     x = torch.zeros(1, 0, H, V, dtype=torch.float64)
