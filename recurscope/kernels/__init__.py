@@ -104,8 +104,7 @@ def recurrence(
                   extra_write=extra_write, capture=positions)
     if chosen == "chunked":
         if cu_seqlens is not None:
-            kwargs["cu_seqlens"] = [int(b) for b in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor)
-                                                     else cu_seqlens)]
+            kwargs["cu_seqlens"] = _bounds(cu_seqlens)
         if chunk_size is not None:
             kwargs["chunk_size"] = chunk_size
         o, S, states = recurrence_chunked(q, k, x, g, a, dtype=dtype, final_state=output_final_state, **kwargs)
@@ -118,8 +117,7 @@ def recurrence(
     if chosen == "triton":
         from recurscope.kernels.triton_recurrent import recurrence_triton
 
-        cu = None if cu_seqlens is None else [int(b) for b in (cu_seqlens.tolist() if isinstance(
-            cu_seqlens, torch.Tensor) else cu_seqlens)]
+        cu = None if cu_seqlens is None else _bounds(cu_seqlens)
         o, S, states = recurrence_triton(q, k, x, g, a, output_final_state=output_final_state, cu_seqlens=cu, **kwargs)
         return RecurrenceOutput(o, S if output_final_state else None, states)
     if dims.H_k != dims.H:
@@ -139,6 +137,11 @@ def recurrence(
     return RecurrenceOutput(o, S if output_final_state else None, states)
 
 
+def _bounds(cu_seqlens) -> list[int]:
+    """cu_seqlens (a tensor or a sequence) as a list of ints (one host read for a tensor)."""
+    return [int(b) for b in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+
+
 def _value_heads(t, dims):
     """a or u given with the key heads: repeated over each group of value heads, for the backends that need it."""
     if t is None or t.shape[2] == dims.H:
@@ -150,7 +153,7 @@ def _per_sequence(run, q, k, x, g, a, cu_seqlens, dtype, *, scale, initial_state
                   capture):
     """cu_seqlens for a backend without it: one call per non-empty sequence, outputs concatenated along T, final
     states stacked per sequence, captures gathered in order."""
-    bounds = [int(b) for b in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    bounds = _bounds(cu_seqlens)
     H, K, V = x.shape[2], q.shape[-1], x.shape[-1]
     sl = lambda t, lo, hi: None if t is None else t[:, lo:hi]  # noqa: E731
     outs, finals, states = [], [], []
