@@ -591,10 +591,11 @@ def _state_pass_batched(ops, O, segments, shared, want, update_last, B, H, new):
 # Stage 5: the output pass; stage 6: captures
 # ---------------------------------------------------------------------------------------------------------------
 
-def _output_pass(O, ops, R, B, H, N, C, out_dtype, grad, add_within=True):
+def _output_pass(O, ops, R, B, H, N, C, out_dtype, grad, add_within=True, unpack=None):
     """o = O + A_qk R (the within-chunk term, one batched product for every chunk; add_within=False when O holds it
     already), then the layout (B, N*C, H, V), the output scale and the cast, in one pass into a buffer of the
-    caller's own when there is no graph (O may be scratch)."""
+    caller's own when there is no graph (O may be scratch). unpack = (T, spans), packed sequences without a graph:
+    the same pass writes each sequence's rows straight to its place in a (1, T, H, V) output."""
     V = O.shape[-1]
     if add_within:
         if grad:
@@ -604,6 +605,17 @@ def _output_pass(O, ops, R, B, H, N, C, out_dtype, grad, add_within=True):
         else:
             O.view(N * B * H, C, V).baddbmm_(ops.A_qk.reshape(N * B * H, C, C), R.view(N * B * H, C, V))
     o = O.view(N, B, H, C, V).permute(1, 0, 3, 2, 4)
+    if unpack is not None and not grad:
+        T, spans = unpack
+        dst = torch.empty(1, T, H, V, dtype=out_dtype, device=O.device)
+        put = (lambda d, s: torch.mul(s, ops.out_scale, out=d)) if ops.out_scale != 1.0 else (lambda d, s: d.copy_(s))
+        for lo, hi, row in spans:
+            first, full = row // C, (hi - lo) // C
+            if full:
+                put(dst[:, lo:lo + full * C].view(1, full, C, H, V), o[:, first:first + full])
+            if hi > lo + full * C:
+                put(dst[:, lo + full * C:hi], o[:, first + full, : hi - lo - full * C])
+        return dst
     if not grad:
         dst = torch.empty(B, N, C, H, V, dtype=out_dtype, device=O.device)
         o = torch.mul(o, ops.out_scale, out=dst) if ops.out_scale != 1.0 else dst.copy_(o)
@@ -687,7 +699,7 @@ def _recurrence_chunked(q, k, x, g, a, scale, initial_state, write_scale, extra_
 
 
 def _chunks(q, k, x, g, a, scale, write_scale, extra_write, capture, dtype, B, T, H, N, C, segments, shared,
-            final_state, grad, new):
+            final_state, grad, new, unpack=None):
     """The stages in order over (B, T, ·) inputs laid out in N chunks of C steps; segments say where each sequence
     starts and ends (in chunks) and its start state; capture positions count steps of the chunk-major layout.
     Returns (o (B, N*C, H, V) in q's dtype, final state per segment, states (B, P, H, K, V) or None)."""
@@ -718,10 +730,10 @@ def _chunks(q, k, x, g, a, scale, write_scale, extra_write, capture, dtype, B, T
         if ops.A_qu is not None:
             O.view(-1, C, V).baddbmm_(ops.A_qu.reshape(-1, C, C), ops.yc.reshape(-1, C, V))
         finals, starts = _state_pass_batched(ops, O, segments, shared, want, final_state, B, H, new)
-        o = _output_pass(O, ops, R, B, H, N, C, q.dtype, grad, add_within=False)
+        o = _output_pass(O, ops, R, B, H, N, C, q.dtype, grad, add_within=False, unpack=unpack)
     else:
         R, O, finals, starts = _state_pass_erase(ops, rhs, L_inv, segments, shared, want, final_state, B, H, new)
-        o = _output_pass(O, ops, R, B, H, N, C, q.dtype, grad)
+        o = _output_pass(O, ops, R, B, H, N, C, q.dtype, grad, unpack=unpack)
     states = None
     if capture:                                                                                # stage 6
         caps = _capture_states(capture, C, starts, R, ops.cap_keys, ops.cap_extra, ops.yc, ops.cap_factors)
@@ -781,8 +793,9 @@ def _varlen(q, k, x, g, a, scale, initial_state, write_scale, extra_write, captu
     ew = None if extra_write is None else (pack(extra_write[0]), pack(extra_write[1]))
     cap = None if not capture else dst[torch.as_tensor(capture, device=device)].tolist()
     o, finals, states = _chunks(*packed[:5], scale, packed[5], ew, cap, dtype, 1, N * C, H, N, C, segments, False,
-                                final_state, grad, new)
-    o = o.index_select(1, dst)
+                                final_state, grad, new, (T, spans))
+    if grad:                                               # without a graph the output pass unpacked it already
+        o = o.index_select(1, dst)
     S = None
     if final_state:
         by_seq = iter(finals)
