@@ -1,4 +1,4 @@
-"""Times the recurrence on a CPU against its pure-torch peers, interleaved and order-rotated, at one thread.
+"""Times the recurrence on a CPU against its pure-torch peers, interleaved in a shuffled order, at one thread.
 
 Contenders per family (B=1, H=4, K=V=128, float32), all called through their public entry points:
     GDN    recurscope chunked (kernels.recurrence, input checks included), fla 0.6's naive_chunk_gated_delta_rule,
@@ -9,7 +9,7 @@ Contenders per family (B=1, H=4, K=V=128, float32), all called through their pub
     QED    recurscope chunked (fla has no QED op); its overhead over GDN-2 is printed
 plus a plain torch bmm of the chunked path's shape class, so that a same-run matmul rate sits in every round.
 
-Each round runs every contender of a (family, T) once, in an order rotated by one place per round; a ratio is
+Each round runs every contender of a (family, T) once, in an order shuffled per round (seeded); a ratio is
 formed within each round (paired) and the median of those paired ratios is printed beside the ratio of the minima.
 `uptime` is printed before and after: on a shared machine other jobs inflate every figure, the ratios less so.
 --clock cpu times each call by this process's CPU time instead of elapsed time: at one thread the time other
@@ -28,16 +28,22 @@ graph. Elementwise work (exponentials, decay factors) is not counted. The bmm th
 one fixed shape, (128, 64, 128) @ (128, 128, 128), whatever C is.
 
 --baseline DIR adds an older checkout's chunked kernel (DIR/kernels/chunked.py, e.g. from `git archive`) as a
-contender, called after the same input checks, so that old against new is a paired ratio of one run.
+contender, called through the same entry, so that old against new is a paired ratio of one run; --no-peers leaves
+only those two (no peers, no bmm between their calls).
+
+--families GVA varlen adds the GDN cases of grouped value heads (q and k with half the heads, against repeating
+them first) and of packed sequences of different lengths (cu_seqlens, against padding to the longest and a loop),
+each beside fla's naive chunk and transformers' torch chunk on the inputs they need.
 
 Usage:  python -m experiments.bench.recurrence [--lengths 2048 8192] [--repeats 7] [--threads 1] [--reference]
-                                               [--baseline DIR]
+                                               [--baseline DIR] [--families GDN GDN-2 GLA QED GVA varlen]
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -119,9 +125,9 @@ def contenders(T: int, with_reference: bool):
 
 
 def baseline_kernel(checkout: str):
-    """recurrence_chunked of an older checkout, called after the current input checks like kernels.recurrence."""
-    from recurscope.kernels._validate import validate
-
+    """recurrence_chunked of an older checkout, called through today's kernels.recurrence (its input checks and
+    dispatch included), so that old against new differs only in the kernel, also at short lengths where the entry's
+    own cost is a visible share of a call."""
     path = os.path.join(checkout, "kernels", "chunked.py")
     if not os.path.isfile(path):
         raise SystemExit(f"--baseline {checkout}: no kernels/chunked.py there; pass a checkout of this repository "
@@ -130,10 +136,83 @@ def baseline_kernel(checkout: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
 
-    def run(q, k, x, g, a):
-        validate(q, k, x, g, a, None, None, None, None, check_finite=True)
-        return mod.recurrence_chunked(q, k, x, g, a, scale=q.shape[-1] ** -0.5, dtype=torch.float32)[0]
+    def run(*args, **kw):
+        today = kernels.recurrence_chunked
+        kernels.recurrence_chunked = mod.recurrence_chunked
+        try:
+            return kernels.recurrence(*args, backend="chunked", **kw).o
+        finally:
+            kernels.recurrence_chunked = today
     return run
+
+
+GVA_GROUPS = 2                    # value heads per key head, as Qwen3.5 and Qwen3-Next
+VARLEN_SHARES = (1, 2, 4, 9)      # sequence lengths in proportion: the longest 9x the shortest
+
+
+def varlen_lengths(T: int) -> list[int]:
+    """Packed lengths summing to T, in the proportions VARLEN_SHARES (ragged on purpose: none a multiple of 16)."""
+    total = sum(VARLEN_SHARES)
+    lengths = [max(1, T * s // total - 3) for s in VARLEN_SHARES]
+    lengths[-1] += T - sum(lengths)
+    return lengths
+
+
+def extra_cases(T: int, names) -> dict:
+    """{case: (recurscope fn, {peer name: fn})} for grouped value heads and packed variable-length batches, GDN form.
+
+    GVA: q and k with H / GVA_GROUPS heads. recurscope passes them as they are; "repeat then call" is the path before
+    grouped heads (q and k repeated over the value heads, as the bridge did); fla's naive chunk and transformers'
+    torch chunk take repeated q and k (transformers' Qwen3-Next layer repeats them the same way).
+    varlen: sequences of VARLEN_SHARES proportions packed along T. recurscope runs them with cu_seqlens; "padded
+    batch" pads each to the longest as one batch; "loop" calls once per sequence; fla's naive chunk and
+    transformers' torch chunk have no cu_seqlens and run the padded batch."""
+    fla_gdn, _, _, hf_gdn = peers()
+    cases = {}
+    if "GVA" in names:
+        gdn = family_inputs("gdn", B, T, H, K, V, dtype=torch.float32, decay=(0.0, 0.05))
+        qk, kk = gdn.q[:, :, ::GVA_GROUPS].contiguous(), gdn.k[:, :, ::GVA_GROUPS].contiguous()
+        rep = lambda t: t.repeat_interleave(GVA_GROUPS, dim=2)  # noqa: E731
+        # a = beta k and x = beta v are formed in the entry (beta=), from the key heads or from the repeated ones
+        cases["GVA"] = (lambda: kernels.recurrence(qk, kk, gdn.v, gdn.g, beta=gdn.beta, backend="chunked").o, {
+            "repeat then call": lambda: kernels.recurrence(rep(qk), rep(kk), gdn.v, gdn.g, beta=gdn.beta,
+                                                           backend="chunked").o,
+            "fla naive chunk": lambda: fla_gdn(rep(qk), rep(kk), gdn.v, gdn.g, gdn.beta, chunk_size=64,
+                                               output_final_state=True)[0],
+            "transformers torch chunk": lambda: hf_gdn(rep(qk), rep(kk), gdn.v, gdn.g, gdn.beta, chunk_size=64,
+                                                       output_final_state=True)[0]})
+    if "varlen" in names:
+        gdn = family_inputs("gdn", B, T, H, K, V, dtype=torch.float32, decay=(0.0, 0.05))
+        lengths = varlen_lengths(T)
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        L = max(lengths)
+
+        def padded(t):
+            out = t.new_zeros(len(lengths), L, *t.shape[2:])
+            for i, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
+                out[i, : hi - lo] = t[0, lo:hi]
+            return out
+
+        def unpad(o):
+            return torch.cat([o[i:i + 1, : hi - lo] for i, (lo, hi) in enumerate(zip(cu[:-1], cu[1:]))], 1)
+
+        def pad_then_call():
+            return unpad(kernels.recurrence(*(padded(t) for t in gdn.args()), backend="chunked").o)
+
+        def loop():
+            return torch.cat([kernels.recurrence(*(t[:, lo:hi] for t in gdn.args()), backend="chunked").o
+                              for lo, hi in zip(cu[:-1], cu[1:])], 1)
+
+        def padded_peer(fn):
+            return lambda: unpad(fn(*(padded(t) for t in (gdn.q, gdn.k, gdn.v, gdn.g, gdn.beta)), chunk_size=64,
+                                    output_final_state=True)[0])
+
+        cases["varlen"] = (lambda: kernels.recurrence(*gdn.args(), cu_seqlens=cu, backend="chunked").o, {
+            "padded batch": pad_then_call, "loop per sequence": loop,
+            "fla naive chunk, padded": padded_peer(fla_gdn), "transformers torch chunk, padded": padded_peer(hf_gdn)})
+    return cases
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -146,15 +225,17 @@ def minor_faults() -> int:
 
 
 def paired_rounds(fns: dict, repeats: int, clock=time.perf_counter, faults: Optional[dict] = None) -> dict:
-    """Every fn once per round, the order rotated by one place per round (after one untimed warm-up round).
+    """Every fn once per round, in an order shuffled per round (seeded; after one untimed warm-up round), so that no
+    contender always follows the same one: with the order only rotated, the contender after the bmm always met a
+    cache the bmm had just filled, and two copies of one kernel read 0.89-0.93x at T = 64.
     faults, when given, collects each call's minor page faults per name."""
     names = list(fns)
     for n in names:
         fns[n]()
     times = {n: [] for n in names}
+    order = random.Random(0)
     for r in range(repeats):
-        shift = r % len(names)
-        for n in names[shift:] + names[:shift]:
+        for n in order.sample(names, len(names)):
             f0 = minor_faults()
             t0 = clock()
             fns[n]()
@@ -169,18 +250,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1: stable under load)")
     ap.add_argument("--repeats", type=int, default=7, help="timed rounds per (family, T)")
     ap.add_argument("--lengths", type=int, nargs="*", default=[512, 2048, 8192], help="sequence lengths")
-    ap.add_argument("--families", nargs="*", default=["GDN", "GDN-2", "GLA", "QED"])
+    ap.add_argument("--families", nargs="*", default=["GDN", "GDN-2", "GLA", "QED"],
+                    help="families (GDN, GDN-2, GLA, QED) and the GDN cases GVA (grouped value heads) and varlen "
+                         "(packed sequences of lengths in proportions 1:2:4:9)")
     ap.add_argument("--reference", action="store_true", help="also time the step-loop reference (slow)")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                     help="wall: elapsed time; cpu: this process's CPU time (at one thread, time other jobs hold the "
                          "core does not count, which steadies the figures on a loaded machine)")
     ap.add_argument("--baseline", default=None, help="an older checkout whose chunked kernel runs as a contender")
+    ap.add_argument("--no-peers", action="store_true",
+                    help="time recurscope (and --baseline) only, without the peers and the bmm: an old-against-new "
+                         "pair with nothing else between its calls, the steadiest reading of a small difference")
     ap.add_argument("--slow-peer-max-T", type=int, default=2048,
                     help="skip fla's naive GDN-2 and recurrent GLA above this length (they take seconds per call)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"recurrence benchmark: B={B} H={H} K=V={K}, float32, threads={torch.get_num_threads()}, "
-          f"{args.repeats} interleaved rounds, order rotated per round, torch {torch.__version__}")
+          f"{args.repeats} interleaved rounds, order shuffled per round, torch {torch.__version__}")
     print(f"clock: {args.clock}")
     print(f"uptime before: {uptime()}")
     # `python -m experiments.bench.X` from a checkout times that checkout; say which code is being timed.
@@ -199,14 +285,22 @@ def main() -> None:
     with torch.no_grad():
         for T in args.lengths:
             fams = contenders(T, args.reference)
+            cases = extra_cases(T, args.families)
+            if "varlen" in cases:
+                print(f"varlen T={T}: lengths {varlen_lengths(T)}")
             for fam in args.families:
-                rc_args, peer = fams[fam]
-                fns = {"recurscope chunked": lambda: kernels.recurrence(*rc_args, backend="chunked").o}
-                slow = fam in ("GDN-2", "GLA") and T > args.slow_peer_max_T
-                fns.update({} if slow else peer)
-                if base is not None:
-                    fns["baseline chunked"] = (lambda a_: lambda: base(*a_))(rc_args)
-                fns["torch bmm"] = lambda: torch.bmm(a, b)
+                if fam in cases:
+                    mine_fn, peer = cases[fam]
+                    fns = {"recurscope chunked": mine_fn, **peer}
+                else:
+                    rc_args, peer = fams[fam]
+                    fns = {"recurscope chunked": lambda: kernels.recurrence(*rc_args, backend="chunked").o}
+                    slow = fam in ("GDN-2", "GLA") and T > args.slow_peer_max_T
+                    fns.update({} if slow or args.no_peers else peer)
+                    if base is not None:
+                        fns["baseline chunked"] = (lambda a_: lambda: base(*a_))(rc_args)
+                if not args.no_peers:
+                    fns["torch bmm"] = lambda: torch.bmm(a, b)
                 mine = fns["recurscope chunked"]()
                 for name, fn in fns.items():
                     if name not in ("recurscope chunked", "torch bmm", "step reference"):
@@ -226,6 +320,8 @@ def main() -> None:
                           f"{paired:15.2f}x {min(ts) / min(tc):12.2f}x {statistics.median(faults[name]):11.0f}")
                     if name not in ("recurscope chunked", "step reference", "baseline chunked"):
                         best_peer = min(best_peer or (paired, name), (paired, name))
+                if fam in cases or args.no_peers:
+                    continue
                 flops = chunked_flops(T, with_erase=fam != "GLA")
                 pct = [100 * (flops / c) / (BMM_FLOPS / m) for c, m in zip(tc, times["torch bmm"])]
                 mm_rate = BMM_FLOPS / statistics.median(times["torch bmm"]) / 1e9

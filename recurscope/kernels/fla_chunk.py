@@ -25,7 +25,8 @@ What falls back to the Triton kernel (kernels.triton_recurrent), and why:
     beta = (a . k) / (k . k) equal to zero where a write happens (x / beta is undefined);
     extra writes at more than MAX_SPLITS positions (a write-key patch at every position, as the mixers express a
         patched write key today): each one costs a split;
-    float64 inputs (fla's kernels run in float32 and lower precisions), K or V above 256, or fla not importable.
+    float64 inputs (fla's kernels run in float32 and lower precisions), K or V above 256, or fla not importable;
+    a hard reset (-inf in g), where fla's in-chunk differences of cumulative decays would read inf - inf.
 `fallback_reason` names the case; the choice costs one host sync per call (the beta and extra-write checks).
 """
 from __future__ import annotations
@@ -78,6 +79,8 @@ def _plan(q, k, x, g, a, extra_write):
         return None, None, [], f"K = {K}, V = {V}: fla's chunk kernels take head dimensions up to {MAX_DIM}"
     if not fla_available():
         return None, None, [], "fla is not importable"
+    if bool(torch.isneginf(g).any()):
+        return None, None, [], "a hard reset (-inf in g): fla's chunk kernels take differences of cumulative decays"
     beta = None
     if a is None:
         form = "gla" if g.dim() == 4 else "simple_gla"

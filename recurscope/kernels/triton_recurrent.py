@@ -1,5 +1,6 @@
-"""The fused recurrent Triton kernel (forward only): one program per (batch*head, V tile) keeps its slice of
-the state in fp32 registers and walks the time loop, with every patch feature behind a constexpr flag.
+"""The fused recurrent Triton kernel: one program per (batch*head, V tile) keeps its slice of the state in fp32
+registers and walks the time loop, with every patch feature behind a constexpr flag. Its backward recomputes the call
+in the chunked form (plain torch, on the same device) and differentiates that.
 
     S_t = (I - k_t a_t^T) Diag(exp g_t) S_{t-1} + write_scale_t k_t x_t^T + u_t y_t^T
     o_t = scale * S_t^T q_t
@@ -24,19 +25,20 @@ NUM_STAGES = 1
 
 @triton.jit(do_not_specialize=["T"])
 def recurrent_fwd_kernel(
-    q_ptr, k_ptr, x_ptr, g_ptr, a_ptr, ws_ptr, u_ptr, y_ptr, h0_ptr, cap_slot_ptr,
+    q_ptr, k_ptr, x_ptr, g_ptr, a_ptr, ws_ptr, u_ptr, y_ptr, h0_ptr, cap_slot_ptr, cu_ptr,
     o_ptr, ht_ptr, states_ptr,
     scale, T, P,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     CHANNEL_DECAY: tl.constexpr, HAS_ERASE: tl.constexpr, HAS_WRITE_SCALE: tl.constexpr,
     HAS_EXTRA_WRITE: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-    HAS_CAPTURE: tl.constexpr,
+    HAS_CAPTURE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
-    i_b = i_bh // H
+    i_b = i_bh // H          # the batch row, or the sequence of a packed batch (IS_VARLEN, B = 1)
     i_h = i_bh % H
+    i_hk = i_h // (H // HK)  # the key head of q and k (grouped value heads: H = n HK)
 
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -46,9 +48,20 @@ def recurrent_fwd_kernel(
     offs_kv = offs_k[:, None] * V + offs_v[None, :]
 
     # int64 bases: B*T*H*K can pass 2**31 on long sequences.
-    row0 = i_b.to(tl.int64) * T * H + i_h  # row of (b, t=0, h) in the flattened (B*T*H) layout
-    p_q = q_ptr + row0 * K + offs_k
-    p_k = k_ptr + row0 * K + offs_k
+    if IS_VARLEN:
+        bos = tl.load(cu_ptr + i_b).to(tl.int64)
+        steps = tl.load(cu_ptr + i_b + 1).to(tl.int64) - bos
+        t0 = bos                                  # the packed position of the sequence's first step
+        i_c = 0                                   # captures live in the one batch row
+    else:
+        bos = i_b.to(tl.int64) * T
+        steps = T
+        t0 = 0
+        i_c = i_b
+    row0 = bos * H + i_h     # row of (b, t=0, h) in the flattened (B*T*H) layout
+    rowk0 = bos * HK + i_hk  # the same for q and k, with their HK heads
+    p_q = q_ptr + rowk0 * K + offs_k
+    p_k = k_ptr + rowk0 * K + offs_k
     p_x = x_ptr + row0 * V + offs_v
     p_o = o_ptr + row0 * V + offs_v
     if CHANNEL_DECAY:
@@ -68,7 +81,7 @@ def recurrent_fwd_kernel(
     if HAS_INITIAL_STATE:
         S += tl.load(h0_ptr + state_base + offs_kv, mask=mask_kv, other=0.0).to(tl.float32)
 
-    for t in range(0, T):
+    for t in range(0, steps):
         # Padded K rows stay zero: k, u and the initial state load 0 there, so the decay value is irrelevant.
         if CHANNEL_DECAY:
             g_t = tl.load(p_g, mask=mask_k, other=0.0).to(tl.float32)
@@ -94,14 +107,14 @@ def recurrent_fwd_kernel(
         o_t = tl.sum(S * q_t[:, None], axis=0) * scale
         tl.store(p_o, o_t.to(o_ptr.dtype.element_ty), mask=mask_v)
         if HAS_CAPTURE:
-            slot = tl.load(cap_slot_ptr + t)
+            slot = tl.load(cap_slot_ptr + t0 + t)
             if slot >= 0:
                 # states is (B, P, H, K, V)
-                cap_base = ((i_b.to(tl.int64) * P + slot) * H + i_h) * K * V
+                cap_base = ((i_c * P + slot) * H + i_h) * K * V
                 tl.store(states_ptr + cap_base + offs_kv, S, mask=mask_kv)
 
-        p_q += H * K
-        p_k += H * K
+        p_q += HK * K
+        p_k += HK * K
         p_x += H * V
         p_o += H * V
         if CHANNEL_DECAY:
@@ -140,15 +153,16 @@ def _check_device(q: torch.Tensor) -> None:
         )
 
 
-def _launch(q, k, x, g, a, write_scale, u, y, initial_state, capture, scale, output_final_state):
-    B, T, H, K = q.shape
-    V = x.shape[-1]
+def _launch(q, k, x, g, a, write_scale, u, y, initial_state, capture, scale, output_final_state, cu_seqlens=None):
+    B, T, HK, K = q.shape
+    H, V = x.shape[2], x.shape[-1]
+    rows = B if cu_seqlens is None else len(cu_seqlens) - 1     # one program row per batch row or sequence
     device = q.device
     c = lambda t: None if t is None else t.contiguous()  # noqa: E731
     q, k, x, g, a, write_scale, u, y, initial_state = map(c, (q, k, x, g, a, write_scale, u, y, initial_state))
 
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=device)
-    final_state = torch.empty(B, H, K, V, dtype=torch.float32, device=device) if output_final_state else None
+    final_state = torch.empty(rows, H, K, V, dtype=torch.float32, device=device) if output_final_state else None
     P = len(capture) if capture else 0
     states = torch.empty(B, P, H, K, V, dtype=torch.float32, device=device) if P else None
     cap_slot = None
@@ -162,43 +176,69 @@ def _launch(q, k, x, g, a, write_scale, u, y, initial_state, capture, scale, out
     dummy = o
     pick = lambda t: dummy if t is None else t  # noqa: E731
     BK, BV, num_warps = tile_config(K, V)
-    grid = (triton.cdiv(V, BV), B * H)
+    cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens, dtype=torch.int64, device=device)
+    grid = (triton.cdiv(V, BV), rows * H)
+    if rows * H == 0:
+        return o, final_state, states
     recurrent_fwd_kernel[grid](
-        q, k, x, g, pick(a), pick(write_scale), pick(u), pick(y), pick(initial_state), pick(cap_slot),
+        q, k, x, g, pick(a), pick(write_scale), pick(u), pick(y), pick(initial_state), pick(cap_slot), pick(cu),
         o, pick(final_state), pick(states),
         float(scale), T, P,
-        H=H, K=K, V=V, BK=BK, BV=BV,
+        H=H, HK=HK, K=K, V=V, BK=BK, BV=BV,
         CHANNEL_DECAY=g.dim() == 4, HAS_ERASE=a is not None, HAS_WRITE_SCALE=write_scale is not None,
         HAS_EXTRA_WRITE=u is not None, HAS_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=output_final_state, HAS_CAPTURE=P > 0,
+        STORE_FINAL_STATE=output_final_state, HAS_CAPTURE=P > 0, IS_VARLEN=cu is not None,
         num_warps=num_warps, num_stages=NUM_STAGES,
     )
     return o, final_state, states
 
 
-class _ForwardOnlyRecurrence(torch.autograd.Function):
-    """Runs the kernel; the outputs stay attached to the graph so that a backward call reaches the clear error."""
+class _Recurrence(torch.autograd.Function):
+    """The kernel forward; the backward recomputes the call in the chunked form (kernels.chunked, plain torch, which
+    runs on the caller's device) under autograd and differentiates that: exact to float rounding, at the cost of one
+    more forward. The kernel keeps nothing for the backward but the inputs."""
 
     @staticmethod
-    def forward(ctx, q, k, x, g, a, write_scale, u, y, initial_state, capture, scale, output_final_state):
-        return _launch(q, k, x, g, a, write_scale, u, y, initial_state, capture, scale, output_final_state)
+    def forward(ctx, q, k, x, g, a, write_scale, u, y, initial_state, capture, scale, output_final_state, cu_seqlens):
+        ctx.save_for_backward(q, k, x, g, a, write_scale, u, y, initial_state)
+        ctx.capture, ctx.scale, ctx.output_final_state = capture, scale, output_final_state
+        ctx.cu_seqlens = cu_seqlens
+        return _launch(q, k, x, g, a, write_scale, u, y, initial_state, capture, scale, output_final_state,
+                       cu_seqlens)
 
     @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            "the triton backend of kernels.recurrence is forward-only and has no backward; "
-            "use backend='chunked' (or 'reference') for gradients"
-        )
+    def backward(ctx, d_o, d_final, d_states):
+        from recurscope.kernels._validate import compute_dtype
+        from recurscope.kernels.chunked import recurrence_chunked
+
+        saved = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:9]
+        with torch.enable_grad():
+            leaves = [None if t is None else t.detach().requires_grad_(bool(n)) for t, n in zip(saved, needs)]
+            q, k, x, g, a, write_scale, u, y, initial_state = leaves
+            outs = recurrence_chunked(
+                q, k, x, g, a, scale=ctx.scale, initial_state=initial_state, write_scale=write_scale,
+                extra_write=None if u is None else (u, y), capture=ctx.capture, dtype=compute_dtype(q),
+                final_state=ctx.output_final_state, cu_seqlens=ctx.cu_seqlens)
+            pairs = [(t, d) for t, d in zip(outs, (d_o, d_final, d_states)) if t is not None and d is not None]
+            wrt = [t for t in leaves if t is not None and t.requires_grad]
+            got = iter(torch.autograd.grad([t for t, _ in pairs], wrt, [d for _, d in pairs], allow_unused=True)
+                       if pairs and wrt else [None] * len(wrt))
+        grads = [next(got) if t is not None and t.requires_grad else None for t in leaves]
+        return (*grads, None, None, None, None)
 
 
 def recurrence_triton(
     q, k, x, g, a=None, *, output_final_state: bool = True, scale: float, initial_state=None,
-    write_scale=None, extra_write=None, capture: Optional[list[int]] = None,
+    write_scale=None, extra_write=None, capture: Optional[list[int]] = None, cu_seqlens: Optional[list[int]] = None,
 ):
     """Returns (o, final_state, states): o in q's dtype, final_state (B, H, K, V) and states (B, P, H, K, V) in
-    float32 (None when not asked for). Inputs are assumed validated (kernels.recurrence does that)."""
+    float32 (None when not asked for). q and k may hold H_k heads where x has H = n H_k (each program reads its key
+    head); cu_seqlens (B = 1) runs one program row per packed sequence, final states (n, H, K, V). a and u have H
+    heads. Inputs are assumed validated (kernels.recurrence does that)."""
     _check_device(q)
     u, y = (None, None) if extra_write is None else extra_write
     capture = list(capture) if capture else None
-    return _ForwardOnlyRecurrence.apply(
-        q, k, x, g, a, write_scale, u, y, initial_state, capture, scale, output_final_state)
+    cu = None if cu_seqlens is None else [int(b) for b in cu_seqlens]
+    return _Recurrence.apply(
+        q, k, x, g, a, write_scale, u, y, initial_state, capture, scale, output_final_state, cu)

@@ -111,6 +111,30 @@ def test_parity_with_transformers_torch_path_hooks_idle(checkpoint):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
+def test_grouped_value_heads_reach_the_kernel_without_a_copy(checkpoint, monkeypatch):
+    """Qwen3.5 has 2 value heads per key head here: without hooks on q, k or the write key, the kernel gets q and k
+    with the key heads (no repeat) and the logits are transformers' own; a hook on hook_k still sees one key per value
+    head (and the kernel then gets them repeated)."""
+    layout, path, cls = checkpoint
+    model, ref = load_model(path), _reference(path, cls)
+    tokens = _tokens(model.cfg.vocab_size)
+    heads = []
+    real = kernels.recurrence
+    monkeypatch.setattr(kernels, "recurrence",
+                        lambda q, k, x, *a, **kw: heads.append((q.shape[2], x.shape[2])) or real(q, k, x, *a, **kw))
+    with torch.no_grad(), torch_reference_path():
+        expected = ref(input_ids=tokens).logits
+        got = model(tokens)
+        assert set(heads) == {(1, 2)}
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        heads.clear()
+        seen = []
+        with model.hooks(fwd_hooks=[("blocks.0.mixer.hook_k", lambda t, hook: seen.append(t.shape) or t)]):
+            hooked = model(tokens)
+    assert seen[0][2] == 2 and heads[0] == (2, 2) and set(heads[1:]) == {(1, 2)}
+    torch.testing.assert_close(hooked, expected, rtol=0, atol=1e-5)
+
+
 def test_stepping_equals_the_full_run(checkpoint):
     _, path, _ = checkpoint
     model = load_model(path)

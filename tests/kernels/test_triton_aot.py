@@ -18,10 +18,10 @@ SIZES = ((64, 64), (128, 128), (256, 256))
 INPUT_DTYPES = ("bf16", "fp32")
 TARGET_CAPABILITY = 90
 
-# The heaviest variant: per-channel decay, erase, and every patch feature on.
+# The heaviest variant: per-channel decay, erase, every patch feature on, packed sequences and grouped heads.
 HEAVY_FLAGS = dict(
     CHANNEL_DECAY=True, HAS_ERASE=True, HAS_WRITE_SCALE=True, HAS_EXTRA_WRITE=True,
-    HAS_INITIAL_STATE=True, STORE_FINAL_STATE=True, HAS_CAPTURE=True,
+    HAS_INITIAL_STATE=True, STORE_FINAL_STATE=True, HAS_CAPTURE=True, IS_VARLEN=True,
 )
 FLOAT32_STATE_ARGS = ("h0_ptr", "ht_ptr", "states_ptr")
 
@@ -38,13 +38,15 @@ def compile_and_measure(K, V, input_dtype, flags=HEAVY_FLAGS, H=4):
     fn = tr.recurrent_fwd_kernel
     assert isinstance(fn, triton.runtime.jit.JITFunction), "TRITON_INTERPRET must be unset for an AOT compile"
     BK, BV, num_warps = tr.tile_config(K, V)
-    constexprs = dict(H=H, K=K, V=V, BK=BK, BV=BV, **flags)
+    constexprs = dict(H=H, HK=H // 2, K=K, V=V, BK=BK, BV=BV, **flags)
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
         elif name == "cap_slot_ptr":
             signature[name] = "*i32"
+        elif name == "cu_ptr":
+            signature[name] = "*i64"
         elif name in FLOAT32_STATE_ARGS:
             signature[name] = "*fp32"
         elif name.endswith("_ptr"):

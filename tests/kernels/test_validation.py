@@ -32,12 +32,13 @@ def test_good_input_runs():
 
 
 @pytest.mark.parametrize("name, tensor, expect", [
-    ("k", torch.randn(B, T, H, K + 1), r"k must have shape \(B, T, H, K\).*\(2, 5, 3, 4\).*got \(2, 5, 3, 5\)"),
-    ("x", torch.randn(B, T + 1, H, V), r"x must have shape \(B, T, H, V\) = \(2, 5, 3, V\), got \(2, 6, 3, 6\)"),
+    ("k", torch.randn(B, T, H, K + 1), r"k must have shape \(B, T, H_k, K\).*\(2, 5, 3, 4\).*got \(2, 5, 3, 5\)"),
+    ("x", torch.randn(B, T + 1, H, V), r"x must have shape \(B, T, H, V\) = \(2, 5, H, V\), got \(2, 6, 3, 6\)"),
+    ("x", torch.randn(B, T, H + 1, V), r"x has H = 4 value heads, not a multiple of q and k's H_k = 3"),
     ("a", torch.randn(B, T, H, K - 1), r"a must have shape \(B, T, H, K\) = \(2, 5, 3, 4\), got \(2, 5, 3, 3\)"),
     ("g", torch.randn(B, T, H + 1), r"g must have shape \(B, T, H\).*\(2, 5, 3\), got \(2, 5, 4\)"),
     ("g", torch.randn(B, T, H, K + 2), r"g must have shape \(B, T, H, K\).*\(2, 5, 3, 4\), got \(2, 5, 3, 6\)"),
-    ("q", torch.randn(B, T, K), r"q must have shape \(B, T, H, K\), got \(2, 5, 4\)"),
+    ("q", torch.randn(B, T, K), r"q must have shape \(B, T, H_k, K\), got \(2, 5, 4\)"),
 ])
 def test_mismatched_shapes(name, tensor, expect):
     with pytest.raises(ValueError, match=expect):
@@ -55,7 +56,11 @@ def test_g_of_wrong_rank(g):
 def test_non_finite_values(name, bad):
     t = good()[name].clone()
     t.view(-1)[3] = bad
-    with pytest.raises(ValueError, match=rf"^{name} contains 1 non-finite value\(s\) \(NaN or inf\)"):
+    if name == "g" and bad < 0:                           # a hard reset: the state before it is forgotten
+        assert torch.isfinite(call(g=t).o).all()
+        return
+    what = r"NaN or \+inf; -inf, a hard reset, is allowed" if name == "g" else "NaN or inf"
+    with pytest.raises(ValueError, match=rf"^{name} contains 1 non-finite value\(s\) \({what}\)"):
         call(**{name: t})
 
 

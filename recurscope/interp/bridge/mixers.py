@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformer_lens.hook_points import HookPoint
 
+from recurscope.hooks.points import is_intercepted
 from recurscope.interp.models.mixers import RecurrentMixer, grouped_scores, grouped_values
 
 
@@ -84,12 +85,16 @@ class BridgedDeltaRule(RecurrentMixer):
         acc = torch.promote_types(hidden_states.dtype, torch.float32)   # float32, as transformers, or float64
         groups = self.num_v_heads // self.num_k_heads
         q, k = _l2norm(q.to(acc)), _l2norm(k.to(acc))
-        if groups > 1:   # each key head serves `groups` consecutive value heads
+        # Each key head serves `groups` consecutive value heads. The kernel takes q and k with the key heads (no copy);
+        # they are repeated over the value heads only when a hook on them would see them, so that hook_q, hook_k and
+        # hook_write_key keep one entry per value head.
+        grouped = groups > 1 and not any(is_intercepted(p) for p in (self.hook_q, self.hook_k, self.hook_write_key))
+        if groups > 1 and not grouped:
             q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v.to(acc))
         g = self.hook_decay(g.to(acc))
         b = beta.to(acc)[..., None]
-        a = self.hook_erase(b * k)
+        a = self.hook_erase((b.unflatten(2, (-1, groups)) * k[:, :, :, None]).flatten(2, 3) if grouped else b * k)
         o, S = self._recur(q, k, b * v, g, a, None if init is None else init.to(acc), self.state_positions,
                            self.head_k_dim ** -0.5)
         if cache is not None and S is not None:   # None when keep_final_state is off (the scan's suffix rows)

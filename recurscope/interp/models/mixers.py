@@ -79,7 +79,7 @@ class RecurrentMixer(nn.Module):
         is what the recurrence reads even where it equals its input, so that its gradient is the loss's gradient
         with respect to that quantity: backward hooks fire and `retain_grad` works (docs/gradients.md).
         """
-        B, T, H, K = q.shape
+        B, T, H = x.shape[:3]              # value heads: q and k may hold fewer (grouped value heads)
         scale_dtype = _acc(q)   # write scales in at least float32, float64 in a float64 model
         u, ws = k, None
         if is_intercepted(self.hook_write_key):
