@@ -164,3 +164,22 @@ def test_config_errors_name_the_option():
         ModelConfig.from_dict(dict(base, num_heads=8, expand_k=0.25))
     cfg = ModelConfig.from_dict(dict(base, num_heads=8, dt_limit=[0.0, {"__float__": "Infinity"}]))
     assert cfg.state_shape() == (8, 8) and cfg.state_heads == 8
+
+
+def test_a_write_block_equals_a_state_edit_that_removes_that_write():
+    """Blocking head h's write at step p (WriteScale 0) equals replacing S_p by S_p - B_p (dt_p x_p)^T there: the
+    write is exactly hook_write_key (B) times hook_write_value (dt x), and the block carries forward."""
+    from recurscope.hooks import WriteScale
+
+    model = tiny_model("mamba2")
+    tokens = torch.randint(0, 61, (2, 14), generator=torch.Generator().manual_seed(7))
+    p, layer, head = 4, 0, 6
+    with torch.no_grad():
+        _, c = model.run_with_cache(tokens, state_positions=[p])
+        S = c[hook_name("hook_state", layer)][:, 0, head]
+        write = torch.einsum("bn,bp->bnp", c[hook_name("hook_write_key", layer)][:, p, head],
+                             c[hook_name("hook_write_value", layer)][:, p, head])
+        blocked = run_with_patches(model, tokens, [WriteScale(layer, [head], [p], 0.0)])
+        edited = run_with_patches(model, tokens, [StateReplace(layer, [head], p, S - write)])
+    torch.testing.assert_close(blocked, edited, atol=1e-5, rtol=1e-5)
+    assert (blocked - model(tokens)).abs().max() > 1e-4
