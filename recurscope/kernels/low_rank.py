@@ -20,7 +20,7 @@ import torch
 from recurscope.kernels._validate import _check_float, _expect, compute_dtype, validate
 
 DEFAULT_CHUNK = 32
-LOW_RANK_BACKENDS = ("auto", "reference", "chunked")
+LOW_RANK_BACKENDS = ("auto", "reference", "chunked", "triton")
 
 
 class LowRankOutput(NamedTuple):          # the fields of kernels.RecurrenceOutput
@@ -37,9 +37,10 @@ def recurrence_low_rank(
 
     q, k, a, b: (B, T, H, K); x: (B, T, H, V); g: (B, T, H) or (B, T, H, K), log-decays (any value <= 0, -1e4
     included). The patch arguments and the return value are `recurrence`'s (a RecurrenceOutput-shaped triple:
-    o, final_state, states). Backends: "reference" (the step loop) and "chunked" (PyTorch, differentiable);
-    "auto" is "chunked" on every device (there is no Triton kernel for this form yet), RECURSCOPE_BACKEND="reference"
-    overrides it. fla's RWKV-7 ops map onto it as a = -fla_a, b = fla_b (fla reads alpha^T S and writes along beta).
+    o, final_state, states). Backends: "reference" (the step loop), "chunked" (PyTorch, differentiable) and "triton"
+    (kernels.low_rank_triton, fused recurrent, forward only; CUDA tensors, or TRITON_INTERPRET=1). "auto" is
+    "chunked" on every device: the Triton kernel has been run only in Triton's interpreter so far, so it is chosen
+    by name; RECURSCOPE_BACKEND="reference" overrides "auto". fla's RWKV-7 ops map onto it as a = -fla_a, b = fla_b (fla reads alpha^T S and writes along beta).
     """
     if backend not in LOW_RANK_BACKENDS:
         raise ValueError(f"backend must be one of {LOW_RANK_BACKENDS} for recurrence_low_rank, got {backend!r}")
@@ -61,6 +62,11 @@ def recurrence_low_rank(
               capture=positions, dtype=compute_dtype(q))
     if backend == "reference":
         o, S, states = low_rank_reference(q, k, x, g, a, b, **kw)
+    elif backend == "triton":
+        from recurscope.kernels.low_rank_triton import low_rank_triton
+
+        kw.pop("dtype")
+        o, S, states = low_rank_triton(q, k, x, g, a, b, output_final_state=output_final_state, **kw)
     else:
         o, S, states = low_rank_chunked(q, k, x, g, a, b, final_state=output_final_state, chunk_size=chunk_size, **kw)
     return LowRankOutput(o, S if output_final_state else None, states)

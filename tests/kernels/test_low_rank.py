@@ -192,6 +192,32 @@ def test_against_fla_dplr_chunkwise(log_w_min):
         fla_testing.assert_close("ht", S_fla.double(), ours.final_state.double(), FLA_RATIO)
 
 
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_channel", "per_head"])
+@pytest.mark.parametrize("features", [False, True], ids=["plain", "all_patches"])
+def test_triton_forward_in_the_interpreter_matches_reference(per_head, features):
+    """The fused Triton forward (kernels.low_rank_triton) in Triton's interpreter (tests/conftest.py sets
+    TRITON_INTERPRET=1), on tiny shapes with a V tile split (K = 8 keeps BV = V) and log w down to -1e4."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 or CUDA")
+    B, T, H, K, V = 2, 19, 2, 8, 6
+    d64 = rwkv7_inputs(B, T, H, K, V, log_w_min=-1e4, per_head=per_head)
+    kw64 = patches(B, T, H, K, V, torch.float64) if features else {}
+    if features:
+        kw64["capture"] = [0, 7, 18]
+    d32 = {n: t.float() for n, t in d64.items()}
+    kw32 = {n: (tuple(x.float() for x in v) if isinstance(v, tuple) else v.float() if torch.is_tensor(v) else v)
+            for n, v in kw64.items()}
+    ref = run("reference", d64, **kw64)
+    got = run("triton", d32, **kw32)
+    for name, r, c in zip(("o", "final_state", "states"), ref, got):
+        if r is None:
+            assert c is None, name
+            continue
+        torch.testing.assert_close(c.double(), r, atol=2e-5, rtol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
 def test_bad_input_names_the_problem():
     d = rwkv7_inputs(1, 8, 1, 4, 4)
     with pytest.raises(ValueError, match="b must have shape"):
@@ -199,4 +225,4 @@ def test_bad_input_names_the_problem():
     with pytest.raises(ValueError, match="needs both a"):
         kernels.recurrence_low_rank(d["q"], d["k"], d["x"], d["g"], d["a"], None)
     with pytest.raises(ValueError, match="backend must be one of"):
-        kernels.recurrence_low_rank(d["q"], d["k"], d["x"], d["g"], d["a"], d["b"], backend="triton")
+        kernels.recurrence_low_rank(d["q"], d["k"], d["x"], d["g"], d["a"], d["b"], backend="fla")
