@@ -183,3 +183,15 @@ def test_a_write_block_equals_a_state_edit_that_removes_that_write():
         edited = run_with_patches(model, tokens, [StateReplace(layer, [head], p, S - write)])
     torch.testing.assert_close(blocked, edited, atol=1e-5, rtol=1e-5)
     assert (blocked - model(tokens)).abs().max() > 1e-4
+
+
+def test_a_transformers_mamba2_checkpoint_is_named_not_misread(tmp_path):
+    """transformers' Mamba-2 config.json has the same model_type ("mamba2") and class name as fla's."""
+    from transformers import Mamba2Config
+
+    from recurscope.interp.checkpoint_files import CheckpointError
+
+    Mamba2Config(hidden_size=32, num_heads=8, head_dim=8, state_size=8, num_hidden_layers=1,
+                 vocab_size=50).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="transformers' Mamba-2 format"):
+        load_model(tmp_path)
