@@ -19,7 +19,7 @@ import torch
 
 from recurscope.kernels._validate import _check_float, _expect, compute_dtype, validate
 
-DEFAULT_CHUNK = 32
+DEFAULT_CHUNK = 4       # the (C, C, K) decay factors cost C K per step: see experiments.bench.low_rank
 LOW_RANK_BACKENDS = ("auto", "reference", "chunked", "triton")
 
 
