@@ -103,7 +103,7 @@ def names_for(model) -> set[str]:
         for layer in range(model.cfg.num_hidden_layers):
             if spec.where == "block" or (spec.where == "recurrent" and layer in recurrent) or \
                     (spec.where == "attention" and layer not in recurrent):
-                if spec.where == "recurrent" and spec.name.rsplit(".", 1)[-1] in absent:
+                if spec.where in ("recurrent", "block") and spec.name.rsplit(".", 1)[-1] in absent:
                     continue
                 out.add(spec.name.format(l=layer))
     return out

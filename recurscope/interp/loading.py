@@ -99,6 +99,11 @@ def checkpoint_format(raw_config: dict) -> str:
     from recurscope.interp.models.families import FAMILIES
 
     model_type = raw_config.get("model_type")
+    if model_type == "mamba2" and "layer_norm_epsilon" in raw_config:
+        # transformers' Mamba-2 shares fla's model_type and class name; its config names its options differently
+        raise ValueError("config.json is transformers' Mamba-2 format (layer_norm_epsilon, time_step_limit): "
+                         "recurscope loads fla's Mamba-2 format (norm_eps, dt_limit); transformers' Mamba-2 through "
+                         "the bridge is not implemented yet")
     if model_type in FAMILIES:
         return "fla"
     if bridge_family(model_type) is not None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from recurscope.kernels._validate import compute_dtype, validate
 from recurscope.kernels.chunked import recurrence_chunked
 from recurscope.kernels.erase import ERASE_ARMS, erase_eigenvalue, erase_vector, project_out
+from recurscope.kernels.low_rank import recurrence_low_rank  # the decay-plus-low-rank form (RWKV-7), its own entry
 from recurscope.kernels.reference import recurrence_reference
 from recurscope.kernels.scratch import release_scratch, scratch_limit, set_scratch_limit
 
@@ -25,7 +26,7 @@ BACKENDS = ("auto", "reference", "chunked", "triton", "fla")
 
 __all__ = [
     "BACKENDS", "ERASE_ARMS", "RecurrenceOutput", "erase_eigenvalue", "erase_vector", "project_out",
-    "recurrence", "release_scratch", "resolve_backend", "scratch_limit", "set_scratch_limit",
+    "recurrence", "recurrence_low_rank", "release_scratch", "resolve_backend", "scratch_limit", "set_scratch_limit",
 ]
 
 

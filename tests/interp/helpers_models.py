@@ -10,6 +10,11 @@ FAMILIES = {
     "gdn2": dict(model_type="gated_deltanet2", head_dim=16, expand_v=1),
     "qed": dict(model_type="gated_deltanet2", head_dim=16, expand_v=1, erase_arm="full"),
     "gdn_hybrid": dict(model_type="gated_deltanet", head_dim=16, attn={"layers": [1], "num_heads": 2}),
+    # 8 heads of 8 channels (expand 2 x 32 / 8) in 2 groups of B and C, each state 8 x 8 (N x P)
+    # dt in [0.5, 1] and A in [0.01, 0.1] (fla: dt in [0.001, 0.1], A in [1, 16]): a random model writes visibly
+    # into its states and remembers for tens of steps, so that a state swap moves the logits
+    "mamba2": dict(model_type="mamba2", head_dim=8, num_heads=8, state_size=8, expand=2, n_groups=2, dt_min=0.5,
+                   dt_max=1.0, A_init_range=[0.01, 0.1]),
 }
 
 

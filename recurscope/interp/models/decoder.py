@@ -26,13 +26,16 @@ class Block(nn.Module):
             self.mixer = AttentionMixer(cfg, spec)
         else:   # the family's mixer (interp/models/families.py), built by the mixer contract
             self.mixer = cfg.family.mixer_class(cfg, layer=layer)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.mlp_intermediate)
         self.hook_resid_pre = HookPoint()
         self.hook_mixer_out = HookPoint()
         self.hook_resid_mid = HookPoint()
-        self.hook_mlp_out = HookPoint()
         self.hook_resid_post = HookPoint()
+        if cfg.family.mlp:        # Mamba-2's blocks have none (FamilySpec.mlp): norm, mixer, residual only
+            self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.mlp_intermediate)
+            self.hook_mlp_out = HookPoint()
+        else:
+            self.mlp = None
 
     @property
     def is_recurrent(self) -> bool:
@@ -45,7 +48,9 @@ class Block(nn.Module):
         else:
             mixed, new_cache = self.mixer(self.attn_norm(resid), layer_cache, offset=offset)
         resid = self.hook_resid_mid(resid + self.hook_mixer_out(mixed))
-        resid = self.hook_resid_post(resid + self.hook_mlp_out(self.mlp(self.mlp_norm(resid))))
+        if self.mlp is not None:
+            resid = resid + self.hook_mlp_out(self.mlp(self.mlp_norm(resid)))
+        resid = self.hook_resid_post(resid)
         return resid, new_cache
 
 

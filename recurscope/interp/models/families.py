@@ -54,6 +54,34 @@ def ours_to_fla(name: str) -> str:
 
 FLA_WEIGHTS = WeightMap("fla", fla_to_ours, ours_to_fla)
 
+
+def mamba2_to_ours(name: str) -> str:
+    """fla's Mamba-2 names: `backbone.layers.{i}.mixer.in_proj.weight` -> `blocks.{i}.mixer.in_proj.weight`, the
+    block's pre-norm `backbone.layers.{i}.norm` -> `blocks.{i}.attn_norm`, `backbone.norm_f` -> `norm`."""
+    if name.startswith("lm_head."):
+        return name
+    if not name.startswith("backbone."):
+        raise KeyError(name)
+    rest = name[len("backbone."):]
+    rest = re.sub(r"^embeddings\.", "embed.", rest)
+    rest = re.sub(r"^norm_f\.", "norm.", rest)
+    rest = re.sub(r"^layers\.(\d+)\.norm\.", r"blocks.\1.attn_norm.", rest)
+    rest = re.sub(r"^layers\.(\d+)\.", r"blocks.\1.", rest)
+    return rest
+
+
+def ours_to_mamba2(name: str) -> str:
+    if name.startswith("lm_head."):
+        return name
+    rest = re.sub(r"^embed\.", "embeddings.", name)
+    rest = re.sub(r"^norm\.", "norm_f.", rest)
+    rest = re.sub(r"^blocks\.(\d+)\.attn_norm\.", r"layers.\1.norm.", rest)
+    rest = re.sub(r"^blocks\.(\d+)\.", r"layers.\1.", rest)
+    return "backbone." + rest
+
+
+MAMBA2_WEIGHTS = WeightMap("fla", mamba2_to_ours, ours_to_mamba2)
+
 # ---------------------------------------------------------------------------------------------------------------
 # The spec
 # ---------------------------------------------------------------------------------------------------------------
@@ -80,6 +108,8 @@ class FamilySpec:
     state_shape / state_heads: per-head state (K, V) and the number of state-carrying heads, from a config.
     validate: messages for options the family does not implement. label: the family as `recurscope models` shows it.
     readout_norm / readout_gate: the mixer's output path o -> norm(o) * act(gate), which attribution freezes.
+    mlp: whether each block carries the SwiGLU MLP after its mixer (Mamba-2's blocks are norm, mixer, residual only;
+    without it the block lacks hook_mlp_out, which absent_hooks then lists).
     """
     name: str
     title: str
@@ -96,6 +126,7 @@ class FamilySpec:
     readout_gate: Optional[Callable] = None
     mixer_module: str = "recurscope.interp.models.mixers"
     option_defaults: Mapping[str, Any] = field(default_factory=dict)
+    mlp: bool = True
 
     def __post_init__(self):
         stray = sorted(set(self.option_defaults) - set(self.config_keys))
@@ -227,8 +258,75 @@ GATED_DELTANET2 = FamilySpec(
     option_defaults={"erase_arm": "gdn2", "qed_lambda_max": 0.25, "qed_theta_init": -2.0},
 )
 
+
+
+# ---- Mamba-2 ---------------------------------------------------------------------------------------------------
+def dt_limit_pair(value) -> tuple[float, float]:
+    """config.json's dt_limit: transformers writes float("inf") as {"__float__": "Infinity"}."""
+    def one(v):
+        return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else float(v)
+    lo, hi = value
+    return one(lo), one(hi)
+
+
+def _mamba2_validate(cfg):
+    bad = []
+    inner = cfg.expand * cfg.hidden_size
+    if inner != int(inner) or int(inner) % cfg.head_dim:
+        bad.append(f"expand * hidden_size = {inner} is not a multiple of head_dim={cfg.head_dim}")
+    elif int(inner) // cfg.head_dim != cfg.num_heads:
+        bad.append(f"num_heads={cfg.num_heads} but expand * hidden_size / head_dim = {int(inner) // cfg.head_dim}")
+    if cfg.num_heads % cfg.n_groups:
+        bad.append(f"n_groups={cfg.n_groups} does not divide num_heads={cfg.num_heads}")
+    if cfg.hidden_act not in ("silu", "swish"):
+        bad.append(f"hidden_act={cfg.hidden_act!r} (Mamba-2's mixer activation: only 'silu')")
+    if cfg.attn is not None:
+        bad.append("attn (fla's Mamba-2 has no attention layers; its hybrids load through the bridge)")
+    try:
+        lo, hi = dt_limit_pair(cfg.dt_limit)
+        if not 0.0 <= lo <= hi:
+            bad.append(f"dt_limit={cfg.dt_limit!r} (needs 0 <= low <= high)")
+    except (TypeError, ValueError, KeyError):
+        bad.append(f"dt_limit={cfg.dt_limit!r} (a pair [low, high])")
+    return bad
+
+
+def _mamba2_state_shape(cfg):
+    return (cfg.state_size, cfg.head_dim)      # (K, V) = (N, P): B and C index the key side, x the value side
+
+
+def _mamba2_readout_norm(mixer):
+    raise ValueError("Mamba-2's gated norm normalises y * silu(z) over a group of heads (n_groups groups), so one "
+                     "head's readout has no per-head frozen scale; candidate_direction does not apply to Mamba-2: pass "
+                     "an explicit direction to attribute_readout instead")
+
+
+MAMBA2 = FamilySpec(
+    name="mamba2", title="Mamba-2 (fla)", weights=MAMBA2_WEIGHTS,
+    config_keys=frozenset({"head_dim", "state_size", "expand", "n_groups", "conv_kernel", "use_bias", "use_conv_bias",
+                           "D_has_hdim", "rmsnorm", "norm_before_gate", "dt_limit", "residual_in_fp32", "chunk_size",
+                           "conv_init", "A_init_range", "dt_min", "dt_max", "dt_init_floor",
+                           "rescale_prenorm_residual"}),
+    kernel_inputs={"q": "C = conv(in_proj) (silu), shared by the heads of a group",
+                   "k": "B = conv(in_proj) (silu), shared by the heads of a group",
+                   "x": "dt x, dt = clamp(softplus(dt_proj + dt_bias), dt_limit) per head, x = conv(in_proj) (silu)",
+                   "g": "dt A, A = -exp(A_log), per head (scale 1; D skip and gated norm after the readout)",
+                   "a": "none (no erase)"},
+    mixer="Mamba2Mixer", state_shape=_mamba2_state_shape, state_heads=lambda cfg: cfg.num_heads,
+    absent_hooks=frozenset({"hook_erase", "hook_erase_gate", "hook_mlp_out"}), validate=_mamba2_validate,
+    readout_norm=_mamba2_readout_norm, readout_gate=None, mlp=False,
+    # conv_init, A_init_range, dt_min, dt_max, dt_init_floor and rescale_prenorm_residual only initialise weights;
+    # chunk_size is fla's kernel chunk; residual_in_fp32 changes nothing in float32 (recurscope keeps the residual
+    # in the model's dtype).
+    option_defaults={"state_size": 128, "expand": 2, "n_groups": 1, "conv_kernel": 4, "use_bias": False,
+                     "use_conv_bias": True, "D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False,
+                     "dt_limit": [0.0, {"__float__": "Infinity"}], "residual_in_fp32": True, "chunk_size": 256,
+                     "conv_init": None, "A_init_range": [1, 16], "dt_min": 0.001, "dt_max": 0.1,
+                     "dt_init_floor": 1e-4, "rescale_prenorm_residual": True},
+)
+
 #: fla-format families, by config.json model_type.
-FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (GLA, GATED_DELTANET, GATED_DELTANET2)}
+FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (GLA, GATED_DELTANET, GATED_DELTANET2, MAMBA2)}
 
 
 def family(model_type: str) -> FamilySpec:
@@ -236,7 +334,7 @@ def family(model_type: str) -> FamilySpec:
     if model_type not in FAMILIES:
         raise ValueError(
             f"unknown model_type {model_type!r} in config.json; recurscope loads {tuple(FAMILIES)} "
-            "(fla's 'gla' and 'gated_deltanet', and recurscope's 'gated_deltanet2' for GDN-2/QED)")
+            "(fla's 'gla', 'gated_deltanet' and 'mamba2', and recurscope's 'gated_deltanet2' for GDN-2/QED)")
     return FAMILIES[model_type]
 
 

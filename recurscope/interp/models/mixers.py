@@ -1,6 +1,6 @@
 """Token mixers with fla 0.6.0's math and parameter names, each exposing the recurrence as named hook points.
 
-Recurrent mixers (GLA, Gated DeltaNet, Gated DeltaNet-2/QED) reduce to one call of `kernels.recurrence` with
+Recurrent mixers (GLA, Gated DeltaNet, Gated DeltaNet-2/QED, Mamba-2) reduce to one call of `kernels.recurrence` with
 their own (g, a, x); the hook points sit on exactly those inputs, on the states and on the readout.
 """
 from __future__ import annotations
@@ -395,6 +395,108 @@ def qed_strength(model, s: float):
     finally:
         for m, o in zip(mixers, old):
             m.strength = o
+
+
+class Mamba2GatedNorm(nn.Module):
+    """fla's RMSNormGated for Mamba-2: rmsnorm over groups of `group_size` channels (a group of heads, not one head)
+    of y * silu(gate), times `weight` (norm_before_gate=False), or rmsnorm(y) * weight * silu(gate) (True).
+    Takes and returns per-head tensors (B, T, H, P)."""
+
+    def __init__(self, dim: int, eps: float, group_size: int, norm_before_gate: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.group_size, self.norm_before_gate = eps, group_size, norm_before_gate
+
+    def forward(self, y, gate):
+        shape = y.shape
+        y, gate = y.reshape(*shape[:-2], -1).float(), gate.reshape(*shape[:-2], -1).float()
+        if not self.norm_before_gate:
+            y = y * F.silu(gate)
+        grouped = y.reshape(*y.shape[:-1], -1, self.group_size)
+        out = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)).reshape(y.shape)
+        out = out * self.weight.float()
+        if self.norm_before_gate:
+            out = out * F.silu(gate)
+        return out.reshape(shape)
+
+
+class _SiluGate(nn.Module):
+    """Mamba-2 without its norm (rmsnorm=False): y * silu(gate)."""
+
+    def forward(self, y, gate):
+        return y * F.silu(gate)
+
+
+class Mamba2Mixer(RecurrentMixer):
+    """Mamba-2's SSD layer (fla's `Mamba2`, parameter names kept): one in_proj gives the gate z, the conv input
+    (x, B, C) and dt; after the short conv and SiLU, per head h of group g = h // (H / n_groups):
+
+        S_t = exp(dt_t A_h) S_{t-1} + B_t (dt_t x_t)^T,    y_t = S_t^T C_t + D_h x_t
+
+    i.e. the kernel with q = C, k = B (shared by a group's heads), x = dt x, g = dt A per head, no erase, scale 1.
+    The state of a head is N x P (state_size x head_dim), key side first: fla's cache holds its transpose (P x N).
+    hook_head_out holds the state readout S_t^T C_t alone; the D skip is added after it, then the gated norm
+    (hook_z). Heads are grouped contiguously (head h reads group h // (H / n_groups)), as fla's decode path,
+    mamba_ssm and the gated norm's groups do.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
+        super().__init__(layer)
+        del self.hook_erase                  # no erase term
+        from recurscope.interp.models.families import dt_limit_pair
+
+        d = cfg.hidden_size
+        self.num_heads, self.n_groups = cfg.num_heads, cfg.n_groups
+        self.head_k, self.head_v = cfg.state_size, cfg.head_dim        # the state is N x P
+        self.intermediate = int(cfg.expand * d)
+        self.conv_dim = self.intermediate + 2 * self.n_groups * self.head_k
+        self.in_proj = nn.Linear(d, self.intermediate + self.conv_dim + self.num_heads, bias=cfg.use_bias)
+        self.conv1d = ShortConvolution(self.conv_dim, cfg.conv_kernel, cfg.use_conv_bias)   # SiLU after the conv
+        self.dt_bias = nn.Parameter(torch.zeros(self.num_heads))
+        self.A_log = nn.Parameter(torch.log(torch.empty(self.num_heads).uniform_(*cfg.A_init_range)))
+        self.D = nn.Parameter(torch.ones(self.intermediate if cfg.D_has_hdim else self.num_heads))
+        if cfg.rmsnorm:
+            self.norm = Mamba2GatedNorm(self.intermediate, cfg.norm_eps, self.intermediate // self.n_groups,
+                                        cfg.norm_before_gate)
+        self.out_proj = nn.Linear(self.intermediate, d, bias=cfg.use_bias)
+        self.dt_limit = dt_limit_pair(cfg.dt_limit)
+        dt = torch.exp(torch.rand(self.num_heads) * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min))
+        dt = dt.clamp(min=cfg.dt_init_floor)
+        with torch.no_grad():
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))      # softplus^-1 of dt, as fla initialises
+
+    @property
+    def o_norm(self) -> nn.Module:
+        norm = getattr(self, "norm", None)
+        return _SiluGate() if norm is None else norm
+
+    @property
+    def o_proj(self) -> nn.Module:
+        return self.out_proj
+
+    def _group_to_heads(self, t):
+        """(B, T, G * N) -> (B, T, H, N), head h reading group h // (H / G)."""
+        return _repeat_heads(_split_heads(t, self.head_k), self.num_heads // self.n_groups)
+
+    def forward(self, h, layer_cache: Optional[LayerCache] = None, state_positions=None):
+        new_conv = {}
+        gate, xBC, dt = self.in_proj(h).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        tail = None if layer_cache is None else layer_cache.conv.get("conv1d")
+        xBC, new_conv["conv1d"] = self.conv1d(xBC, tail)
+        xs, Bm, Cm = xBC.split([self.intermediate, self.n_groups * self.head_k, self.n_groups * self.head_k], dim=-1)
+        q = self.hook_q(self._group_to_heads(Cm))
+        k = self.hook_k(self._group_to_heads(Bm))
+        v = self.hook_v(_split_heads(xs, self.head_v))
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)          # (B, T, H)
+        g = self.hook_decay(dt * -self.A_log.float().exp())
+        init = None if layer_cache is None else layer_cache.state
+        o, S = self._recur(q, k, dt[..., None] * v.float(), g, None, init, state_positions, 1.0)
+        o = self.hook_head_out(o)
+        D = self.D.float().reshape(self.num_heads, -1)                                    # (H, 1) or (H, P)
+        y = o + D * v.float()                                                             # the D skip
+        z = self.hook_z(self.o_norm(y, _split_heads(gate, self.head_v)).to(h.dtype))
+        out = self.out_proj(z.reshape(*z.shape[:2], -1))
+        return out, LayerCache("recurrent", state=S, conv=new_conv)
 
 
 def grouped_scores(qg: torch.Tensor, k: torch.Tensor, past_k: Optional[torch.Tensor] = None,
