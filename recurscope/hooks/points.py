@@ -1,10 +1,15 @@
-"""The hook-point vocabulary: every name, its shape and what patching it means. One table, rendered in the docs."""
+"""The hook-point vocabulary: every name, its shape and what patching it means. One table, rendered in the docs.
+
+`StateHookPoint` subclasses TransformerLens's HookPoint, and importing TransformerLens takes seconds (it loads
+transformers and datasets), so the class is defined on first access (the module `__getattr__` below): the names,
+the table and `hook_name` import with torch alone. It is defined once, so `isinstance` and pickling see one class.
+"""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch.nn as nn
-from transformer_lens.hook_points import HookPoint
 
 
 @dataclass(frozen=True)
@@ -57,13 +62,31 @@ HOOK_POINTS: tuple[HookSpec, ...] = (
 )
 
 
-class StateHookPoint(HookPoint):
-    """`hook_state`: fires on S_t at the positions a run requested, and names them in `positions` while it fires,
-    so that a hook can tell which slice of its (B, P, H, K, V) input holds which step."""
+def _define_state_hook_point() -> type:
+    from transformer_lens.hook_points import HookPoint
 
-    def __init__(self):
-        super().__init__()
-        self.positions: tuple[int, ...] = ()
+    class StateHookPoint(HookPoint):
+        """`hook_state`: fires on S_t at the positions a run requested, and names them in `positions` while it
+        fires, so that a hook can tell which slice of its (B, P, H, K, V) input holds which step."""
+
+        def __init__(self):
+            super().__init__()
+            self.positions: tuple[int, ...] = ()
+
+    StateHookPoint.__qualname__ = "StateHookPoint"   # pickle finds it as recurscope.hooks.points.StateHookPoint
+    return StateHookPoint
+
+
+_DEFINE_LOCK = threading.Lock()
+
+
+def __getattr__(name: str):
+    if name == "StateHookPoint":
+        with _DEFINE_LOCK:   # two threads' first access must still give one class
+            if "StateHookPoint" not in globals():
+                globals()["StateHookPoint"] = _define_state_hook_point()
+        return globals()["StateHookPoint"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def is_intercepted(point: nn.Module) -> bool:

@@ -1,5 +1,7 @@
 """The `recurscope` command: list models, scan heads on dev sources, confirm them on held-out sources, patch one
 pair, or run the whole study (scan, confirmation, report) in one go."""
+# The parser is built, and bad arguments are refused, without importing torch, pandas or transformers (seconds
+# each): those are imported inside the commands that use them (tests/test_startup.py).
 from __future__ import annotations
 
 import argparse
@@ -9,10 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+#: --dtype choices: names of torch dtypes
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Share of --corpus filler tokens that may be the tokenizer's unknown token before a run is refused (fixed before
 # any run, not tuned on results): above it the filler is mostly [UNK], not the corpus' text. --allow-unk overrides.
 MAX_FILLER_UNKNOWN_RATE = 0.05
@@ -100,12 +100,14 @@ def pair_layout(model, args):
 
 
 def _load(args):
+    import torch
+
     from recurscope.interp.loading import load_model
 
     # Under --ray the workers compute on --device; the driver only builds pairs, lists and checks heads, picks
     # controls and hashes the checkpoint, so its copy stays on the CPU rather than taking GPU 0 beside actor 0.
     device = "cpu" if getattr(args, "ray", None) else args.device
-    return load_model(args.model, device=device, dtype=DTYPES[args.dtype])
+    return load_model(args.model, device=device, dtype=getattr(torch, args.dtype))
 
 
 def _pairs(model, args):
@@ -242,6 +244,8 @@ def _ray_spec(args):
 
 
 def _unit_bar(desc):
+    from tqdm.auto import tqdm
+
     bar = tqdm(desc=desc, unit="unit")
 
     def progress(done, total):
@@ -262,6 +266,8 @@ PAIR_KEYS = ("sources", "n_sources", "pairs_per_source", "corpus", "layout", "n_
 @contextlib.contextmanager
 def _progress_bar(**kwargs):
     """A tqdm bar that is closed (its line ended) however the block exits, so an error starts on its own line."""
+    from tqdm.auto import tqdm
+
     bar = tqdm(**kwargs)
     try:
         yield bar
@@ -320,6 +326,10 @@ def _check_scan_method(args) -> None:
 
 
 def _check_device(spec: str) -> None:
+    if spec == "cpu":   # always valid; and an argument error after this check needs no torch
+        return
+    import torch
+
     try:
         device = torch.device(spec)
     except (RuntimeError, ValueError):
@@ -596,7 +606,10 @@ def main(argv=None) -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the full traceback of an error")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from recurscope.interp.protocols import VerbParser, register_verbs
+
+    # VerbParser: a protocol verb's options (and its module, with torch) load only when that verb is chosen
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=VerbParser)
     p = sub.add_parser("models", parents=[common], help="list the bundled checkpoints")
     p.set_defaults(fn=cmd_models)
     p = sub.add_parser("scan", parents=[common], help="head-selection scan (state swap per head) on dev sources")
@@ -636,8 +649,6 @@ def main(argv=None) -> int:
     _gate_args(p)
     p.add_argument("--out", default=None, help="result directory (default results/<model name>)")
     p.set_defaults(fn=cmd_run)
-    from recurscope.interp.protocols import register_verbs
-
     register_verbs(sub, _model_args, _load)
     args = parser.parse_args(argv)
     if args.command == "run" and args.out is None:
