@@ -240,13 +240,13 @@ class UnitWorker:
             raise UnitOutOfMemory(_memory_message(unit, "host", settings, socket.gethostname())) from None
 
     def scan(self, unit: Unit, batch_size: int, prefix_batch: int) -> list[dict]:
-        from recurscope.interp.scan import run_scan
+        from recurscope.interp.scan import SCAN_KEY, scan_rows   # not run_scan: its summary needs scipy
 
         sub = self.pairs.select(unit.rows)
-        result = self._guarded(unit, f"--batch-size (now {batch_size}) or --head-block",
-                               lambda: run_scan(self.model, sub, None, batch_size, heads=list(unit.heads),
-                                                prefix_batch=prefix_batch))
-        rows = result.rows.copy()
+        rows = self._guarded(unit, f"--batch-size (now {batch_size}) or --head-block",
+                             lambda: scan_rows(self.model, sub, None, batch_size, heads=list(unit.heads),
+                                               prefix_batch=prefix_batch))
+        rows = rows.sort_values(list(SCAN_KEY), kind="stable")   # in the order run_scan's result lists them
         rows["row"] = [unit.rows[i] for i in rows["row"]]       # back to indices into the whole batch
         return rows.to_dict("records")
 

@@ -142,9 +142,10 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
         return model
     cfg = _read_config(cfg_file)
     weights = cfg.family.weights
-    with torch.device("meta"):
-        probe = RecurrentLM(cfg)
-    expected = {weights.to_checkpoint(k): v.shape for k, v in probe.state_dict().items()}
+    # The shapes come from the model itself, built before the weights are read: a probe on the meta device would
+    # initialise its weights through torch's Python decompositions, whose first use imports torch._dynamo (1-3 s).
+    model = RecurrentLM(cfg)
+    expected = {weights.to_checkpoint(k): v.shape for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     raw = _read_state_dict(directory)
@@ -154,7 +155,6 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
                    for k in set(raw) & set(expected) if tuple(raw[k].shape) != tuple(expected[k]))
     if missing or unexpected or wrong:
         raise _mismatch_error(directory, cfg.model_type, missing, unexpected, wrong)
-    model = RecurrentLM(cfg)
     ours = {weights.to_ours(k): v for k, v in raw.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     result = model.load_state_dict(ours, strict=not cfg.tie_word_embeddings)
     if cfg.tie_word_embeddings:

@@ -24,7 +24,6 @@ import numpy as np
 import pandas as pd
 import torch
 
-from recurscope.interp import stats
 
 __all__ = ["METRICS", "BINARY_METRICS", "example_metrics", "summarise_metrics", "source_means"]
 
@@ -139,6 +138,9 @@ def summarise_metrics(frame: pd.DataFrame, metrics: Sequence[str] = METRICS, by:
     """Estimate and 95% interval of each metric (interp.stats.summarise; sources are the unit): a source bootstrap
     for margins, stats.proportion_ci for the 0/1 metrics in BINARY_METRICS. kwargs go to stats.summarise
     (n_resamples, confidence, seed, method)."""
+    # scipy (through interp.stats) is imported here, not at module load: Ray workers compute rows, never this summary
+    from recurscope.interp import stats
+
     by = [c for c in by if c in frame.columns]
     return stats.summarise(frame, list(metrics), by=by, source_col="source",
                            proportions=[m for m in metrics if m in BINARY_METRICS], **kwargs)

@@ -29,11 +29,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from recurscope.interp import stats
 from recurscope.interp.interventions.common import candidate_logits, check_pairs, model_device, normalise_heads
 from recurscope.interp.models.cache import LayerCache, RecurrentCache
 
-__all__ = ["ScanResult", "SCAN_KEY", "all_heads", "run_scan", "summarise_scan", "naive_head_shifts"]
+__all__ = ["ScanResult", "SCAN_KEY", "all_heads", "run_scan", "scan_rows", "summarise_scan", "naive_head_shifts"]
 
 SCAN_KEY = ("source", "pair", "layer", "head")
 SCAN_TABLE = "scan_rows"
@@ -172,6 +171,18 @@ def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optiona
     suffix batch finishes, so a rerun on the same directory skips what is done and loses nothing; the per-head table
     is written as "scan_heads" at the end. progress(done, total) is called after each suffix batch.
     """
+    frame = scan_rows(model, pairs, run_dir, batch_size, heads=heads, prefix_batch=prefix_batch, progress=progress)
+    result = summarise_scan(frame)
+    if run_dir is not None:
+        run_dir.write_table("scan_heads", result.heads)
+        run_dir.write_table(SCAN_TABLE, frame)           # the row log's finished copy, CSV and parquet
+    return result
+
+
+def scan_rows(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optional[Sequence] = None,
+              prefix_batch: int = 4, progress: Optional[Callable[[int, int], None]] = None) -> pd.DataFrame:
+    """The rows of run_scan (one per target pair and head: clean margin, patched margin, shift) without the
+    per-head summary; what a Ray worker computes for its unit."""
     check_pairs(model, pairs)
     for name, value in (("batch_size", batch_size), ("prefix_batch", prefix_batch)):
         if not isinstance(value, (int, np.integer)) or value < 1:
@@ -233,16 +244,14 @@ def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optiona
     frame = log.read() if log is not None else pd.DataFrame(collected)
     wanted = {(int(pairs.source_id[i]), int(pairs.group[i]), l, h) for i in rows.tolist() for l, h in head_list}
     keys = list(zip(frame["source"], frame["pair"], frame["layer"], frame["head"]))
-    frame = frame[[k in wanted for k in keys]].reset_index(drop=True)
-    result = summarise_scan(frame)
-    if run_dir is not None:
-        run_dir.write_table("scan_heads", result.heads)
-        run_dir.write_table(SCAN_TABLE, frame)           # the row log's finished copy, CSV and parquet
-    return result
+    return frame[[k in wanted for k in keys]].reset_index(drop=True)
 
 
 def summarise_scan(rows: pd.DataFrame) -> ScanResult:
     """Per-source scores, J per head, ranks, wins and the leave-one-source-out winner from scan rows."""
+    # scipy (through interp.stats) is imported here, not at module load: Ray workers run units, never this summary
+    from recurscope.interp import stats
+
     missing = [c for c in (*SCAN_KEY, "shift") if c not in rows.columns]
     if missing:
         raise ValueError(f"scan rows lack columns {missing}; they come from run_scan (columns {list(SCAN_KEY)}, shift)")
