@@ -103,14 +103,19 @@ class _OneVerb:
 
 
 def register_verbs(subparsers, model_args, load) -> None:
-    """Adds one subcommand per protocol to the `recurscope` parser. model_args(p) adds the shared model options
-    (model, --device, --dtype, --batch-size) and load(args) loads the model, both from interp.cli.
-    `subparsers` must make VerbParser parsers (add_subparsers(parser_class=VerbParser)): each verb's options are
-    added (protocols.runner.add_verb with the module's VERB) when the verb is chosen."""
+    """Adds one subcommand per protocol to the `recurscope` parser (protocols.runner.add_verb with the module's VERB).
+    model_args(p) adds the shared model options (model, --device, --dtype, --batch-size) and load(args) loads the
+    model, both from interp.cli. When `subparsers` makes VerbParser parsers (add_subparsers(parser_class=VerbParser),
+    as the `recurscope` command does), each verb's module is imported and its options added only when the verb is
+    chosen; with plain parsers, all at once."""
+    from_the_start = not issubclass(getattr(subparsers, "_parser_class", object), VerbParser)
     for verb in VERBS:
         def fill(parser, verb=verb):
             from recurscope.interp.protocols.runner import add_verb
 
             module = importlib.import_module(f"recurscope.interp.protocols.{verb}")
-            add_verb(_OneVerb(verb, parser), module.VERB, model_args, load)
-        subparsers.add_parser(verb, help=VERB_HELP[verb], fill=fill)
+            add_verb(parser if from_the_start else _OneVerb(verb, parser), module.VERB, model_args, load)
+        if from_the_start:
+            fill(subparsers)
+        else:
+            subparsers.add_parser(verb, help=VERB_HELP[verb], fill=fill)
