@@ -57,7 +57,8 @@ def test_every_verb_keeps_its_options():
     """The runner declares each shared option once; every verb's options (names, defaults, types) equal the golden
     list taken from the verbs before the runner, with the paper's definitions' changes: lens --n-localise (default
     --n-sources 128), overlap --n-facts, corrector --method, and gate's App. F.2 spec (--recall; the evidence layout,
-    template and cities are fixed by the spec)."""
+    template and cities are fixed by the spec); and the word options of every verb that builds recall pairs (--keys,
+    --values, --on-multitoken)."""
     import argparse
     from pathlib import Path
 
