@@ -15,6 +15,10 @@ FAMILIES = {
     # into its states and remembers for tens of steps, so that a state swap moves the logits
     "mamba2": dict(model_type="mamba2", head_dim=8, num_heads=8, state_size=8, expand=2, n_groups=2, dt_min=0.5,
                    dt_max=1.0, A_init_range=[0.01, 0.1]),
+    # 2 heads of 16 channels, small LoRAs; every weight is moved off its init in tiny_model (fla's init zeroes
+    # o_proj and the feed-forward's value, which would make a random model ignore its states)
+    "rwkv7": dict(model_type="rwkv7", head_dim=16, hidden_act="sqrelu", decay_low_rank_dim=8, gate_low_rank_dim=8,
+                  a_low_rank_dim=8, v_low_rank_dim=8),
 }
 
 
@@ -24,6 +28,10 @@ def tiny_model(family: str, layers: int = 2, seed: int = 0, **overrides) -> Recu
     raw.update(FAMILIES[family])
     raw.update(overrides)
     model = RecurrentLM(ModelConfig.from_dict(raw)).eval()
+    if raw["model_type"] == "rwkv7":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.2 * torch.randn_like(p))
     if raw["model_type"] == "gated_deltanet2" and raw.get("erase_arm", "gdn2") != "gdn2":
         with torch.no_grad():  # a visible lam, so QED differs from GDN-2 in the tests
             for b in model.blocks:

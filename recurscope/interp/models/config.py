@@ -171,7 +171,7 @@ class ModelConfig(TLConfigAliases):
         bad = []
         if self.attnres_block_size is not None:
             bad.append(f"attnres_block_size={self.attnres_block_size} (attention residuals are not implemented)")
-        if self.family.mlp and self.hidden_act != "swish":   # the SwiGLU MLP's activation
+        if self.family.mlp and self.family.block is None and self.hidden_act != "swish":   # the SwiGLU MLP's activation
             bad.append(f"hidden_act={self.hidden_act!r} (only 'swish')")
         bad += self.family.validate(self)
         if self.attn is not None:

@@ -41,7 +41,9 @@ class Block(nn.Module):
     def is_recurrent(self) -> bool:
         return isinstance(self.mixer, RecurrentMixer)
 
-    def forward(self, resid, layer_cache=None, state_positions=None, offset=0):
+    def forward(self, resid, layer_cache=None, state_positions=None, offset=0, carry=None):
+        """carry: a dict one forward passes through every block, for what a family hands between layers (RWKV-7's
+        first-layer values); this block needs none."""
         resid = self.hook_resid_pre(resid)
         if self.is_recurrent:
             mixed, new_cache = self.mixer(self.attn_norm(resid), layer_cache, state_positions)
@@ -68,8 +70,10 @@ class RecurrentLM(ProtocolMethods, HookedRootModule):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
         self.hook_embed = HookPoint()
-        self.blocks = nn.ModuleList([Block(cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        block = cfg.family.block_class or Block    # a family whose block is not Block's (RWKV-7) names its own
+        self.blocks = nn.ModuleList([block(cfg, i) for i in range(cfg.num_hidden_layers)])
+        final = cfg.family.final_norm
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if final is None else final(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -101,9 +105,10 @@ class RecurrentLM(ProtocolMethods, HookedRootModule):
         offset = 0 if cache is None else cache.seen_tokens
         resid = self.hook_embed(self.embed(tokens))
         new_layers = []
+        carry = {}
         for i, block in enumerate(self.blocks):
             lc = None if cache is None else cache.layers[i]
-            resid, new_lc = block(resid, lc, state_positions, offset)
+            resid, new_lc = block(resid, lc, state_positions, offset, carry)
             new_layers.append(new_lc)
         if logit_positions is not None:
             resid = at_positions(resid, logit_positions)

@@ -110,6 +110,9 @@ class FamilySpec:
     readout_norm / readout_gate: the mixer's output path o -> norm(o) * act(gate), which attribution freezes.
     mlp: whether each block carries the SwiGLU MLP after its mixer (Mamba-2's blocks are norm, mixer, residual only;
     without it the block lacks hook_mlp_out, which absent_hooks then lists).
+    block: the name of the family's own block class in mixer_module, for a block that is not the decoder's
+    (RWKV-7: LayerNorms, a token-shifted feed-forward and the first layer's values passed on); None for `Block`.
+    final_norm: cfg -> the final norm module, when it is not the RMSNorm (RWKV-7: a LayerNorm).
     """
     name: str
     title: str
@@ -127,6 +130,8 @@ class FamilySpec:
     mixer_module: str = "recurscope.interp.models.mixers"
     option_defaults: Mapping[str, Any] = field(default_factory=dict)
     mlp: bool = True
+    block: Optional[str] = None
+    final_norm: Optional[Callable] = None
 
     def __post_init__(self):
         stray = sorted(set(self.option_defaults) - set(self.config_keys))
@@ -137,6 +142,14 @@ class FamilySpec:
     @property
     def format(self) -> str:
         return self.weights.format
+
+    @property
+    def block_class(self):
+        if self.block is None:
+            return None
+        import importlib
+
+        return getattr(importlib.import_module(self.mixer_module), self.block)
 
     @property
     def mixer_class(self):
@@ -325,8 +338,54 @@ MAMBA2 = FamilySpec(
                      "dt_init_floor": 1e-4, "rescale_prenorm_residual": True},
 )
 
+# ---- RWKV-7 ----------------------------------------------------------------------------------------------------
+def _rwkv7_validate(cfg):
+    bad = []
+    if cfg.hidden_size % cfg.head_dim:
+        bad.append(f"hidden_size={cfg.hidden_size} is not a multiple of head_dim={cfg.head_dim}")
+    elif cfg.num_heads != cfg.hidden_size // cfg.head_dim:
+        bad.append(f"num_heads={cfg.num_heads} but hidden_size / head_dim = {cfg.hidden_size // cfg.head_dim}")
+    if cfg.hidden_act != "sqrelu":
+        bad.append(f"hidden_act={cfg.hidden_act!r} (RWKV-7's feed-forward: only 'sqrelu')")
+    if cfg.attn is not None:
+        bad.append("attn (RWKV-7 hybrids with attention layers are not implemented)")
+    vd = cfg.value_dim
+    if vd is not None and any(int(v) != cfg.hidden_size for v in (vd if isinstance(vd, (list, tuple)) else [vd])):
+        bad.append(f"value_dim={vd!r} (only value_dim = hidden_size is checked against fla)")
+    return bad
+
+
+def _rwkv7_readout_norm(mixer):
+    raise ValueError("RWKV-7's readout adds the current token's bonus (r * k * r_k).sum() v to the group-normed state "
+                     "readout, so it is no norm(o) * gate of the readout alone; candidate_direction does not apply to "
+                     "RWKV-7: pass an explicit direction to attribute_readout instead")
+
+
+def _rwkv7_final_norm(cfg):
+    import torch.nn as nn
+
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.norm_bias)
+
+
+RWKV7 = FamilySpec(
+    name="rwkv7", title="RWKV-7 (fla)", weights=FLA_WEIGHTS,
+    config_keys=frozenset({"head_dim", "decay_low_rank_dim", "gate_low_rank_dim", "a_low_rank_dim",
+                           "v_low_rank_dim", "norm_first", "norm_bias", "value_dim", "elementwise_affine"}),
+    kernel_inputs={"q": "r = r_proj(token shift), per head",
+                   "k": "k_proj(token shift) * (1 + (iclr - 1) k_a), iclr = sigmoid(a_lora)",
+                   "x": "v = lerp(v_proj, v_first, sigmoid(v_lora)) (layer 0: v_proj, which becomes v_first)",
+                   "g": "-0.6065 sigmoid(w_lora), per channel (kernels.recurrence_low_rank, scale 1)",
+                   "a": "read a = kk = l2norm(k * k_k), erase b = kk * iclr: S = (Diag(exp g) - b a^T) S + k v^T"},
+    mixer="RWKV7Mixer", mixer_module="recurscope.interp.models.rwkv7", block="RWKV7Block",
+    final_norm=_rwkv7_final_norm,
+    state_shape=lambda cfg: (cfg.head_dim, cfg.head_dim), state_heads=lambda cfg: cfg.num_heads,
+    validate=_rwkv7_validate, readout_norm=_rwkv7_readout_norm, readout_gate=None,
+    option_defaults={"decay_low_rank_dim": 64, "a_low_rank_dim": 64, "v_low_rank_dim": 16, "norm_first": True,
+                     "norm_bias": True, "value_dim": None},
+)
+
 #: fla-format families, by config.json model_type.
-FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (GLA, GATED_DELTANET, GATED_DELTANET2, MAMBA2)}
+FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (GLA, GATED_DELTANET, GATED_DELTANET2, MAMBA2, RWKV7)}
 
 
 def family(model_type: str) -> FamilySpec:

@@ -68,8 +68,10 @@ class RecurrentMixer(nn.Module):
         self.hook_z = HookPoint()            # after norm and gate, before o_proj: (B, T, H, V)
 
     # ---- the recurrence with its hooks ------------------------------------
-    def _recur(self, q, k, x, g, a, init_state, state_positions, scale):
-        """Applies the write/state hooks and runs the kernel; returns (o, final_state).
+    def _recur(self, q, k, x, g, a, init_state, state_positions, scale, b=None):
+        """Applies the write/state hooks and runs the kernel; returns (o, final_state). With b (the erase direction
+        of a "decay plus low-rank" transition, RWKV-7) the kernel is `kernels.recurrence_low_rank`, a its read
+        direction: S_t = (Diag(exp g) - b a^T) S_{t-1} + k x^T.
 
         The hook points fire on every call that something intercepts them (hooks.is_intercepted: TransformerLens
         hooks, nnsight's forward replacement, whose edits may be in place), and only then is a point's output
@@ -88,7 +90,7 @@ class RecurrentMixer(nn.Module):
             self.hook_write_key(k)
         x = self.hook_write_value(x)
         grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, u, x, g, a, init_state))
+            t is not None and t.requires_grad for t in (q, k, u, x, g, a, b, init_state))
         if is_intercepted(self.hook_write_scale):
             ones = torch.ones(B, T, H, dtype=scale_dtype, device=q.device)
             # Under autograd the ones take part in the graph (a non-leaf, so that in-place edits stay allowed).
@@ -101,8 +103,14 @@ class RecurrentMixer(nn.Module):
             # autograd this holds for an unchanged key too, so that the write's gradient reaches u, the erase's k.
             extra = (u, x if ws is None else x * ws[..., None].to(x.dtype))
             ws = torch.zeros(B, T, H, dtype=scale_dtype, device=q.device)
-        run = lambda sl, init, cap=None, final=True: kernels.recurrence(  # noqa: E731
-            q[:, sl], k[:, sl], x[:, sl], g[:, sl], None if a is None else a[:, sl], scale=scale,
+
+        def kernel(sl, *args, **kw):
+            if b is None:
+                return kernels.recurrence(*args, **kw)
+            return kernels.recurrence_low_rank(*args, b[:, sl], **kw)
+
+        run = lambda sl, init, cap=None, final=True: kernel(  # noqa: E731
+            sl, q[:, sl], k[:, sl], x[:, sl], g[:, sl], None if a is None else a[:, sl], scale=scale,
             initial_state=init, write_scale=None if ws is None else ws[:, sl],
             extra_write=None if extra is None else (extra[0][:, sl], extra[1][:, sl]),
             capture=cap, output_final_state=final, backend=self.backend, check_finite=self.check_finite)

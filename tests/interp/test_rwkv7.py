@@ -1,0 +1,157 @@
+"""RWKV-7 as an fla-format family: parity with fla 0.6.0's own RWKV7ForCausalLM (saved with fla's save_pretrained,
+loaded with load_model), the documented hook meanings, stepping, a state swap against a hand edit of the cache, and
+a write block against a state edit that removes that write."""
+import os
+import warnings
+
+import pytest
+import torch
+
+from recurscope.hooks import StateReplace, WriteScale, hook_name, run_with_patches
+from recurscope.interp.loading import load_model, save_model
+from recurscope.interp.models import ModelConfig
+
+from helpers_models import tiny_model
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    fla_rwkv7 = pytest.importorskip("fla.models.rwkv7")
+
+pytestmark = pytest.mark.usefixtures("fla_interpreter")
+TOL = 1e-4
+VOCAB = 53
+
+
+@pytest.fixture(autouse=True)
+def interpreted():
+    assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must set TRITON_INTERPRET=1 before triton loads"
+
+
+def fla_model(seed=0, **overrides):
+    """A tiny random fla RWKV-7: 2 heads of 16 channels, 3 layers (so that v_first reaches two later layers)."""
+    kw = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, head_dim=16, decay_low_rank_dim=8,
+              gate_low_rank_dim=8, a_low_rank_dim=8, v_low_rank_dim=8, fuse_norm=False, fuse_cross_entropy=False)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = fla_rwkv7.RWKV7ForCausalLM(fla_rwkv7.RWKV7Config(**kw)).eval()
+    with torch.no_grad():                     # move every weight off its init (o_proj and ffn.value start at zero)
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def test_matches_fla_with_idle_hooks_and_its_cache(tmp_path):
+    ref_model = fla_model()
+    ref_model.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    assert ours.cfg.model_type == "rwkv7"
+    tokens = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = ref_model(tokens, use_cache=True)
+        logits, cache = ours(tokens, use_cache=True)
+    assert (logits - ref.logits).abs().max().item() < TOL
+    for layer in ours.recurrent_layers:
+        theirs = ref.past_key_values[layer]
+        assert (cache.layers[layer].state - theirs["recurrent_state"]).abs().max().item() < TOL
+        assert torch.allclose(cache.layers[layer].conv["attn"][:, 0], theirs["conv_state"], atol=1e-6)
+        assert torch.allclose(cache.layers[layer].conv["ffn"][:, 0], theirs["ffn_state"], atol=1e-6)
+
+
+def test_fla_loads_what_save_model_writes(tmp_path):
+    ours = tiny_model("rwkv7", layers=3, vocab_size=VOCAB)
+    save_model(ours, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = fla_rwkv7.RWKV7ForCausalLM.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(tokens).logits).abs().max().item() < TOL
+
+
+def test_hooks_hold_what_docs_hooks_md_says():
+    """hook_state is S_t (K x V); hook_head_out its readout S_t^T r_t (hook_q); the transition is
+    Diag(exp hook_decay) - (hook_erase * hook_erase_gate) hook_erase^T and the write hook_k hook_v^T."""
+    model = tiny_model("rwkv7")
+    tokens = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _, c = model.run_with_cache(tokens, state_positions=[5, 6, 11])
+    for layer in model.recurrent_layers:
+        S = c[hook_name("hook_state", layer)]                       # (B, P, H, K, V)
+        assert S.shape == (2, 3, 2, 16, 16)
+        q, o = c[hook_name("hook_q", layer)], c[hook_name("hook_head_out", layer)]
+        for i, t in enumerate((5, 6, 11)):
+            torch.testing.assert_close(o[:, t], torch.einsum("bhkv,bhk->bhv", S[:, i], q[:, t]), atol=1e-5, rtol=1e-5)
+        t = 6
+        g, kk = c[hook_name("hook_decay", layer)][:, t], c[hook_name("hook_erase", layer)][:, t]
+        iclr = c[hook_name("hook_erase_gate", layer)][:, t]
+        k, v = c[hook_name("hook_write_key", layer)][:, t], c[hook_name("hook_write_value", layer)][:, t]
+        prev = S[:, 0]
+        step = g.exp()[..., None] * prev - (kk * iclr)[..., None] * torch.einsum("bhk,bhkv->bhv", kk, prev)[:, :, None]
+        step = step + torch.einsum("bhk,bhv->bhkv", k, v)
+        torch.testing.assert_close(S[:, 1], step, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kk.norm(dim=-1), torch.ones_like(kk[..., 0]), atol=1e-5, rtol=1e-5)
+
+
+def test_stepping_token_by_token_equals_the_full_forward():
+    model = tiny_model("rwkv7", layers=3)
+    tokens = torch.randint(0, 61, (2, 15), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full, full_cache = model(tokens, use_cache=True)
+        cache, steps = None, []
+        for t in range(tokens.shape[1]):
+            step, cache = model(tokens[:, t:t + 1], cache=cache, use_cache=True)
+            steps.append(step)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    for a, b in zip(cache.layers, full_cache.layers):
+        torch.testing.assert_close(a.state, b.state, atol=1e-5, rtol=1e-5)
+
+
+def test_state_swap_equals_a_hand_edit_of_the_cache_then_the_suffix():
+    """In the last layer: a swap of S_p also changes that layer's readout at p, which a later layer's token shift
+    would carry into step p + 1, where a hand edit of the cache after step p leaves it clean."""
+    model = tiny_model("rwkv7", layers=3)
+    gen = torch.Generator().manual_seed(6)
+    tokens = torch.randint(0, 61, (2, 16), generator=gen)
+    p, layer, head = 6, 2, 1
+    new_state = torch.randn(2, 16, 16, generator=gen)
+    with torch.no_grad():
+        patched = run_with_patches(model, tokens, [StateReplace(layer, [head], p, new_state)])
+        _, cache = model(tokens[:, :p + 1], use_cache=True)
+        cache.layers[layer].state[:, head] = new_state
+        suffix = model(tokens[:, p + 1:], cache=cache)
+        clean = model(tokens)
+    torch.testing.assert_close(patched[:, p + 1:], suffix, atol=1e-5, rtol=1e-5)
+    assert (patched[:, p + 1:] - clean[:, p + 1:]).abs().max() > 1e-3    # the swap moved the later logits
+    torch.testing.assert_close(patched[:, :p], clean[:, :p], atol=0, rtol=0)
+
+
+def test_a_write_block_equals_a_state_edit_that_removes_that_write():
+    """Blocking head h's write at step p (WriteScale 0) equals replacing S_p by S_p - k_p v_p^T: the fact's write is
+    exactly hook_write_key times hook_write_value (the paper's v kappa^T), and the block carries forward."""
+    model = tiny_model("rwkv7")
+    tokens = torch.randint(0, 61, (2, 14), generator=torch.Generator().manual_seed(7))
+    p, layer, head = 4, 0, 1
+    with torch.no_grad():
+        _, c = model.run_with_cache(tokens, state_positions=[p])
+        S = c[hook_name("hook_state", layer)][:, 0, head]
+        write = torch.einsum("bk,bv->bkv", c[hook_name("hook_write_key", layer)][:, p, head],
+                             c[hook_name("hook_write_value", layer)][:, p, head])
+        blocked = run_with_patches(model, tokens, [WriteScale(layer, [head], [p], 0.0)])
+        edited = run_with_patches(model, tokens, [StateReplace(layer, [head], p, S - write)])
+    torch.testing.assert_close(blocked, edited, atol=1e-5, rtol=1e-5)
+    assert (blocked - model(tokens)).abs().max() > 1e-4
+
+
+def test_config_errors_name_the_option():
+    base = dict(model_type="rwkv7", vocab_size=61, hidden_size=32, num_hidden_layers=1, head_dim=16,
+                hidden_act="sqrelu")
+    with pytest.raises(ValueError, match=r"num_heads=4 but hidden_size / head_dim = 2"):
+        ModelConfig.from_dict(dict(base, num_heads=4))
+    with pytest.raises(ValueError, match=r"hidden_act='swish'"):
+        ModelConfig.from_dict(dict(base, num_heads=2, hidden_act="swish"))
+    with pytest.raises(ValueError, match=r"expand_k=0.25 \(a gla option\)"):
+        ModelConfig.from_dict(dict(base, num_heads=2, expand_k=0.25))
+    cfg = ModelConfig.from_dict(dict(base, num_heads=2))
+    assert cfg.state_shape() == (16, 16) and cfg.state_heads == 2
