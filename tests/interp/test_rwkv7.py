@@ -109,17 +109,23 @@ def test_stepping_token_by_token_equals_the_full_forward():
 
 
 def test_state_swap_equals_a_hand_edit_of_the_cache_then_the_suffix():
-    """In the last layer: a swap of S_p also changes that layer's readout at p, which a later layer's token shift
-    would carry into step p + 1, where a hand edit of the cache after step p leaves it clean."""
+    """In the last layer. A swap of S_p also changes that layer's readout at p, which the feed-forward's token shift
+    reads at step p + 1: the hand edit puts the swapped state and that shifted feed-forward input into the cache."""
     model = tiny_model("rwkv7", layers=3)
     gen = torch.Generator().manual_seed(6)
     tokens = torch.randint(0, 61, (2, 16), generator=gen)
     p, layer, head = 6, 2, 1
     new_state = torch.randn(2, 16, 16, generator=gen)
+    patch = StateReplace(layer, [head], p, new_state)
     with torch.no_grad():
-        patched = run_with_patches(model, tokens, [StateReplace(layer, [head], p, new_state)])
+        patched = run_with_patches(model, tokens, [patch])
+        mid = {}
+        hook = (f"blocks.{layer}.hook_resid_mid", lambda t, hook: mid.setdefault("p", t[:, p:p + 1].clone()))
+        with model.hooks(fwd_hooks=[hook]):
+            run_with_patches(model, tokens[:, :p + 1], [patch])
         _, cache = model(tokens[:, :p + 1], use_cache=True)
         cache.layers[layer].state[:, head] = new_state
+        cache.layers[layer].conv["ffn"] = model.blocks[layer].ffn_norm(mid["p"])
         suffix = model(tokens[:, p + 1:], cache=cache)
         clean = model(tokens)
     torch.testing.assert_close(patched[:, p + 1:], suffix, atol=1e-5, rtol=1e-5)
