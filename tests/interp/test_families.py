@@ -72,7 +72,8 @@ def test_every_spec_builds_its_mixer():
     for spec in FAMILIES.values():
         assert issubclass(spec.mixer_class, RecurrentMixer)
         assert set(spec.kernel_inputs) == {"q", "k", "x", "g", "a"}
-        sizes = {"gla": {}, "mamba2": {"head_dim": 32, "state_size": 16}}.get(spec.name, {"head_dim": 16})
+        sizes = {"gla": {}, "mamba2": {"head_dim": 32, "state_size": 16},
+                 "rwkv7": {"head_dim": 16, "hidden_act": "sqrelu"}}.get(spec.name, {"head_dim": 16})
         model = RecurrentLM(ModelConfig.from_dict(dict(BASE, model_type=spec.name, **sizes)))
         assert all(isinstance(model.blocks[l].mixer, spec.mixer_class) for l in model.recurrent_layers)
 

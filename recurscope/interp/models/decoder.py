@@ -122,11 +122,15 @@ class RecurrentLM(ProtocolMethods, HookedRootModule):
         return self.hook_embed(self.embed(tokens)), cache.seen_tokens
 
     def run_layer(self, layer: int, resid: torch.Tensor, layer_cache, context) -> torch.Tensor:
-        return self.blocks[layer](resid, layer_cache, offset=context)[0]
+        block = self.blocks[layer]
+        if hasattr(block, "run_alone"):       # a block that hands something on to later layers (RWKV-7's v_first)
+            return block.run_alone(resid, layer_cache, context)
+        return block(resid, layer_cache, offset=context)[0]
 
     def unembed(self, resid: torch.Tensor) -> torch.Tensor:
-        """Logits of residual-stream vectors (..., D): the final norm, then the LM head, as after the last block."""
-        return self.lm_head(self.norm(resid))
+        """Logits of residual-stream vectors (..., D): the final norm, then the LM head, as after the last block.
+        Channels beyond D (what a family's run_layer carries between layers, RWKV-7's v_first) are dropped."""
+        return self.lm_head(self.norm(resid[..., :self.cfg.hidden_size]))
 
     @property
     def unembed_weight(self) -> torch.Tensor:

@@ -183,3 +183,12 @@ class RWKV7Block(nn.Module):
         ffn_out, cache.conv["ffn"] = self.ffn(self.ffn_norm(resid), tail)
         resid = self.hook_resid_post(resid + self.hook_mlp_out(ffn_out))
         return resid, cache
+
+    def run_alone(self, resid, layer_cache, offset=0):
+        """One layer of the layer-by-layer protocol (RecurrentLM.run_layer): the residual between layers carries
+        v_first in its trailing value_dim channels (layer 0 takes the bare embedding and appends its values), so
+        that rows regrouped between layers (the head scan's growing batch) keep their own v_first."""
+        d = self.mixer.o_proj.out_features
+        carry = {} if self.layer == 0 else {"v_first": resid[..., d:]}
+        out, _ = self(resid if self.layer == 0 else resid[..., :d], layer_cache, None, offset, carry)
+        return torch.cat([out, carry["v_first"]], dim=-1)
