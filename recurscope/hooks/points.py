@@ -39,7 +39,7 @@ HOOK_POINTS: tuple[HookSpec, ...] = (
     HookSpec("blocks.{l}.mixer.hook_erase", "recurrent", "(B, T, H, K)", "erase vector a_t (absent in GLA)",
              "changes the erase factor I - k_t a_t^T; carries forward"),
     HookSpec("blocks.{l}.mixer.hook_erase_gate", "recurrent", "(B, T, H, K)",
-             "erase gate b_t = sigmoid(b_proj x) (x2 with negative eigenvalues), GDN-2/QED only",
+             "erase gate b_t = sigmoid(b_proj x) (x2 with negative eigenvalues), GDN-2/QED and RWKV-7 (its iclr) only",
              "changes the erase vector a_t built from it (and QED's gated direction); carries forward"),
     HookSpec("blocks.{l}.mixer.hook_write_key", "recurrent", "(B, T, H, K)", "write direction u_t (= k_t)",
              "replaces only the write: the k_t x_t^T term becomes u_t x_t^T, the erase keeps k_t; carries forward"),

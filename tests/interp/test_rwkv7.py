@@ -161,3 +161,24 @@ def test_config_errors_name_the_option():
         ModelConfig.from_dict(dict(base, num_heads=2, expand_k=0.25))
     cfg = ModelConfig.from_dict(dict(base, num_heads=2))
     assert cfg.state_shape() == (16, 16) and cfg.state_heads == 2
+
+
+def test_the_token_shift_widens_the_write_block_span_by_one_token():
+    """spans_with_conv_tail: RWKV-7's token shift carries a span's last token into the next token's k, v and gates
+    (and, through layer 0's values, into every layer's v_first), so the conv-tail write block reaches one token on."""
+    from recurscope.interp import interventions as iv
+    from recurscope.interp.data import build_pairs, build_word_tokenizer
+
+    tok = build_word_tokenizer()
+    pairs = build_pairs(tok, split="dev", n_sources=2, n_facts=2, filler_tokens=8, gap_tokens=4)
+    model = tiny_model("rwkv7", vocab_size=len(tok))
+    fact = iv.resolve_spans(pairs, "fact")
+    wide = iv.spans_with_conv_tail(model, pairs)
+    valid = fact[..., 0] >= 0
+    assert torch.equal(wide[..., 0], fact[..., 0])
+    want = torch.minimum(fact[..., 1] + 1, pairs.query_start[:, None])
+    assert torch.equal(wide[..., 1][valid], want[valid])
+    # the widened block differs from the plain one: the token after a span writes part of the fact
+    plain = iv.write_block(model, pairs, [(1, 0)]).logits
+    widened = iv.write_block(model, pairs, [(1, 0)], spans=wide).logits
+    assert (plain - widened).abs().max() > 1e-5

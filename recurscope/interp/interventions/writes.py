@@ -59,9 +59,12 @@ def donor_write_spec(model, pairs, heads: HeadsArg, *, spans: SpansArg = "fact")
 def spans_with_conv_tail(model, pairs, spans: SpansArg = "fact") -> torch.Tensor:
     """(N, R, 2) spans widened by the short convolution's reach: each [start, end) becomes [start, end + W - 1)
     (W = conv_size; unchanged without short convolutions), capped at query_start. The convolution carries a span's
-    tokens into the W - 1 tokens after it, so their writes carry the fact too; write_block(spans=this) blocks them."""
+    tokens into the W - 1 tokens after it, so their writes carry the fact too; write_block(spans=this) blocks them.
+    A family's token shift (RWKV-7: FamilySpec.token_shift_reach = 1) widens a span the same way; RWKV-7's value-first
+    residual moves layer 0's values to later layers at the same position, so the shifted span covers it too."""
     t = resolve_spans(pairs, spans).clone()
     reach = int(model.cfg.conv_size) - 1 if getattr(model.cfg, "use_short_conv", False) else 0
+    reach = max(reach, int(getattr(getattr(model, "family", None), "token_shift_reach", 0)))
     cap = pairs.query_start.cpu()[:, None].expand(t.shape[:2])
     valid = t[..., 0] >= 0
     t[..., 1] = torch.where(valid, torch.minimum(t[..., 1] + reach, cap), t[..., 1])

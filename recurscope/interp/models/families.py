@@ -113,6 +113,8 @@ class FamilySpec:
     block: the name of the family's own block class in mixer_module, for a block that is not the decoder's
     (RWKV-7: LayerNorms, a token-shifted feed-forward and the first layer's values passed on); None for `Block`.
     final_norm: cfg -> the final norm module, when it is not the RMSNorm (RWKV-7: a LayerNorm).
+    token_shift_reach: how many tokens after a span the family's token shift carries its inputs into (RWKV-7: 1), which
+    `interventions.spans_with_conv_tail` adds to a fact span as it adds a short convolution's reach.
     """
     name: str
     title: str
@@ -132,6 +134,7 @@ class FamilySpec:
     mlp: bool = True
     block: Optional[str] = None
     final_norm: Optional[Callable] = None
+    token_shift_reach: int = 0
 
     def __post_init__(self):
         stray = sorted(set(self.option_defaults) - set(self.config_keys))
@@ -377,7 +380,7 @@ RWKV7 = FamilySpec(
                    "g": "-0.6065 sigmoid(w_lora), per channel (kernels.recurrence_low_rank, scale 1)",
                    "a": "read a = kk = l2norm(k * k_k), erase b = kk * iclr: S = (Diag(exp g) - b a^T) S + k v^T"},
     mixer="RWKV7Mixer", mixer_module="recurscope.interp.models.rwkv7", block="RWKV7Block",
-    final_norm=_rwkv7_final_norm,
+    final_norm=_rwkv7_final_norm, token_shift_reach=1,
     state_shape=lambda cfg: (cfg.head_dim, cfg.head_dim), state_heads=lambda cfg: cfg.num_heads,
     validate=_rwkv7_validate, readout_norm=_rwkv7_readout_norm, readout_gate=None,
     option_defaults={"decay_low_rank_dim": 64, "a_low_rank_dim": 64, "v_low_rank_dim": 16, "norm_first": True,
