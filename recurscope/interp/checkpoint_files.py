@@ -4,6 +4,7 @@ message naming the file and the fix."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -13,14 +14,79 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: the message names the file, what is wrong with it and the fix."""
 
 
+def shard_path(directory: Path, name, index: Path) -> Path:
+    """The file a shard index names, which must be a plain relative path resolving inside `directory` (a shard
+    outside would load weights the checkpoint hash does not cover)."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{index} names a shard {name!r}, not a file name; restore the index from the "
+                              "original checkpoint")
+    # Judged on the name itself, not on where symbolic links lead: Hugging Face's cache links each file of a
+    # snapshot to a blob outside it, and the hash reads through those links.
+    parts = Path(os.path.normpath(name)).parts
+    if Path(name).is_absolute() or not parts or parts[0] in ("..", "."):
+        raise CheckpointError(f"{index} names the shard {name!r}, which lies outside the checkpoint directory "
+                              f"{directory}; shards must be files inside it: move the shard into the directory and "
+                              "name it by its file name")
+    return directory / name
+
+
+def read_index(directory: Path) -> dict:
+    """model.safetensors.index.json's weight map (weight name -> shard file name), every shard inside `directory`."""
+    index = directory / "model.safetensors.index.json"
+    raw = read_json(index, "shard index")
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index} has no 'weight_map' object; restore it from the original checkpoint")
+    for fname in set(map(str, weight_map.values())) | {v for v in weight_map.values() if not isinstance(v, str)}:
+        shard_path(directory, fname, index)
+    return weight_map
+
+
+def safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file, checked against the file's size without reading any tensor: a
+    truncated or garbled file raises CheckpointError naming it at once (loading would fail minutes later)."""
+    size = path.stat().st_size
+    fix = "the file is truncated or corrupt: download or save the checkpoint again"
+    if size == 0:
+        raise CheckpointError(f"{path} is empty (0 bytes); the download or save was interrupted: download or save "
+                              "the checkpoint again")
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise CheckpointError(f"{path} cannot be read as weights (its header claims {n} bytes, the file has "
+                                  f"{size}); {fix}")
+        try:
+            header = json.loads(fh.read(n).decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            header = None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} cannot be read as weights (its header is not a JSON object); {fix}")
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise CheckpointError(f"{path} cannot be read as weights (tensor {name!r} has no valid data_offsets); "
+                                  f"{fix}")
+        end = max(end, offsets[1])
+    if 8 + n + end != size:
+        raise CheckpointError(f"{path} cannot be read as weights (truncated: its header describes {8 + n + end} "
+                              f"bytes, the file has {size}); {fix}")
+    return {k: v for k, v in header.items() if k != "__metadata__"}
+
+
 def check_shards(directory: Path) -> None:
-    """A sharded checkpoint's index must name existing files, and each file must hold exactly the index's keys."""
+    """Every safetensors file's header against its size, then a sharded checkpoint's index: it must name files
+    inside the directory that exist, and each must hold exactly the index's keys. Reads headers only."""
     index = directory / "model.safetensors.index.json"
     if not index.is_file():
+        for path in sorted(directory.glob("*.safetensors")):
+            safetensors_header(path)
         return
-    from safetensors import safe_open
-
-    weight_map = json.loads(index.read_text()).get("weight_map", {})
+    weight_map = read_index(directory)
     by_file: dict[str, set] = {}
     for key, fname in weight_map.items():
         by_file.setdefault(fname, set()).add(key)
@@ -30,8 +96,7 @@ def check_shards(directory: Path) -> None:
         if not path.is_file():
             problems.append(f"{fname} is named by the index but missing")
             continue
-        with safe_open(str(path), "pt") as fh:
-            held = set(fh.keys())
+        held = set(safetensors_header(path))
         if held - keys:
             problems.append(f"{fname} holds {len(held - keys)} weights the index puts elsewhere or omits "
                             f"(e.g. {sorted(held - keys)[:3]})")
@@ -68,3 +133,62 @@ def read_json(path: Path, what: str):
     except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
         raise CheckpointError(f"{path} is not valid JSON ({err}); it should be the checkpoint's {what}: restore it "
                               "from the original checkpoint") from None
+
+
+# Tokenizer files: what each must hold, checked before transformers reads them (it raises bare KeyErrors).
+TOKENIZER_JSON_KEYS = {"model": dict, "added_tokens": list}
+
+
+def check_tokenizer_files(directory: Path) -> None:
+    """tokenizer.json and tokenizer_config.json parsed and checked, each problem naming its file."""
+    tok = directory / "tokenizer.json"
+    if tok.is_file():
+        raw = read_json(tok, "tokenizer (tokenizers' JSON format)")
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{tok} holds a JSON {type(raw).__name__}, not a tokenizer object; restore it "
+                                  "from the original checkpoint (tokenizer.save_pretrained writes it)")
+        for key, kind in TOKENIZER_JSON_KEYS.items():
+            if not isinstance(raw.get(key), kind):
+                got = "nothing" if key not in raw else f"a {type(raw[key]).__name__}"
+                raise CheckpointError(f"{tok}: `{key}` must be a JSON {'object' if kind is dict else 'list'}, got "
+                                      f"{got}; the file is damaged: restore it from the original checkpoint")
+        vocab = raw["model"].get("vocab")
+        if vocab is not None and not isinstance(vocab, (dict, list)):
+            raise CheckpointError(f"{tok}: `model.vocab` must be a JSON object or list, got a "
+                                  f"{type(vocab).__name__}; restore it from the original checkpoint")
+    cfg = directory / "tokenizer_config.json"
+    if cfg.is_file():
+        raw = read_json(cfg, "tokenizer configuration")
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{cfg} holds a JSON {type(raw).__name__}, not an object of tokenizer options; "
+                                  "restore it from the original checkpoint")
+        named = raw.get("tokenizer_class")
+        if named is not None and not (isinstance(named, str) and named.isidentifier()):
+            raise CheckpointError(f"{cfg}: `tokenizer_class` must be the name of a tokenizer class (e.g. "
+                                  f"\"PreTrainedTokenizerFast\"), got {named!r}; fix it or remove the key")
+
+
+def check_finite_weights(named_tensors, directory: Path, rename=lambda name: name) -> None:
+    """Refuses NaN/inf in any floating weight, naming the first such tensor (by its checkpoint name)."""
+    for name, t in named_tensors:
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(f"weight {rename(name)} in {directory} holds {bad} NaN or inf value(s); the "
+                                  "checkpoint is corrupt: download or save it again (or load it with "
+                                  "check_finite=False to inspect it)")
+
+
+# Files a loader reads besides the weights: they change the model (config.json's tie_word_embeddings) or its
+# tokens, so the checkpoint hash covers them.
+LOADED_TEXT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+                     "generation_config.json")
+
+
+def check_tokenizer_fits(tokenizer, vocab_size: int, directory: Path) -> None:
+    """A tokenizer whose ids reach past the model's embedding is the wrong tokenizer for these weights."""
+    n = len(tokenizer)
+    if n > vocab_size:
+        raise CheckpointError(f"the tokenizer in {directory} has {n} tokens but config.json's vocab_size is "
+                              f"{vocab_size}: it is not this model's tokenizer (check `tokenizer_class` in "
+                              "tokenizer_config.json); restore the checkpoint's own tokenizer files")

@@ -14,7 +14,6 @@ their controls come from `interventions.REGISTRY`.
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -39,25 +38,25 @@ class ConfirmResult:
     control_heads: list
 
 
+#: the columns of scan_heads.csv that confirm and the protocols read
+SCAN_HEAD_COLUMNS = ("layer", "head", "J")
+
+
 def heads_from_scan(scan_dir, model=None, top_k: int = 1) -> list[tuple[int, int]]:
     """The top-k heads by J from a scan result directory. With `model`, refuses a scan made on another checkpoint."""
-    scan_dir = Path(scan_dir)
-    manifest_path = scan_dir / "manifest.json"
-    heads_path = scan_dir / "scan_heads.csv"
-    if not manifest_path.is_file() or not heads_path.is_file():
-        raise ValueError(f"{scan_dir} is not a finished scan directory (needs manifest.json and scan_heads.csv); "
-                         "run `recurscope scan` first and pass its --out directory")
-    manifest = json.loads(manifest_path.read_text())
-    if model is not None:
-        from recurscope.interp.results import checkpoint_hash
+    from recurscope.interp.results import check_input_run, checkpoint_hash
 
-        here = checkpoint_hash(model.checkpoint_dir) if getattr(model, "checkpoint_dir", None) else None
-        there = manifest.get("checkpoint_hash")
-        if here is not None and there is not None and here != there:
-            raise ValueError(f"the scan in {scan_dir} was made on another model ({manifest.get('model_name')}, "
-                             f"{there[:19]}...) than the one loaded ({here[:19]}...); confirm on the scanned checkpoint "
-                             "or run a new scan")
-    heads = pd.read_csv(heads_path).sort_values("J", ascending=False, kind="stable")
+    scan_dir = Path(scan_dir)
+    heads_path = scan_dir / "scan_heads.csv"
+    here = checkpoint_hash(model.checkpoint_dir) if getattr(model, "checkpoint_dir", None) else None
+    check_input_run(scan_dir, option="--from-scan", kinds=("scan",), tables={"scan_heads": SCAN_HEAD_COLUMNS},
+                    checkpoint=here)
+    heads = pd.read_csv(heads_path)
+    bad = [c for c in SCAN_HEAD_COLUMNS if not pd.api.types.is_numeric_dtype(heads[c]) or heads[c].isna().any()]
+    if bad:
+        raise ValueError(f"--from-scan {scan_dir}: scan_heads.csv has non-numeric or empty {bad} values (damaged); "
+                         "rerun `recurscope scan` to rewrite it")
+    heads = heads.sort_values("J", ascending=False, kind="stable")
     if len(heads) < top_k:
         raise ValueError(f"the scan has {len(heads)} heads; cannot take the top {top_k}")
     return [(int(r.layer), int(r.head)) for r in heads.head(top_k).itertuples()]

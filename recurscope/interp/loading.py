@@ -12,7 +12,9 @@ from typing import Optional, Union
 
 import torch
 
-from recurscope.interp.checkpoint_files import CheckpointError, check_shards, read_json, read_weight_file
+from recurscope.interp.checkpoint_files import (CheckpointError, check_finite_weights, check_shards,
+                                                check_tokenizer_files, check_tokenizer_fits, read_index, read_json,
+                                                read_weight_file)
 from recurscope.interp.models import ModelConfig, RecurrentLM
 from recurscope.interp.models.families import fla_to_ours, ours_to_fla  # noqa: F401  (public names)
 from recurscope.interp.models.protocol import RecurrentModel
@@ -44,13 +46,9 @@ def _read_state_dict(directory: Path) -> dict:
     files = sorted(directory.glob("*.safetensors"))
     if files:
         index = directory / "model.safetensors.index.json"
-        check_shards(directory)
+        check_shards(directory)         # headers against sizes, shards inside the directory, before any tensor
         if index.is_file():
-            weight_map = read_json(index, "shard index").get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index} has no 'weight_map' object; restore it from the original checkpoint")
-            names = sorted(set(weight_map.values()))
-            files = [directory / n for n in names]
+            files = [directory / n for n in sorted(set(read_index(directory).values()))]
             absent = [str(f) for f in files if not f.is_file()]
             if absent:
                 raise CheckpointError(f"{index} lists shards that are not there: {absent}; download the missing "
@@ -99,6 +97,9 @@ def checkpoint_format(raw_config: dict) -> str:
     from recurscope.interp.models.families import FAMILIES
 
     model_type = raw_config.get("model_type")
+    if not isinstance(model_type, str):
+        raise ValueError(f"`model_type` must be a string naming the architecture (e.g. \"gla\"), got {model_type!r}; "
+                         "restore config.json from the original checkpoint")
     if model_type == "mamba2" and "layer_norm_epsilon" in raw_config:
         # transformers' Mamba-2 shares fla's model_type and class name; its config names its options differently
         raise ValueError("config.json is transformers' Mamba-2 format (layer_norm_epsilon, time_step_limit): "
@@ -115,8 +116,13 @@ def checkpoint_format(raw_config: dict) -> str:
 
 
 def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu",
-               dtype: Optional[torch.dtype] = None, backend: str = "auto", tokenizer=None) -> RecurrentModel:
+               dtype: Optional[torch.dtype] = None, backend: str = "auto", tokenizer=None,
+               check_finite: bool = True) -> RecurrentModel:
     """Loads a local checkpoint directory (or a bundled name) strictly: every mismatch is listed.
+
+    Every file is checked before any tensor is built (config keys for type and range, tokenizer files, each weight
+    file's header against its size and index, shards inside the directory); check_finite refuses NaN/inf weights
+    by tensor name (False loads them, e.g. to inspect a diverged checkpoint).
 
     fla's format gives a RecurrentLM; a transformers checkpoint of a family the bridge knows (Qwen3.5 dense, MoE or
     multimodal, Qwen3-Next, OLMo-hybrid, Kimi-Linear) gives a BridgedLM. Both implement the same model protocol (interp.models.protocol).
@@ -133,11 +139,12 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
         fmt = checkpoint_format(raw_config) if isinstance(raw_config, dict) else "fla"
     except ValueError as err:
         raise CheckpointError(f"{cfg_file}: {err}") from None
+    check_tokenizer_files(directory)
     if fmt == "transformers":
         from recurscope.interp.bridge import load_transformers
 
         model = load_transformers(directory, raw_config, device=device, dtype=dtype, backend=backend,
-                                  tokenizer=tokenizer)
+                                  tokenizer=tokenizer, check_finite=check_finite)
         model.name_or_path = str(path_or_name)
         return model
     cfg = _read_config(cfg_file)
@@ -161,10 +168,8 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
         leftover = [k for k in result.missing_keys if k != "lm_head.weight"]
         if leftover or result.unexpected_keys:
             raise ValueError(f"internal weight mapping error: missing {leftover}, unexpected {result.unexpected_keys}")
-    for name, t in ours.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"weight {weights.to_checkpoint(name)} in {directory} holds NaN or inf values; the checkpoint "
-                                  "is corrupt: download or save it again")
+    if check_finite:
+        check_finite_weights(ours.items(), directory, weights.to_checkpoint)
     model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     model.set_backend(backend)
     model.name_or_path = str(path_or_name)
@@ -183,8 +188,14 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
         hf_logging.set_verbosity_error()
         try:
             model.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        except Exception as err:  # tokenizers and transformers raise many types for damaged files
+            reason = " ".join(str(err).split())[:300] or type(err).__name__
+            raise CheckpointError(f"the tokenizer files of {tokenizer_dir} cannot be loaded ({type(err).__name__}: "
+                                  f"{reason}); restore tokenizer.json and tokenizer_config.json from the original "
+                                  "checkpoint") from err
         finally:
             hf_logging.set_verbosity(previous)
+        check_tokenizer_fits(model.tokenizer, cfg.vocab_size, tokenizer_dir)
     return model
 
 

@@ -29,6 +29,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import pandas as pd
 
+from recurscope.interp.checkpoint_files import LOADED_TEXT_FILES
+
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
 COMMIT_KEY = "__batch_end__"
@@ -62,11 +64,17 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def checkpoint_hash(path) -> str:
-    """Content hash of a checkpoint's weight files: sha256 over the files in sorted relative-path order, each
-    framed by its relative path and byte length so that different splits of the same bytes differ. A single file
-    is hashed the same way under its own name. Returns ``"sha256:<hex>"``."""
+    """Content hash of every file a loader reads from a checkpoint: the weight files and, beside them, config.json
+    and the tokenizer files (`checkpoint_files.LOADED_TEXT_FILES`: they change the model and its tokens). sha256
+    over the files in sorted relative-path order, each framed by its relative path and byte length so that
+    different splits of the same bytes differ. A single file is hashed the same way under its own name. Shards
+    outside the directory are refused by the loaders, so nothing loaded escapes the hash. Returns
+    ``"sha256:<hex>"``."""
     root = Path(path)
     files = _weight_files(root)
+    if root.is_dir():
+        files = sorted(files + [root / n for n in LOADED_TEXT_FILES if (root / n).is_file()],
+                       key=lambda p: p.relative_to(root).as_posix())
     digest = hashlib.sha256()
     for f in files:
         rel = f.name if root.is_file() else f.relative_to(root).as_posix()
@@ -490,3 +498,102 @@ class RunDir:
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r}, kind={self.manifest.get('kind')!r})"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Input run directories (--from-scan and the like)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def check_input_run(path, *, option: str, kinds: Sequence[str], tables: Mapping[str, Sequence[str]],
+                    checkpoint: Optional[str] = None) -> dict:
+    """A finished run directory given as input (e.g. ``--from-scan``): its manifest's kind must be one of `kinds`,
+    it must record a checkpoint hash (and equal `checkpoint`, a hash, when given), and each CSV table must exist
+    with its required columns. Raises ValueError with one line naming what is missing and the fix; returns the
+    manifest."""
+    path = Path(path)
+    make = kinds[0]
+    fix = f"pass the --out directory of a finished `recurscope {make}` run"
+    if not path.is_dir():
+        raise ValueError(f"{option} {path}: no such directory; {fix}")
+    manifest_path = path / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise ValueError(f"{option} {path} has no {MANIFEST_NAME}: it is not a result directory; {fix}")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        manifest = None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{option} {path}: {manifest_path} is not a JSON object (damaged); {fix}")
+    if manifest.get("kind") not in kinds:
+        raise ValueError(f"{option} {path} holds a {manifest.get('kind')!r} run, not a {' or '.join(kinds)} run; {fix}")
+    recorded = manifest.get("checkpoint_hash")
+    if not isinstance(recorded, str) or not recorded.startswith("sha256:"):
+        raise ValueError(f"{option} {path}: its {MANIFEST_NAME} records no checkpoint_hash, so it cannot be checked "
+                         f"against the model; rerun `recurscope {make}` on this checkpoint and pass its --out")
+    if checkpoint is not None and recorded != checkpoint:
+        raise ValueError(f"{option} {path} was made on another model ({manifest.get('model_name')}, "
+                         f"{recorded[:19]}...) than the one loaded ({checkpoint[:19]}...); use the checkpoint it was "
+                         f"made on or rerun `recurscope {make}` on this one")
+    for name, columns in tables.items():
+        table = path / f"{name}.csv"
+        if not table.is_file():
+            raise ValueError(f"{option} {path} lacks {table.name} (the run did not finish); rerun the same "
+                             f"`recurscope {make}` command to finish it")
+        try:
+            header = list(pd.read_csv(table, nrows=0).columns)
+        except (ValueError, UnicodeDecodeError, pd.errors.ParserError) as err:
+            raise ValueError(f"{option} {path}: {table.name} is not a readable CSV table ({type(err).__name__}); "
+                             f"rerun `recurscope {make}` to rewrite it") from None
+        absent = [c for c in columns if c not in header]
+        if absent:
+            raise ValueError(f"{option} {path}: {table.name} lacks the column(s) {absent}; it is not a {make} "
+                             f"table: {fix}")
+    return manifest
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One writer per run directory
+# --------------------------------------------------------------------------------------------------------------
+
+LOCK_NAME = ".recurscope.lock"
+
+
+class RunLocked(ValueError):
+    """Another live process holds the run directory's lock."""
+
+
+class RunLock:
+    """An exclusive flock on ``<out>/.recurscope.lock`` for the life of a run, so a second process on the same
+    directory is refused at once (naming the holder's pid) instead of writing duplicate rows beside it. The OS
+    releases the lock when its process dies, so a lock file left by a killed run never blocks a rerun."""
+
+    def __init__(self, out_dir):
+        self.path = Path(out_dir) / LOCK_NAME
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise RunLocked(f"{self.path.parent} is in use by another recurscope process (pid {holder}); wait for "
+                            "it to finish or use another --out directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)    # closing releases the flock; the file stays (harmless: the lock is the flock)
+            self.fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

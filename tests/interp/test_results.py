@@ -42,14 +42,18 @@ def _make_run(out, checkpoint, **overrides):
 
 def test_checkpoint_hash_is_content_based(checkpoint, tmp_path):
     first = checkpoint_hash(checkpoint)
-    # Independent recomputation of the documented framing: sorted relative paths, each "name\0size\0" + bytes.
+    # Independent recomputation of the documented framing: sorted relative paths of the weight files and the files
+    # a loader reads beside them (config.json here), each "name\0size\0" + bytes.
     digest = hashlib.sha256()
-    for name in sorted(p.name for p in checkpoint.glob("*.safetensors")):
+    for name in sorted([p.name for p in checkpoint.glob("*.safetensors")] + ["config.json"]):
         data = (checkpoint / name).read_bytes()
         digest.update(f"{name}\0{len(data)}\0".encode() + data)
     assert first == "sha256:" + digest.hexdigest()
-    (checkpoint / "config.json").write_text('{"hidden_size": 9}')  # not a weight file
+    (checkpoint / "notes.txt").write_text("read by no loader")
     assert checkpoint_hash(checkpoint) == first
+    (checkpoint / "config.json").write_text('{"hidden_size": 9}')  # read by the loader, so in the hash (issue 32)
+    assert checkpoint_hash(checkpoint) != first
+    first = checkpoint_hash(checkpoint)
     (checkpoint / "model-00002-of-00002.safetensors").write_bytes(b"\x02" * 299 + b"\x03")
     assert checkpoint_hash(checkpoint) != first
     single = checkpoint / "model-00001-of-00002.safetensors"

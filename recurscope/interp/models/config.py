@@ -1,6 +1,8 @@
 """Model configuration read from an HF/fla `config.json`, with every option we do not support rejected by name."""
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Optional
 
@@ -129,6 +131,7 @@ class ModelConfig(TLConfigAliases):
         raw = dict(raw)
         if "model_type" not in raw:
             raise ValueError(f"config.json has no model_type; recurscope's fla-format families are {RECURRENT_TYPES}")
+        check_key("model_type", raw["model_type"])
         spec = family(raw["model_type"])
         declared = {f.name: f for f in fields(cls) if f.name not in ("options", "extra")}
         allowed = SHARED_KEYS | spec.config_keys
@@ -160,6 +163,11 @@ class ModelConfig(TLConfigAliases):
         if missing:
             raise ValueError(f"config.json lacks the required key(s) {missing} for model_type {spec.name!r}; "
                              "add them (fla's save_pretrained writes every one).")
+        for key, value in kwargs.items():
+            check_key(key, value, _default(declared[key]) if key in declared else MISSING)
+        _check_attn(kwargs.get("attn"), kwargs["num_hidden_layers"])
+        for key, value in options.items():
+            check_key(key, value, spec.option_defaults[key])
         cfg = cls(**kwargs, options=options)
         problems = cfg._unsupported()
         if problems:
@@ -182,6 +190,83 @@ class ModelConfig(TLConfigAliases):
                 if spec.get("qk_norm"):
                     bad.append("attn.qk_norm=True")
         return bad
+
+
+# ---- every key the family specs read, checked for type and range before anything is built ---------------------
+POSITIVE_INTS = frozenset({"vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "num_kv_heads",
+                           "intermediate_size", "attnres_block_size", "max_position_embeddings", "conv_size",
+                           "gate_low_rank_dim", "head_dim", "num_v_heads"})
+TOKEN_IDS = frozenset({"bos_token_id", "eos_token_id", "pad_token_id"})
+POSITIVE_FLOATS = frozenset({"norm_eps", "hidden_ratio", "expand_k", "expand_v", "gate_logit_normalizer",
+                             "qed_lambda_max"})
+FLOATS = frozenset({"clamp_min", "qed_theta_init"})
+BOOLS = frozenset({"tie_word_embeddings", "fuse_norm", "use_short_conv", "conv_bias", "use_output_gate",
+                   "elementwise_affine", "use_gate", "allow_neg_eigval"})
+STRINGS = frozenset({"model_type", "hidden_act", "feature_map", "output_gate_activation", "erase_arm"})
+
+
+def _show(value) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_key(key: str, value, default=MISSING) -> None:
+    """Raises ValueError "config.json: `key` must be ..., got ..." unless `value` has the key's type and range.
+    None passes where the key's default is None (an optional key)."""
+    if value is None and default is None:
+        return
+    if key in POSITIVE_INTS:
+        ok, want = _is_int(value) and value > 0, "a positive integer"
+    elif key in TOKEN_IDS:
+        ok = (_is_int(value) and value >= 0) or (isinstance(value, list) and value
+                                                  and all(_is_int(v) and v >= 0 for v in value))
+        want = "a non-negative integer token id (or null)"
+    elif key in POSITIVE_FLOATS:
+        ok, want = _is_number(value) and value > 0, "a positive number"
+    elif key in FLOATS:
+        ok, want = _is_number(value), "a finite number"
+    elif key in BOOLS:
+        ok, want = isinstance(value, bool), "true or false (a JSON boolean)"
+    elif key in STRINGS:
+        ok, want = isinstance(value, str), "a string"
+    else:
+        return
+    if not ok:
+        raise ValueError(f"config.json: `{key}` must be {want}, got {_show(value)}; fix it to match the "
+                         "checkpoint's weights")
+
+
+def _check_attn(attn, n_layers: int) -> None:
+    """fla's hybrid spec: a dict or a list of dicts, each with `layers` (layer indices in range)."""
+    if attn is None:
+        return
+    specs = [attn] if isinstance(attn, dict) else attn
+    if not isinstance(specs, list) or not specs or not all(isinstance(sp, dict) for sp in specs):
+        raise ValueError(f"config.json: `attn` must be an object (or a list of objects) with `layers`, got "
+                         f"{json.dumps(attn)}; e.g. {{\"layers\": [1], \"num_heads\": 4}}")
+    for sp in specs:
+        layers = sp.get("layers")
+        if not isinstance(layers, list) or not all(_is_int(i) and 0 <= i < n_layers for i in layers):
+            raise ValueError(f"config.json: `attn.layers` must be a list of layer indices 0..{n_layers - 1}, got "
+                             f"{json.dumps(layers)}; list the full-attention layers")
+        for key in ("num_heads", "num_kv_heads", "window_size"):
+            if sp.get(key) is not None and not (_is_int(sp[key]) and sp[key] > 0):
+                raise ValueError(f"config.json: `attn.{key}` must be a positive integer, got {json.dumps(sp[key])}")
+        if "rope_theta" in sp and not (_is_number(sp["rope_theta"]) and sp["rope_theta"] > 0):
+            raise ValueError(f"config.json: `attn.rope_theta` must be a positive number, got "
+                             f"{json.dumps(sp['rope_theta'])}")
+        if "qkv_bias" in sp and not isinstance(sp["qkv_bias"], bool):
+            raise ValueError(f"config.json: `attn.qkv_bias` must be true or false, got {json.dumps(sp['qkv_bias'])}")
 
 
 def _default(f):
