@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+from recurscope.interp import cli_checks   # the guards; standard library only at import
+
 #: --dtype choices: names of torch dtypes
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Share of --corpus filler tokens that may be the tokenizer's unknown token before a run is refused (fixed before
@@ -31,6 +33,7 @@ def _model_args(p):
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (checked before the model loads)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--batch-size", type=int, default=16)
+    cli_checks.add_limit_args(p)
 
 
 # Held-out sources of a confirmation: 128, as in the paper (its Fig. 3a rates are multiples of 1/128). Dev sources of
@@ -107,7 +110,9 @@ def _load(args):
     # Under --ray the workers compute on --device; the driver only builds pairs, lists and checks heads, picks
     # controls and hashes the checkpoint, so its copy stays on the CPU rather than taking GPU 0 beside actor 0.
     device = "cpu" if getattr(args, "ray", None) else args.device
-    return load_model(args.model, device=device, dtype=getattr(torch, args.dtype))
+    model = load_model(args.model, device=device, dtype=getattr(torch, args.dtype))
+    cli_checks.check_loaded(model, args)   # options that need the model: heads in range, lengths that fit
+    return model
 
 
 def _pairs(model, args):
@@ -234,6 +239,8 @@ def _ray_args(p, scan=True):
         p.add_argument("--head-block", type=int, default=None,
                        help="with --ray: heads per scan work unit (default: whole sources when there are at least "
                             "twice as many sources as workers)")
+    p.add_argument("--ray-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="with --ray HOST:PORT: give up connecting after this many seconds (default 30)")
 
 
 def _ray_spec(args):
@@ -283,6 +290,8 @@ _AT_LEAST_ZERO = ("filler", "seed", "source", "layer")
 
 def validate_args(args) -> None:
     """Raises UsageError (one line: the problem and the fix) for any option no command can run with."""
+    cli_checks.check_options(args)
+    cli_checks.check_inputs(args)
     for name in _AT_LEAST_ONE + _AT_LEAST_ZERO:
         value = getattr(args, name, None)
         low = 1 if name in _AT_LEAST_ONE else 0
@@ -311,6 +320,7 @@ def validate_args(args) -> None:
         from recurscope.interp.distributed import require_ray
 
         require_ray()   # before --out is created: say how to install Ray at once
+    cli_checks.check_size(args)           # before --out is created: an absurd run leaves nothing behind
     if getattr(args, "out", None) is not None:
         _check_out(args.out)
 
@@ -664,7 +674,8 @@ USER_ERRORS = (ValueError, OSError)
 def _run_command(args) -> int:
     try:
         validate_args(args)
-        result = args.fn(args)
+        # under the --out directory's lock; Ctrl-C / SIGTERM end in one line (130 / 143), rows kept
+        result = cli_checks.run_guarded(args, args.fn)
     except USER_ERRORS as err:
         if args.debug:
             raise
