@@ -12,6 +12,7 @@ Where a patch acts is given in one of two forms, and both become one boolean mas
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
@@ -27,7 +28,55 @@ Replacement = Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 
 
 def _heads(h: Heads) -> list[int]:
-    return [int(x) for x in h] if hasattr(h, "__iter__") else [int(h)]
+    return [operator.index(x) for x in h] if hasattr(h, "__iter__") else [operator.index(h)]
+
+
+def _check_heads(patch) -> None:
+    """heads: an integer or a list of integers (never strings, floats or bools, which int() would accept or
+    truncate silently)."""
+    if patch.heads is None:
+        return
+    items = list(patch.heads) if hasattr(patch.heads, "__iter__") and not isinstance(patch.heads, str) else [patch.heads]
+    if isinstance(patch.heads, str) or not all(_is_index(h) for h in items):
+        raise ValueError(f"{type(patch).__name__}(layer={patch.layer}).heads must be a head index or a list of "
+                         f"integer head indices, got {patch.heads!r}; e.g. heads=[0, 2]")
+    if not _is_index(patch.layer):
+        raise ValueError(f"{type(patch).__name__}.layer must be an integer layer index, got {patch.layer!r}")
+
+
+def _is_index(x) -> bool:
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)
+        return True
+    except TypeError:
+        return False
+
+
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_tensor(patch, name: str, t, allow_nonfinite: bool, dims: Sequence[int]) -> None:
+    """A patch tensor must be a floating torch.Tensor of one of `dims` ranks, finite unless allow_nonfinite."""
+    label = f"{type(patch).__name__}(layer={patch.layer}).{name}"
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{label} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOATING:
+        raise ValueError(f"{label} must be a floating tensor (float16/bfloat16/float32/float64), got {t.dtype}; "
+                         f"convert it with .float()")
+    if t.dim() not in dims:
+        raise ValueError(f"{label} must have {' or '.join(str(d) for d in dims)} dimensions, got shape "
+                         f"{tuple(t.shape)}")
+    if not allow_nonfinite and t.numel() and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{label} holds {int((~torch.isfinite(t)).sum())} NaN or inf value(s); pass finite values, "
+                         "or allow_nonfinite=True to study them on purpose")
+
+
+def _check_device(hook, name: str, t: torch.Tensor, run: torch.Tensor) -> None:
+    if t.device != run.device:
+        raise ValueError(f"{hook.name}: the patch's {name} is on {t.device} but the model runs on {run.device}; "
+                         f"move it with .to({str(run.device)!r})")
 
 
 def head_mask(position_mask: torch.Tensor, n_heads: int, heads: Heads) -> torch.Tensor:
@@ -75,9 +124,17 @@ class WriteScale:
     scale: float = 0.0
     batch: Optional[Sequence[int]] = None   # rows of the batch to patch; None = all
     mask: Optional[torch.Tensor] = None     # (B, T, H) bool, instead of heads/positions/batch
+    allow_nonfinite: bool = False           # True admits a NaN/inf scale (on purpose)
 
     def __post_init__(self):
         _check_form(self, self.heads is not None and self.positions is not None)
+        _check_heads(self)
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
+            raise ValueError(f"WriteScale(layer={self.layer}).scale must be a number (0 blocks the write), got "
+                             f"{self.scale!r}")
+        if not self.allow_nonfinite and not math.isfinite(self.scale):
+            raise ValueError(f"WriteScale(layer={self.layer}).scale is {self.scale}; pass a finite number, or "
+                             "allow_nonfinite=True to study it on purpose")
 
     def fwd_hooks(self):
         def hook(ws, hook):
@@ -98,12 +155,16 @@ class WriteReplace:
     key: Optional[torch.Tensor] = None
     value: Optional[torch.Tensor] = None
     mask: Optional[torch.Tensor] = None     # (B, T, H) bool, instead of heads/positions
+    allow_nonfinite: bool = False
 
     def __post_init__(self):
         _check_form(self, self.heads is not None and self.positions is not None)
+        _check_heads(self)
         if self.key is None or self.value is None:
             raise ValueError(f"WriteReplace(layer={self.layer}) needs key (B, T, H, K) and value (B, T, H, V), e.g. "
                              f"the donor's hook_write_key and hook_write_value")
+        _check_tensor(self, "key", self.key, self.allow_nonfinite, (4,))
+        _check_tensor(self, "value", self.value, self.allow_nonfinite, (4,))
 
     def fwd_hooks(self):
         def put(src):
@@ -111,6 +172,7 @@ class WriteReplace:
                 if t.shape != src.shape:
                     raise ValueError(f"{hook.name}: replacement has shape {tuple(src.shape)} but the run has "
                                      f"{tuple(t.shape)}; donor and recipient must have equal length and batch")
+                _check_device(hook, "replacement", src, t)
                 return torch.where(_where(self, t, hook)[..., None], src.to(device=t.device, dtype=t.dtype), t)
             return hook
         return [(hook_name("hook_write_key", self.layer), put(self.key)),
@@ -130,11 +192,17 @@ class StateReplace:
     position: int = 0
     state: Optional[torch.Tensor] = None
     mask: Optional[torch.Tensor] = None     # (B, H) bool, instead of heads
+    allow_nonfinite: bool = False
 
     def __post_init__(self):
         _check_form(self, self.heads is not None)
+        _check_heads(self)
+        if not _is_index(self.position):
+            raise ValueError(f"StateReplace(layer={self.layer}).position must be an integer position, got "
+                             f"{self.position!r}")
         if self.state is None:
             raise ValueError(f"StateReplace(layer={self.layer}) needs state: (B, H, K, V) or (B, K, V)")
+        _check_tensor(self, "state", self.state, self.allow_nonfinite, (3, 4))
 
     def fwd_hooks(self):
         def hook(states, hook):
@@ -145,7 +213,14 @@ class StateReplace:
                                  f"including {self.position} (run_with_patches does it for you)")
             i = positions.index(self.position)
             B, _, H = states.shape[:3]
-            src = self.state.to(device=states.device, dtype=states.dtype)
+            K, V = states.shape[3:]
+            want = (B, H, K, V) if self.state.dim() == 4 else (B, K, V)
+            if tuple(self.state.shape) != want:
+                raise ValueError(f"{hook.name}: StateReplace.state has shape {tuple(self.state.shape)} but this run "
+                                 f"needs exactly {want} ({'(B, H, K, V): every head of the layer' if len(want) == 4 else '(B, K, V): one state for every chosen head'}); "
+                                 "no broadcasting: build the state for this batch and layer")
+            _check_device(hook, "state", self.state, states)
+            src = self.state.to(dtype=states.dtype)
             src = src if src.dim() == 4 else src[:, None].expand(B, H, *src.shape[1:])
             if self.mask is not None:
                 if tuple(self.mask.shape) != (B, H):
@@ -174,21 +249,37 @@ class ReadoutReplace:
     positions: Optional[Positions] = None
     value: Optional[Replacement] = None
     mask: Optional[torch.Tensor] = None     # (B, T, H) bool, instead of heads/positions
+    allow_nonfinite: bool = False
 
     def __post_init__(self):
         _check_form(self, self.heads is not None and self.positions is not None)
+        _check_heads(self)
         if self.value is None:
             raise ValueError(f"ReadoutReplace(layer={self.layer}) needs value: a (B, T, H, V) tensor or a function "
                              f"of o returning one")
+        if not callable(self.value):
+            _check_tensor(self, "value", self.value, self.allow_nonfinite, (4,))
 
     def fwd_hooks(self):
         def hook(o, hook):
             value = self.value(o) if callable(self.value) else self.value
+            if callable(self.value):
+                _check_tensor(self, "value (returned by the function)", value, self.allow_nonfinite, (4,))
             if o.shape != value.shape:
                 raise ValueError(f"{hook.name}: replacement has shape {tuple(value.shape)} but the run has "
                                  f"{tuple(o.shape)}")
+            _check_device(hook, "replacement", value, o)
             return torch.where(_where(self, o, hook)[..., None], value.to(device=o.device, dtype=o.dtype), o)
         return [(hook_name("hook_head_out", self.layer), hook)]
+
+
+def check_tokens(tokens) -> None:
+    """Tokens are a (B, T) integer tensor: a 1-D row is refused rather than guessed to be one row or one column."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
+        got = (f"{tokens.dtype} of shape {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor)
+               else type(tokens).__name__)
+        raise ValueError(f"tokens must be a 2-D integer tensor (B, T), got {got}; for one sequence pass "
+                         "tokens[None]")
 
 
 def check_patch_heads(model, patch) -> None:
@@ -224,6 +315,7 @@ def patch_hooks(model, patches: Sequence) -> list[tuple[str, Callable]]:
 
 def run_with_patches(model, tokens: torch.Tensor, patches: Sequence, **kwargs):
     """Runs `model` with every patch's hooks (removed afterwards, even on error) and the state positions they need."""
+    check_tokens(tokens)
     hooks = patch_hooks(model, patches)
     positions = {p.position for p in patches if isinstance(p, StateReplace)}
     if positions:

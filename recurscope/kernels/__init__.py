@@ -67,6 +67,7 @@ def recurrence(
     capture=None, output_final_state: bool = True, backend: str = "auto", check_finite: bool = True,
     cu_seqlens=None, chunk_size: Optional[int] = None, use_qk_l2norm: bool = False, beta=None,
     use_beta_sigmoid: bool = False, A_log=None, dt_bias=None,
+    allow_growth: bool = False,
 ) -> RecurrenceOutput:
     """Runs the recurrence over (B, T, H, ·) inputs; see the module docstring for the math.
 
@@ -94,10 +95,12 @@ def recurrence(
     - A_log (H,) and dt_bias ((H,), or (H, K) for a per-channel decay): g is the gate's raw input, and the decay
       is g = -exp(A_log) softplus(g + dt_bias), as Gated DeltaNet and KDA form it.
     These run as the same torch operations one would write outside, in the entry; none copies q or k per value head.
+    With check_finite, a positive log-decay g (exp(g) > 1: the state grows) is refused; allow_growth=True admits it,
+    for research on unstable transitions (every backend computes it; the chunked form loses precision as it grows).
     """
     q, k, x, g, a = _fla_options(q, k, x, g, a, use_qk_l2norm, beta, use_beta_sigmoid, A_log, dt_bias)
     dims, positions = validate(q, k, x, g, a, initial_state, write_scale, extra_write, capture,
-                               check_finite=check_finite, cu_seqlens=cu_seqlens)
+                               check_finite=check_finite, cu_seqlens=cu_seqlens, allow_growth=allow_growth)
     chosen = resolve_backend(backend, q.device)
     scale = dims.K ** -0.5 if scale is None else float(scale)
     dtype = compute_dtype(q)

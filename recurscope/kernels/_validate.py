@@ -47,6 +47,17 @@ def _check_finite(name: str, t: torch.Tensor, allow_neg_inf: bool = False) -> No
                          "recurrence")
 
 
+def check_decay(g: torch.Tensor) -> None:
+    """g is a log-decay: exp(g) <= 1 keeps every transition contracting. A positive entry makes the state grow
+    step by step, which no family produces; research on such transitions opts in with allow_growth=True."""
+    top = float(g.max()) if g.numel() else 0.0
+    if top > 0:
+        n = int((g > 0).sum())
+        raise ValueError(f"g holds {n} positive log-decay value(s) (max {top:.3g}): exp(g) > 1 grows the state "
+                         "instead of decaying it; pass g <= 0 (e.g. logsigmoid of the gate), or allow_growth=True to "
+                         "study unstable transitions on purpose")
+
+
 def _expect(name: str, t: torch.Tensor, shape: Sequence[int], what: str) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {what} = {tuple(shape)}, got {_shape(t)}")
@@ -64,8 +75,10 @@ def validate(
     capture,
     check_finite: bool = True,
     cu_seqlens=None,
+    allow_growth: bool = False,
 ) -> tuple[Dims, Optional[list[int]]]:
-    """Checks shapes, dtypes and finiteness; returns the dimensions and the normalised capture list."""
+    """Checks shapes, dtypes and finiteness; returns the dimensions and the normalised capture list. With
+    check_finite, a positive log-decay g (a transition that grows the state) is refused unless allow_growth."""
     for name, t in (("q", q), ("k", k), ("x", x), ("g", g)):
         _check_float(name, t)
     if q.dim() != 4:
@@ -122,6 +135,8 @@ def validate(
     if check_finite:
         for name, t in tensors.items():
             _check_finite(name, t, allow_neg_inf=name == "g")
+        if not allow_growth:
+            check_decay(g)
     positions = None
     if capture is not None:
         positions = [int(p) for p in (capture.tolist() if isinstance(capture, torch.Tensor) else capture)]

@@ -15,7 +15,8 @@ import torch
 
 from .filler import SPLITS, FillerSource, Source
 from .layout import LAYOUTS, PairLayout, resolve_layout
-from .tokenizer import require_tokenizer, decode_text, encode_continuation, encode_text, span_tokens, token_strings
+from .tokenizer import (decode_text, encode_continuation, encode_text, require_tokenizer, span_tokens, token_strings,
+                        vocabulary_hash)
 from .words import KEY_NAMES, LAYOUT_TEMPLATES, NATURAL_TEMPLATES, TEMPLATES, VALUE_VOCABS, Template, recall_words
 
 __all__ = [
@@ -890,6 +891,7 @@ def build_pairs(tokenizer, sources: Sequence[Source] | None = None, *, split: st
     pairs = list(iter_pairs(tokenizer, split, n_sources, sources=sources, report=report, **kwargs))
     batch = PairBatch.collate(pairs, _pad_id(tokenizer), report=report)
     batch.report.update(filler_unknown_rate(batch, tokenizer))
+    batch.report["tokenizer_hash"] = vocabulary_hash(tokenizer)   # checked against the model (check_pairs)
     return batch
 
 

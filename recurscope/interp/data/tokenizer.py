@@ -250,3 +250,26 @@ def require_tokenizer(tokenizer) -> None:
         raise ValueError("this model has no tokenizer, and prompts are written as text for the model's own "
                          "tokenizer: save its tokenizer.json (and tokenizer_config.json) beside config.json, or load "
                          "it with load_model(dir, tokenizer=<a tokenizer or its directory>).")
+
+
+def vocabulary_hash(tokenizer) -> str:
+    """A tokenizer's identity: sha256 over its vocabulary (token -> id, sorted), so pairs built with one tokenizer
+    are refused on a model whose tokenizer differs even where the two vocabularies have the same size. Cached on
+    the tokenizer per vocabulary size (adding tokens changes it)."""
+    import hashlib
+    import json
+
+    try:
+        size = len(tokenizer)
+    except TypeError:          # a raw tokenizers.Tokenizer
+        size = tokenizer.get_vocab_size(with_added_tokens=True)
+    cached = getattr(tokenizer, "_recurscope_vocabulary_hash", None)
+    if cached is not None and cached[0] == size:
+        return cached[1]
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    digest = "sha256:" + hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+    try:
+        tokenizer._recurscope_vocabulary_hash = (size, digest)
+    except AttributeError:     # objects without a __dict__ are hashed each time
+        pass
+    return digest

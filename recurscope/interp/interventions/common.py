@@ -2,6 +2,7 @@
 chunking, candidate logits and a hook collector. The scan and the protocols use these too."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence, Union
 
@@ -46,8 +47,8 @@ def normalise_heads(model, heads: HeadsArg) -> list[Head]:
         raise ValueError("heads is None: pass a (layer, head) pair or a list of them, e.g. [(21, 3)]")
     if isinstance(heads, tuple) and len(heads) == 2 and all(isinstance(x, (int, np.integer)) for x in heads):
         heads = [heads]
-    try:
-        items = [tuple(int(x) for x in item) for item in heads]
+    try:   # operator.index: a string '0' or a float 0.9 is refused, not converted or truncated
+        items = [tuple(_head_index(x) for x in item) for item in heads]
     except TypeError:
         raise ValueError(f"heads must be a (layer, head) pair or a list of (layer, head) pairs, got {heads!r}; "
                          f"e.g. heads=[(21, 3)]") from None
@@ -58,6 +59,12 @@ def normalise_heads(model, heads: HeadsArg) -> list[Head]:
             raise ValueError(f"each head must be a (layer, head) pair, got {item!r} in heads={heads!r}")
         model.check_head(*item)
     return sorted(set(items))
+
+
+def _head_index(x) -> int:
+    if isinstance(x, (bool, str)):
+        raise TypeError(x)
+    return operator.index(x)
 
 
 def check_pairs(model, pairs) -> None:
@@ -79,6 +86,15 @@ def check_pairs(model, pairs) -> None:
             raise ValueError(f"pairs.{name} holds token ids in [{int(t.min())}, {int(t.max())}] but the model's vocab "
                              f"is [0, {vocab - 1}]: the pairs were built with a different tokenizer; rebuild them "
                              f"with this model's tokenizer (model.tokenizer)")
+    made_with = (getattr(pairs, "report", None) or {}).get("tokenizer_hash")
+    tokenizer = getattr(model, "tokenizer", None)
+    if made_with is not None and tokenizer is not None:
+        from recurscope.interp.data.tokenizer import vocabulary_hash
+
+        if vocabulary_hash(tokenizer) != made_with:
+            raise ValueError(f"the pairs were built with another tokenizer (vocabulary {made_with[:15]}...) than "
+                             f"this model's ({vocabulary_hash(tokenizer)[:15]}...): token ids would mean other "
+                             "words; rebuild them with build_pairs(model.tokenizer, ...)")
     T = pairs.recipient_ids.shape[1]
     qs, qp = pairs.query_start, pairs.query_pos
     if bool(((qp >= T) | (qp < qs) | (qs < 1)).any()):
