@@ -72,13 +72,19 @@ def check_options(args) -> None:
 
 # ---- input directories and files -------------------------------------------------------------------------------
 def check_inputs(args) -> None:
-    """--from-scan is a finished scan (manifest kind, hash, scan_heads.csv columns); --corpus is UTF-8 text."""
+    """--from-scan is a finished scan (manifest kind, hash, scan_heads.csv columns); --ray HOST:PORT answers;
+    --corpus is UTF-8 text."""
     from recurscope.interp.confirm import SCAN_HEAD_COLUMNS
     from recurscope.interp.results import check_input_run
 
     if getattr(args, "from_scan", None) is not None:
         check_input_run(args.from_scan, option="--from-scan", kinds=("scan",),
                         tables={"scan_heads": SCAN_HEAD_COLUMNS})
+    address = getattr(args, "ray", None)
+    if address not in (None, "local", "auto"):
+        from recurscope.interp.distributed import probe_address
+
+        probe_address(address, getattr(args, "ray_timeout", None) or 30.0)   # before any model loads
     corpus = getattr(args, "corpus", None)
     if corpus and Path(corpus).exists():
         path = Path(corpus)

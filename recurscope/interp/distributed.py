@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -74,13 +75,39 @@ def require_ray():
     return ray
 
 
-def connect(address: Optional[str] = None, *, num_cpus: Optional[int] = None, num_gpus: Optional[int] = None):
+DEFAULT_CONNECT_TIMEOUT = 30.0
+
+
+def probe_address(address: str, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
+    """For a "HOST:PORT" address, one TCP connection to the cluster's head within `timeout` seconds, so that an
+    address where nothing listens fails at once with one line (ray.init retries for minutes, printing warnings).
+    "auto", "local" and ray:// client addresses are left to Ray."""
+    if address in (None, "local", "auto") or "://" in str(address):
+        return
+    host, sep, port = str(address).rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise DistributedError(f"--ray {address!r} is not HOST:PORT (e.g. 127.0.0.1:6379), 'auto' or nothing")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except socket.timeout:
+        raise DistributedError(f"no Ray cluster at {address} (connection timed out after {timeout:g} s); check the "
+                               "address, or raise --ray-timeout") from None
+    except OSError as err:
+        raise DistributedError(f"no Ray cluster at {address} ({err.strerror or err}); start one with `ray start "
+                               "--head` there, or drop the address to run a local instance") from None
+
+
+def connect(address: Optional[str] = None, *, num_cpus: Optional[int] = None, num_gpus: Optional[int] = None,
+            timeout: float = DEFAULT_CONNECT_TIMEOUT):
     """Start or join Ray and return the ray module. address None or "local": a new local instance sized to the
     machine (or to num_cpus / num_gpus); "auto": the cluster this node belongs to (`ray start` ran here); an
-    address "host:port": that cluster. Reuses a connection this process already has."""
+    address "host:port": that cluster, which must answer within `timeout` seconds. Reuses a connection this process
+    already has."""
     ray = require_ray()
     if ray.is_initialized():
         return ray
+    probe_address(address, timeout)
     kwargs = dict(include_dashboard=False, logging_level="WARNING",
                   log_to_driver=True)
     if address in (None, "local"):
@@ -274,6 +301,21 @@ def _default_workers(ray, uses_gpu: bool) -> int:
     return n
 
 
+def fit_workers(ray, workers: Optional[int], uses_gpu: bool) -> int:
+    """The workers to start: one per CPU (GPU) of the cluster by default; more than the cluster can place would wait
+    for resources forever, so a larger --workers is clamped to the cluster's count with a warning."""
+    available = _default_workers(ray, uses_gpu)
+    if workers is None:
+        return available
+    workers = _check_workers(workers)
+    if workers > available:
+        what = "GPU" if uses_gpu else "CPU"
+        print(f"WARNING: --workers {workers}: the Ray cluster has {available} {what}(s), one per worker; running "
+              f"{available} workers", file=sys.stderr)
+        return available
+    return workers
+
+
 def _execute(ray, units: list[Unit], new_actor: Callable[[int], object], submit: Callable, on_rows: Callable,
              n_workers: int, stats: RayRunStats, progress: Optional[Callable[[int, int], None]] = None) -> None:
     """Runs `units` on up to n_workers actors; on_rows(unit, rows) is called on the driver as each finishes. An
@@ -382,6 +424,7 @@ def _actor_factory(ray, model_factory, pairs_ref, uses_gpu: bool, threads: int, 
 def run_scan_ray(model_factory: Callable, pairs, heads: Sequence, run_dir=None, *, batch_size: int = 96,
                  prefix_batch: int = 4, head_block: Optional[int] = None, workers: Optional[int] = None,
                  address: Optional[str] = None, uses_gpu: Optional[bool] = None, threads_per_worker: int = 1,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
                  progress: Optional[Callable[[int, int], None]] = None, actor_name_prefix: Optional[str] = None):
     """The head scan of run_scan, its (source, head block) units spread over Ray actors.
 
@@ -399,8 +442,8 @@ def run_scan_ray(model_factory: Callable, pairs, heads: Sequence, run_dir=None, 
     heads = [tuple(int(x) for x in h) for h in heads]
     log = None if run_dir is None else run_dir.table(SCAN_TABLE, key=list(SCAN_KEY))
     done = set() if log is None else log.done_keys()
-    ray = connect(address)
-    n_workers = _default_workers(ray, uses_gpu) if workers is None else _check_workers(workers)
+    ray = connect(address, timeout=connect_timeout)
+    n_workers = fit_workers(ray, workers, uses_gpu)
     units = scan_units(pairs, heads, head_block, n_workers, frozenset(done))
     stats = RayRunStats(skipped_units=len(scan_units(pairs, heads, head_block, n_workers)) - len(units))
     collected: list[dict] = []
@@ -455,6 +498,7 @@ def run_confirm_ray(model_factory: Callable, pairs, heads: Sequence, controls: S
                     scan_heads: Optional[pd.DataFrame] = None, seed: int = 0, batch_size: int = 16,
                     arms: Optional[Sequence[str]] = None, workers: Optional[int] = None,
                     address: Optional[str] = None, uses_gpu: Optional[bool] = None, threads_per_worker: int = 1,
+                    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
                     progress: Optional[Callable[[int, int], None]] = None, n_resamples: int = 9999,
                     actor_name_prefix: Optional[str] = None):
     """The confirmation of run_confirm, its (source, arm) units spread over Ray actors; `heads` as normalised by
@@ -469,8 +513,8 @@ def run_confirm_ray(model_factory: Callable, pairs, heads: Sequence, controls: S
     heads = [tuple(int(x) for x in h) for h in heads]
     log = None if run_dir is None else run_dir.table(CONFIRM_TABLE, key=list(CONFIRM_KEY))
     done = set() if log is None else log.done_keys()
-    ray = connect(address)
-    n_workers = _default_workers(ray, uses_gpu) if workers is None else _check_workers(workers)
+    ray = connect(address, timeout=connect_timeout)
+    n_workers = fit_workers(ray, workers, uses_gpu)
     units = confirm_units(pairs, arms, frozenset(done))
     stats = RayRunStats(skipped_units=len(confirm_units(pairs, arms)) - len(units))
     collected: list[dict] = []
