@@ -44,8 +44,8 @@ def resolve_checkpoint(path_or_name: Union[str, os.PathLike]) -> Path:
 
 def _read_state_dict(directory: Path) -> dict:
     files = sorted(directory.glob("*.safetensors"))
-    if files:
-        index = directory / "model.safetensors.index.json"
+    index = directory / "model.safetensors.index.json"
+    if files or index.is_file():
         check_shards(directory)         # headers against sizes, shards inside the directory, before any tensor
         if index.is_file():
             files = [directory / n for n in sorted(set(read_index(directory).values()))]

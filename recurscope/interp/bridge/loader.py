@@ -34,7 +34,8 @@ def _tokenizer_class(directory: Path, auto):
         cls = None
     base = transformers.PreTrainedTokenizerBase
     if not (isinstance(cls, type) and issubclass(cls, base)):
-        what = "no such name in transformers" if cls is None else f"a {type(cls).__name__}, not a tokenizer class"
+        what = ("no such name in transformers" if cls is None else "a class but not a tokenizer class"
+                if isinstance(cls, type) else f"a {type(cls).__name__}, not a tokenizer class")
         raise CheckpointError(f"{cfg_file}: `tokenizer_class` {named!r} is {what}; name a tokenizer class (e.g. "
                               "\"PreTrainedTokenizerFast\") or remove the key to let AutoTokenizer choose")
     return cls
