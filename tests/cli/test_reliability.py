@@ -314,12 +314,14 @@ CASES = [
          ("state holds 1 NaN or inf value(s)", "allow_nonfinite=True"), call=state_replace(fill=float("nan"))),
     Case("write scale nan", API, "`WriteScale(scale=nan)`", ("scale is nan", "allow_nonfinite=True"),
          call=write_scale(scale=float("nan"))),
-    Case("heads strings", API, "heads given as strings (`('0', '1')`)", ("heads must be",),
-         call=intervention_heads(("0", "1"))),
-    Case("heads floats", API, "heads given as floats (`(0.9, 1.7)`, truncated before)", ("heads must be",),
-         call=intervention_heads((0.9, 1.7))),
-    Case("patch heads strings", API, "patch heads given as strings", ("heads must be a head index or a list of integer",),
-         call=write_scale(heads=["1"])),
+    Case("heads strings", API, "heads given as strings (`[('0', '1')]`)",
+         ("heads must be a (layer, head) pair or a list of (layer, head) pairs",),
+         call=intervention_heads([("0", "1")])),
+    Case("heads floats", API, "heads given as floats (`[(0.9, 1.7)]`, truncated before)",
+         ("heads must be a (layer, head) pair or a list of (layer, head) pairs",),
+         call=intervention_heads([(0.9, 1.7)])),
+    Case("patch heads strings", API, "patch heads given as strings", ("heads must be a head index or a list of",),
+         call=write_scale(heads=["1"]), new=False),
     Case("tokens 1-D", API, "1-D token tensors", ("tokens must be a 2-D integer tensor (B, T)",),
          call=one_dimensional_tokens),
     Case("growth", API, "a positive log-decay reaching the recurrence",
@@ -398,12 +400,15 @@ def run_case(case: Case, world, tmp: Path, capsys) -> str:
         assert "\n" not in message, message
         return message
     from recurscope.interp import cli
-    from recurscope.interp.results import RunLock
 
     fill = _prepare(case, world, tmp)
     argv = [a.format(**fill) for a in case.argv]
     capsys.readouterr()
-    holder = RunLock(fill["out"]).acquire() if case.name == "run lock" else None
+    holder = None
+    if case.name == "run lock":                          # another writer holds --out (a process: see test_run_guard)
+        from recurscope.interp.results import RunLock
+
+        holder = RunLock(fill["out"]).acquire()
     try:
         code = cli.main(argv)
     except SystemExit as exc:                           # argparse's own refusals
