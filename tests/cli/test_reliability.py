@@ -5,7 +5,8 @@ CASES; docs/reliability.md's table is generated from it (`python -m tests.cli.te
 test_doc_lists_every_case checks it is in sync).
 
 Rows marked `new=True` are the cases issue 32 found: each failed on the code before it (a traceback, a silent exit 0,
-a late or nameless error, or a hang)."""
+a late or nameless error, or a hang). Checked by running this file against that tree (commit 62d2dd5, with a 40 s
+alarm per test for the hangs): 57 failed, and the 5 that passed are the rows marked new=False."""
 from __future__ import annotations
 
 import json
