@@ -308,6 +308,7 @@ def run_guarded(args, fn: Callable) -> int:
         previous = signal.signal(signal.SIGTERM, on_term)
     except ValueError:       # not the main thread (an embedding program): leave SIGTERM alone
         previous = None
+    ray_before = _ray_running()
     try:
         result = fn(args)
         return 0 if not isinstance(result, int) else result
@@ -322,13 +323,18 @@ def run_guarded(args, fn: Callable) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-        _shutdown_ray()
+        if not ray_before:   # a Ray connection the caller already had is the caller's to close
+            _shutdown_ray()
         if lock is not None:
             lock.release()
 
 
-def _shutdown_ray() -> None:
-    """The driver stops the local Ray instance it started (its actors and agents), however the command ends."""
+def _ray_running() -> bool:
     ray = sys.modules.get("ray")
-    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
-        ray.shutdown()
+    return ray is not None and bool(getattr(ray, "is_initialized", lambda: False)())
+
+
+def _shutdown_ray() -> None:
+    """The driver stops the Ray instance this command started (its actors and agents), however the command ends."""
+    if _ray_running():
+        sys.modules["ray"].shutdown()
