@@ -10,7 +10,6 @@ alarm per test for the hangs): 57 failed, and the 5 that passed are the rows mar
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import sys
 from dataclasses import dataclass

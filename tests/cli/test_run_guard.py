@@ -6,7 +6,6 @@ the rerun, two writers started together leave no duplicate rows, and Ctrl-C / SI
 The interrupt is deterministic: the child wraps RowLog.append and signals itself once it has committed a given
 number of rows, as tests/cli/test_cli_resume.py does with SIGKILL."""
 import os
-import signal
 import subprocess
 import sys
 import textwrap
