@@ -187,7 +187,10 @@ LOADED_TEXT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "
 
 def check_tokenizer_fits(tokenizer, vocab_size: int, directory: Path) -> None:
     """A tokenizer whose ids reach past the model's embedding is the wrong tokenizer for these weights."""
-    n = len(tokenizer)
+    try:
+        n = len(tokenizer)
+    except TypeError:          # a raw tokenizers.Tokenizer
+        n = tokenizer.get_vocab_size(with_added_tokens=True)
     if n > vocab_size:
         raise CheckpointError(f"the tokenizer in {directory} has {n} tokens but config.json's vocab_size is "
                               f"{vocab_size}: it is not this model's tokenizer (check `tokenizer_class` in "
