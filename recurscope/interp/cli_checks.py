@@ -23,7 +23,7 @@ AT_LEAST = {
     "resamples": 100,   # stats' bootstrap refuses fewer (after the whole computation, before this check)
 }
 LIST_AT_LEAST = {"loads": 1, "gaps": 0, "fillers": 0, "head": 0}
-FRACTIONS = ("threshold", "gate")
+FRACTIONS = ("threshold", "gate", "gate_threshold")
 WHY = {"resamples": " (bootstrap intervals need at least 100; default 9999)",
        "head": " (heads and layers are numbered from 0)"}
 

@@ -338,7 +338,8 @@ def world(tmp_path_factory, tiny_checkpoint, word_tok):
     ckpt = tiny_checkpoint(root / "ckpt")
     from recurscope.interp import cli
 
-    assert cli.main(["scan", str(ckpt), "--out", str(root / "scan"), *SMALL]) == 0
+    assert cli.main(["scan", str(ckpt), "--out", str(root / "scan"), *SMALL, "--gate-threshold", "0"]) == 0
+    assert (root / "scan" / "scan_heads.csv").is_file()
     from recurscope.interp.data import build_pairs
     from recurscope.interp.loading import load_model
 

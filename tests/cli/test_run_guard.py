@@ -14,7 +14,7 @@ import pytest
 
 from recurscope.interp import cli
 from recurscope.interp.results import RunDir, RunLock
-from tests.cli.test_cli import SMALL
+from tests.cli.test_cli import GATE_OFF, SMALL
 
 pytestmark = pytest.mark.slow     # real processes
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -50,7 +50,7 @@ _HOLDER = textwrap.dedent("""
 
 def _scan_args(ckpt, out, n_sources=4):
     return ["scan", str(ckpt), "--out", str(out), *SMALL[:-2], "--batch-size", "1", "--pairs-per-source", "1",
-            "--n-sources", str(n_sources)]
+            "--n-sources", str(n_sources), *GATE_OFF]
 
 
 def _rows(out):
