@@ -22,7 +22,7 @@ AT_LEAST = {
     "filler": 0, "seed": 0, "source": 0, "layer": 0, "gap": 0, "n_nontarget": 0,
     "resamples": 100,   # stats' bootstrap refuses fewer (after the whole computation, before this check)
 }
-LIST_AT_LEAST = {"loads": 1, "gaps": 0, "fillers": 0, "head": 0}
+LIST_AT_LEAST = {"loads": 1, "gaps": 0, "fillers": 0}   # --head: cli.validate_args
 FRACTIONS = ("threshold", "gate", "gate_threshold")
 WHY = {"resamples": " (bootstrap intervals need at least 100; default 9999)",
        "head": " (heads and layers are numbered from 0)"}
@@ -74,12 +74,15 @@ def check_options(args) -> None:
 def check_inputs(args) -> None:
     """--from-scan is a finished scan (manifest kind, hash, scan_heads.csv columns); --ray HOST:PORT answers;
     --corpus is UTF-8 text."""
-    from recurscope.interp.confirm import SCAN_HEAD_COLUMNS
-    from recurscope.interp.results import check_input_run
-
     if getattr(args, "from_scan", None) is not None:
-        check_input_run(args.from_scan, option="--from-scan", kinds=("scan",),
-                        tables={"scan_heads": SCAN_HEAD_COLUMNS})
+        scan = Path(args.from_scan)
+        if not (scan / "manifest.json").is_file():   # said without importing pandas (tests/test_startup.py)
+            why = "it does not exist" if not scan.is_dir() else "it has no manifest.json"
+            raise CheckError(f"--from-scan {scan} is not a finished scan directory ({why}); run `recurscope scan` "
+                             "first and pass its --out directory")
+        from recurscope.interp.results import check_input_run
+
+        check_input_run(scan, option="--from-scan", kinds=("scan",), tables={"scan_heads": ("layer", "head", "J")})
     address = getattr(args, "ray", None)
     if address not in (None, "local", "auto"):
         from recurscope.interp.distributed import probe_address
@@ -165,12 +168,13 @@ def machine_memory(device: str = "cpu") -> int:
 
 def _checkpoint_shape(model) -> dict:
     """hidden size, layers, heads and weight bytes read from config.json and file sizes (no model is built)."""
-    from recurscope.interp.checkpoint_files import read_json
-    from recurscope.interp.loading import resolve_checkpoint
+    import json
 
+    directory = Path(str(model)).expanduser()
+    if not directory.is_dir():                     # a bundled name (as loading.resolve_checkpoint, without torch)
+        directory = Path(__file__).parent / "checkpoints" / str(model)
     try:
-        directory = resolve_checkpoint(model)
-        raw = read_json(directory / "config.json", "model configuration")
+        raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     except (ValueError, OSError):
         return {}          # the loader reports an unusable checkpoint with its own message
     if not isinstance(raw, dict):

@@ -293,7 +293,7 @@ CASES = [
          ["capacity", "{ckpt}", "--from-scan", "{bad}", "--n-sources", "1", "--out", "{out}"],
          scan_table("layer,head\n0,1\n")),
     Case("unrelated dir", INPUT, "`--from-scan` pointing at an unrelated directory",
-         ("has no manifest.json: it is not a result directory",),
+         ("is not a finished scan directory (it has no manifest.json)",),
          ["capacity", "{ckpt}", "--from-scan", "{bad}", "--n-sources", "1", "--out", "{out}"],
          lambda d: [f.unlink() for f in d.iterdir() if f.is_file()], new=False),
     Case("other model's scan", INPUT, "`--from-scan` made on another checkpoint",
