@@ -88,7 +88,8 @@ def test_cli_attribution_scan_writes_the_scan_directory_and_confirms_the_top_hea
     from recurscope.interp.cli import main
 
     ckpt = tiny_checkpoint(tmp_path / "ckpt")
-    small = ["--n-sources", "2", "--pairs-per-source", "1", "--filler", "16", "--n-facts", "2"]
+    small = ["--n-sources", "2", "--pairs-per-source", "1", "--filler", "16", "--n-facts", "2",
+             "--gate-threshold", "0"]   # a random-weight model: the plumbing, past the capability gate
     est = tmp_path / "est"
     assert main(["scan", str(ckpt), "--method", "attribution", "--out", str(est), *small]) == 0
     manifest = json.loads((est / "manifest.json").read_text())
@@ -107,8 +108,10 @@ def test_cli_attribution_scan_writes_the_scan_directory_and_confirms_the_top_hea
         sorted(map(tuple, estimated[["layer", "head"]].head(2).to_numpy()))
     assert main(["scan", str(ckpt), "--out", str(tmp_path / "exact"), *small]) == 0
     reference = pd.read_csv(tmp_path / "exact" / "scan_heads.csv").set_index(["layer", "head"])["J"]
+    # The K heads run in a smaller suffix batch than the full scan's, so float32 rounds differently (the kernel
+    # picks float64 decay sums per call from the batch's decays): equal to float32 rounding, as scan rows elsewhere.
     np.testing.assert_allclose(exact.set_index(["layer", "head"])["J"], reference.loc[exact.set_index(
-        ["layer", "head"]).index], atol=1e-9)
+        ["layer", "head"]).index], rtol=0, atol=1e-6)
     assert "method" not in json.loads((tmp_path / "exact" / "manifest.json").read_text())["args"]
 
 
