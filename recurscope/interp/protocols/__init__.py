@@ -18,6 +18,7 @@ verdict comes from interp.verdicts.
 | retention | retention.py | §4.2, Fig. 8: clean recall, state-swap edit shift and non-target breakage against K |
 | corrector | corrector.py | App. F.1, Fig. 15: a low-rank state-feature corrector fitted on dev, applied held out |
 | reuse | reuse.py | App. D.2, Fig. 13: the frozen head's donor write across formats; rank-4 value-subspace transfer |
+| hybrid | hybrid.py | Sec. 4.1, Fig. 6: hybrid cache factorial (recurrent caches, attention KV, both) |
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ VERB_HELP = {
                  "(App. F.1)",
     "reuse": "the frozen head's donor write across templates, value vocabularies and the update format, and the "
              "rank-4 colour-to-shape subspace transfer (App. D.2)",
+    "hybrid": "hybrid cache factorial: recurrent caches, attention KV, both (Sec. 4.1, Fig. 6)",
 }
 VERBS = tuple(VERB_HELP)
 

@@ -107,6 +107,7 @@ class Verb:
     fixed_length: bool = False           # --total-length (the load curves' fixed sequence length)
     options: Optional[Callable] = None
     defaults: dict = field(default_factory=dict)
+    check: Optional[Callable] = None     # check(model) raises ValueError before the result directory is made
 
 
 def add_verb(sub, verb: Verb, model_args, load) -> None:
@@ -143,6 +144,8 @@ def _cli(verb: Verb, work: Sequence[str], args, load) -> int:
     from recurscope.interp.protocols._common import open_run
 
     model = load(args)
+    if verb.check is not None:
+        verb.check(model)
     run = open_run(args.out, kind=verb.name, model=model, model_name=args.model,
                    args={k: getattr(args, k) for k in work}, seeds=[args.seed], split="heldout")
     progress = lambda what: print(f"{verb.name}: {what}", flush=True)  # noqa: E731
