@@ -146,3 +146,64 @@ def test_verb_runs_on_every_hybrid_layout(name, tmp_path, tmp_path_factory, caps
     assert (out / "figures" / "hybrid.png").is_file() and (out / "figures" / "hybrid.svg").is_file()
     report = (out / "report.md").read_text()
     assert "### Reading" in report and "share of the full swap" in report
+
+
+# ---- Table 2's tasks: entity update and RULER single-NIAH on the same factorial ---------------------------------
+
+def test_niah_pairs_differ_only_in_the_needles_value(model):
+    pairs = hybrid.build_niah_pairs(model.tokenizer, n_sources=6, total_length=96, seed=1)
+    diff = (pairs.recipient_ids != pairs.donor_ids)
+    assert diff.sum(1).tolist() == [1] * 6
+    value_pos = pairs.value_spans[:, 0, 0, 0]
+    assert torch.equal(diff.float().argmax(1), value_pos)
+    idx = torch.arange(6)
+    assert torch.equal(pairs.candidate_ids[idx, pairs.recipient_answer_index], pairs.recipient_ids[idx, value_pos])
+    assert torch.equal(pairs.candidate_ids[idx, pairs.donor_answer_index], pairs.donor_ids[idx, value_pos])
+    assert (pairs.query_pos == 95).all() and (pairs.query_start > value_pos).all()
+    text = model.tokenizer.decode(pairs.recipient_ids[0, pairs.query_start[0]:].tolist())
+    assert "special magic number" in text
+
+
+def _table2_summary(clean, kv_share, rec_donor, kv_donor, n=64):
+    rec = lambda arm, metric, v: {"arm": arm, "metric": metric, "estimate": v[0], "low": v[1], "high": v[2],  # noqa
+                                  "n_sources": n}
+    return pd.DataFrame([rec("both", "clean_correct", clean), rec("both", "donor_margin_shift", (9.0, 8.0, 10.0)),
+                         rec("kv", "share_of_full", kv_share), rec("recurrent", "share_of_full", (0.0, 0.0, 0.01)),
+                         rec("recurrent", "donor_answer", rec_donor), rec("kv", "donor_answer", kv_donor)])
+
+
+@pytest.mark.parametrize("task", ["update", "niah"])
+def test_table2_reading_on_both_sides_of_the_papers_numbers(task):
+    paper_like = _table2_summary((0.95, 0.9, 0.99), (0.97, 0.95, 0.99), (0.0, 0.0, 0.03), (0.9, 0.85, 1.0))
+    tiny_like = _table2_summary((0.95, 0.9, 0.99), (0.12, 0.10, 0.15), (0.84, 0.77, 0.90), (0.05, 0.02, 0.11))
+    for summary, kind in ((paper_like, AGREES), (tiny_like, DIFFERS)):
+        sentences = hybrid.reading(summary, task, chance=0.25)
+        compared = [s for s in sentences if s.startswith(("The attention KV's share", "The recurrent swap's",
+                                                          "The KV swap's"))]
+        assert len(compared) == 3 and all(f": {kind} (" in s for s in compared), compared
+    assert "Table 2" in hybrid.reading(paper_like, task)[0]
+
+
+def test_table2_reading_compares_nothing_when_clean_recall_is_at_chance():
+    at_chance = _table2_summary((0.125, 0.02, 0.47), (-0.01, -0.35, 0.0), (0.5, 0.2, 0.8), (0.5, 0.2, 0.8), n=8)
+    sentences = hybrid.reading(at_chance, "niah", chance=0.25)
+    assert any("not above chance" in s for s in sentences)
+    compared = [s for s in sentences if s.startswith(("The attention KV's share", "The recurrent swap's",
+                                                      "The KV swap's"))]
+    assert len(compared) == 3 and not any(DIFFERS in s or AGREES in s for s in compared)
+    assert sum("(not compared; paper:" in s for s in sentences) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task, extra", [("update", []), ("niah", ["--total-length", "96"])])
+def test_table2_tasks_run_as_modes_of_the_verb(task, extra, tmp_path):
+    out = tmp_path / task
+    assert main(["hybrid", "tiny-gdn-hybrid", *TINY, "--task", task, *extra, "--out", str(out)]) == 0
+    assert json.loads((out / "manifest.json").read_text())["args"]["task"] == task
+    report = (out / "report.md").read_text()
+    assert "Table 2" in report and TASKS_LABEL[task] in report
+    rows = pd.read_csv(out / "hybrid_rows.csv")
+    assert set(rows.variant) == {"update" if task == "update" else "niah"}
+
+
+TASKS_LABEL = {"update": "entity update", "niah": "RULER single-NIAH (one needle in a haystack), 96 tokens"}

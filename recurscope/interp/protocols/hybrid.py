@@ -15,6 +15,7 @@ Units are sources: every row of a source is computed in one chunk and logged at 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
@@ -41,6 +42,32 @@ PAPER = ("recurrent/local share <1% and KV share >99% on a hybrid GDN-340M; 0.2%
 #: The paper's bounds on the shares of the full swap (Sec. 4.1): the recurrent share at most 3.6%, the KV at least 96%.
 RECURRENT_SHARE_AT_MOST = 0.036
 KV_SHARE_AT_LEAST = 0.96
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task of the factorial and what the paper reports on it (Sec. 4.1; Table 2 for update and niah):
+    the KV/full share and, for Table 2, the donor-answer rates of the recurrent and the KV swap and clean recall."""
+
+    label: str
+    kv_share: tuple                         # (low, high) of the paper's KV/full share
+    kv_donor: Optional[tuple] = None        # (low, high) of the paper's KV donor-answer rate
+    recurrent_donor: Optional[float] = None
+    clean: str = ""
+    paper: str = ""
+
+
+TASKS = {
+    "recall": Task("four-fact recall (K = 4, §3.3 layout)", (KV_SHARE_AT_LEAST, 1.0), paper=PAPER),
+    "update": Task("entity update (the target re-bound at its last presentation)", (0.962, 0.972),
+                   kv_donor=(0.852, 0.898), recurrent_donor=0.0, clean="93.0% (WikiText), 89.1% (PG19)",
+                   paper="Table 2, Qwen3.5-4B, 128 sources: clean 93.0% / 89.1%, recurrent donor answers 0.0%, KV "
+                         "donor answers 85.2% / 89.8%, KV/full 97.2% / 96.2% (WikiText / PG19 filler)"),
+    "niah": Task("RULER single-NIAH (one needle in a haystack)", (0.972, 0.972), kv_donor=(1.0, 1.0),
+                 recurrent_donor=0.0, clean="100.0%",
+                 paper="Table 2, Qwen3.5-4B, about 4K tokens, 64 sources: clean 100.0%, recurrent donor answers "
+                       "0.0%, KV donor answers 100.0%, KV/full 97.2%"),
+}
 
 
 def require_hybrid(model) -> None:
@@ -142,26 +169,96 @@ def factorial_rows(model, pairs, *, run_dir=None, batch_size: int = 16, table: s
     return pd.concat(frames, ignore_index=True)
 
 
-def build_factorial_pairs(model, *, n_sources: int, layout: dict):
+def build_factorial_pairs(model, *, n_sources: int, layout: dict, task: str = "recall", total_length: int = 4096):
+    """The held-out pairs of one task (TASKS): §3.3 four-fact recall, the entity update (the target re-bound at its
+    last presentation; the donor's new value differs) or single-needle retrieval (build_niah_pairs)."""
     from recurscope.interp.data import build_pairs
 
-    return build_pairs(model.tokenizer, split="heldout", n_sources=n_sources, max_length=max_length(model), **layout)
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    if task == "niah":
+        return build_niah_pairs(model.tokenizer, n_sources=n_sources, total_length=total_length,
+                                seed=layout.get("seed", 0))
+    variant = "update" if task == "update" else "swap"
+    return build_pairs(model.tokenizer, split="heldout", n_sources=n_sources, max_length=max_length(model),
+                       variant=variant, **layout)
 
 
-def run_hybrid(model, pairs=None, *, run_dir=None, n_sources: int = 128, layout: Optional[dict] = None,
-               seed: int = 0, batch_size: int = 16, n_resamples: int = 9999, model_name: str = "model",
+def build_niah_pairs(tokenizer, *, n_sources: int, total_length: int, seed: int = 0, n_candidates: int = 4):
+    """RULER single-NIAH swap pairs (Table 2): each source is one haystack of `total_length` tokens with one needle
+    "the special magic number for KEY is VALUE." at an evenly spaced depth; the donor is the same sequence with
+    another number in the needle. Candidates: the recipient's and the donor's number and n_candidates - 2 others,
+    shuffled per row."""
+    import random
+
+    from recurscope.interp.data import PairBatch, build_niah
+
+    if n_candidates < 3:
+        raise ValueError(f"n_candidates must be >= 3 (the donor-specific shift needs a distractor); got {n_candidates}")
+    niah = build_niah(tokenizer, n_sources, total_length, seed=seed)
+    numbers = niah.candidate_ids.tolist()
+    if len(numbers) < n_candidates:
+        raise ValueError(f"the tokenizer has {len(numbers)} single-token numbers; n_candidates={n_candidates} needs "
+                         "that many")
+    rng = random.Random(f"niah-pairs/{seed}/{total_length}/{n_sources}")
+    n = len(niah)
+    donor_ids = niah.input_ids.clone()
+    cands, r_idx, d_idx, d_values, c_words = [], [], [], [], []
+    for i in range(n):
+        r = int(niah.answer_index[i])
+        d = rng.choice([j for j in range(len(numbers)) if j != r])
+        donor_ids[i, niah.value_pos[i]] = numbers[d]
+        others = rng.sample([j for j in range(len(numbers)) if j not in (r, d)], n_candidates - 2)
+        order = [r, d, *others]
+        rng.shuffle(order)
+        cands.append([numbers[j] for j in order])
+        c_words.append([niah.candidates[j] for j in order])
+        r_idx.append(order.index(r))
+        d_idx.append(order.index(d))
+        d_values.append([niah.candidates[d]])
+    span = niah.needle_span[:, None, None, :]
+    value = torch.stack([niah.value_pos, niah.value_pos + 1], -1)[:, None, None, :]
+    zeros = torch.zeros(n, dtype=torch.long)
+    return PairBatch(
+        recipient_ids=niah.input_ids, donor_ids=donor_ids, query_start=niah.query_start, query_pos=niah.query_pos,
+        candidate_ids=torch.tensor(cands, dtype=torch.long),
+        recipient_answer_index=torch.tensor(r_idx, dtype=torch.long),
+        donor_answer_index=torch.tensor(d_idx, dtype=torch.long), stale_answer_index=torch.full((n,), -1),
+        target_fact=zeros, queried_fact=zeros, is_target=torch.ones(n, dtype=torch.bool),
+        group=torch.arange(n), source_id=torch.arange(n), fact_spans=span.clone(), value_spans=value,
+        splits=["heldout"] * n, origins=["niah"] * n, templates=["niah"] * n, vocabs=["numbers"] * n,
+        variants=["niah"] * n, keys=[[k] for k in niah.keys], candidates=c_words,
+        recipient_values=[[v] for v in niah.values], donor_values=d_values, report=dict(niah.report))
+
+
+def run_hybrid(model, pairs=None, *, run_dir=None, task: str = "recall", n_sources: int = 128,
+               layout: Optional[dict] = None, total_length: Optional[int] = None, seed: int = 0,
+               batch_size: int = 16, n_resamples: int = 9999, model_name: str = "model",
                progress=None) -> ProtocolResult:
+    """The factorial on one task (TASKS): `pairs` as given, else held-out pairs of the task in `layout` (recall,
+    update) or of `total_length` tokens (niah; default the smaller of 4096, the paper's about 4K, and the model's
+    positions)."""
     require_hybrid(model)
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     layout = {**pair_kwargs(seed=seed), **(layout or {})}
+    limit = max_length(model)
+    if total_length is None:
+        total_length = min(4096, limit or 4096)
+    elif limit is not None and total_length > limit:
+        raise ValueError(f"--total-length {total_length} is longer than the model's {limit} positions; pass "
+                         f"--total-length {limit} or less")
     if pairs is None:
-        pairs = build_factorial_pairs(model, n_sources=n_sources, layout=layout)
+        pairs = build_factorial_pairs(model, n_sources=n_sources, layout=layout, task=task, total_length=total_length)
     rows = factorial_rows(model, pairs, run_dir=run_dir, batch_size=batch_size, progress=progress)
+    label = TASKS[task].label + (f", {total_length} tokens" if task == "niah" else "")
+    n_candidates = int(pairs.candidate_ids.shape[1])
     return factorial_result("hybrid", rows, model=model, model_name=model_name, run_dir=run_dir, seed=seed,
-                            n_resamples=n_resamples, task="four-fact recall (K = 4, §3.3 layout)")
+                            n_resamples=n_resamples, task=task, label=label, chance=1.0 / n_candidates)
 
 
 def factorial_result(name: str, rows: pd.DataFrame, *, model, model_name: str, run_dir, seed: int,
-                     n_resamples: int, task: str, reading_fn=None) -> ProtocolResult:
+                     n_resamples: int, task: str, label: str, chance: float) -> ProtocolResult:
     """Sources, summary (every metric per arm, plus the shares of the full swap), figure and section of a factorial's
     rows."""
     sources = rows.groupby(["arm", "source"])[list(METRICS)].mean().reset_index()
@@ -169,7 +266,7 @@ def factorial_result(name: str, rows: pd.DataFrame, *, model, model_name: str, r
                                          proportions=["donor_answer", "clean_correct", "correct"]),
                          shares(rows, n_resamples=n_resamples, seed=seed)], ignore_index=True)
     info = {"n_sources": int(rows["source"].nunique()), "recurrent_layers": list(model.recurrent_layers),
-            "attention_layers": list(model.attention_layers), "task": task}
+            "attention_layers": list(model.attention_layers), "task": task, "label": label, "chance": chance}
     result = ProtocolResult(name, rows, sources, summary, info=info)
     labelled = summary.assign(arm=summary["arm"].map(LABELS))
     figure = FigureSpec(name, labelled, dict(
@@ -177,12 +274,11 @@ def factorial_result(name: str, rows: pd.DataFrame, *, model, model_name: str, r
         percent=["share_of_full", "donor_answer"],
         panel_labels={"share_of_full": "share of the full swap", "donor_margin_shift": "donor-margin shift",
                       "donor_answer": "donor answers"},
-        title=f"{model_name}: hybrid cache factorial, {task}"))
-    read = reading_fn or reading
-    return finish(result, run_dir, lambda r: factorial_section(r, model_name, read), [figure])
+        title=f"{model_name}: hybrid cache factorial, {label}"))
+    return finish(result, run_dir, lambda r: factorial_section(r, model_name), [figure])
 
 
-def factorial_section(result: ProtocolResult, model_name: str, read) -> Section:
+def factorial_section(result: ProtocolResult, model_name: str) -> Section:
     s, info = result.summary, result.info
     table = ["| arm | share of the full swap | donor-margin shift (logits) | donor answers | recall after |",
              "|---|---|---|---|---|"]
@@ -191,46 +287,91 @@ def factorial_section(result: ProtocolResult, model_name: str, read) -> Section:
                      f"{ci_text(s, {'arm': arm}, 'donor_margin_shift')} | "
                      f"{ci_text(s, {'arm': arm}, 'donor_answer', pct=True)} | "
                      f"{ci_text(s, {'arm': arm}, 'correct', pct=True)} |")
-    intro = (f"{info['task']}; {info['n_sources']} held-out sources. At the query boundary the recipient takes the "
+    intro = (f"{info['label']}; {info['n_sources']} held-out sources. At the query boundary the recipient takes the "
              f"donor's recurrent caches (state and conv tail of layers {info['recurrent_layers']}), its attention KV "
              f"(layers {info['attention_layers']}) or both; clean recall "
              f"{ci_text(s, {'arm': 'both'}, 'clean_correct', pct=True)}. Shares are ratios of source means with "
              "source-bootstrap 95% intervals.")
-    return Section(f"Hybrid cache factorial: {model_name}", intro, [table], read(s))
+    return Section(f"Hybrid cache factorial: {model_name}, {info['label']}", intro, [table],
+                   reading(s, info["task"], info["chance"]))
 
 
 def _share(s: pd.DataFrame, arm: str) -> Optional[Measure]:
     return measure_from(s, {"arm": arm}, "share_of_full", "pct")
 
 
-def reading(s: pd.DataFrame) -> list[str]:
-    out = [f"The paper: {PAPER}."]
-    full = measure_from(s, {"arm": "both"}, "donor_margin_shift")
-    v = judge(full, Claim.positive("the full swap moves the answer to the donor's"),
-              "The full swap's donor-margin shift")
-    out.append(str(v))
-    if not v.agrees:
-        out.append("With no full-swap effect to divide by, the shares below attribute nothing.")
-    out.append(str(judge(_share(s, "recurrent"), Claim.at_most(RECURRENT_SHARE_AT_MOST, "at most 3.6%"),
-                         "The recurrent caches' share of the full swap")))
-    out.append(str(judge(_share(s, "kv"), Claim.at_least(KV_SHARE_AT_LEAST, "at least 96%"),
-                         "The attention KV's share of the full swap")))
+def _range(bounds: tuple, paper: str) -> Claim:
+    return Claim.equals(bounds[0], paper) if bounds[0] == bounds[1] else Claim.between(*bounds, paper)
+
+
+def reading(s: pd.DataFrame, task: str = "recall", chance: Optional[float] = None) -> list[str]:
+    """The Reading of one task's factorial: clean recall against chance (the paper leaves out presets near chance),
+    the full swap's shift, the recurrent and KV shares against the paper's, and on Table 2's tasks the donor-answer
+    rates against Table 2."""
+    spec = TASKS[task]
+    out = [f"The paper: {spec.paper}."]
+    compare = True
+    if chance is not None:
+        clean = judge(measure_from(s, {"arm": "both"}, "clean_correct", "pct"),
+                      Claim.at_least(chance, f"above chance ({100 * chance:.0f}%), or the preset is left out"),
+                      "Clean recall")
+        out.append(str(clean))
+        if not clean.agrees:
+            compare = False
+            out.append("Clean recall is not above chance, so there is no answer to attribute: the paper leaves such "
+                       "presets out, and the numbers below are not compared with it.")
+    full = judge(measure_from(s, {"arm": "both"}, "donor_margin_shift"),
+                 Claim.positive("the full swap moves the answer to the donor's"), "The full swap's donor-margin shift")
+    out.append(str(full))
+    if compare and not full.agrees:
+        compare = False
+        out.append("With no full-swap effect to divide by, the shares attribute nothing: the numbers below are not "
+                   "compared with the paper.")
+    claims = []
+    if task == "recall":
+        claims += [(_share(s, "recurrent"), Claim.at_most(RECURRENT_SHARE_AT_MOST, "at most 3.6%"),
+                    "The recurrent caches' share of the full swap"),
+                   (_share(s, "kv"), Claim.at_least(KV_SHARE_AT_LEAST, "at least 96%"),
+                    "The attention KV's share of the full swap")]
+    else:
+        lo, hi = spec.kv_share
+        dlo, dhi = spec.kv_donor
+        claims += [(_share(s, "kv"), _range(spec.kv_share, f"{100 * lo:.1f}%" if lo == hi else
+                                            f"{100 * lo:.1f}% to {100 * hi:.1f}%"),
+                    "The attention KV's share of the full swap"),
+                   (measure_from(s, {"arm": "recurrent"}, "donor_answer", "pct"),
+                    Claim.equals(spec.recurrent_donor, f"{100 * spec.recurrent_donor:.1f}%"),
+                    "The recurrent swap's donor-answer rate"),
+                   (measure_from(s, {"arm": "kv"}, "donor_answer", "pct"),
+                    _range(spec.kv_donor, f"{100 * dlo:.1f}%" if dlo == dhi else f"{100 * dlo:.1f}% to {100 * dhi:.1f}%"),
+                    "The KV swap's donor-answer rate")]
+    for measure, claim, subject in claims:
+        if compare:
+            out.append(str(judge(measure, claim, subject)))
+        else:
+            text = "not evaluated" if measure is None else measure.text()
+            out.append(f"{subject} is {text} (not compared; paper: {claim.paper}).")
     return out
 
 
 def _options(p) -> None:
-    p.add_argument("--n-facts", type=int, default=4, help="facts bound per sequence (K)")
+    p.add_argument("--task", choices=list(TASKS), default="recall",
+                   help="recall: §3.3 four-fact recall (Sec. 4.1); update: entity update, niah: RULER single-NIAH "
+                        "(Table 2)")
+    p.add_argument("--n-facts", type=int, default=4, help="facts bound per sequence (K; recall and update)")
+    p.add_argument("--total-length", type=int, default=None,
+                   help="niah: tokens per sequence (default the smaller of 4096 and the model's positions)")
 
 
 def _from_args(model, args, run_dir, progress) -> ProtocolResult:
     from recurscope.interp.protocols.runner import layout_from_args
 
     layout = {**layout_from_args(args), "n_facts": args.n_facts}
-    return run_hybrid(model, run_dir=run_dir, n_sources=args.n_sources, layout=layout, seed=args.seed,
-                      batch_size=args.batch_size, n_resamples=args.resamples, model_name=args.model,
-                      progress=progress)
+    return run_hybrid(model, run_dir=run_dir, task=args.task, n_sources=args.n_sources, layout=layout,
+                      total_length=args.total_length, seed=args.seed, batch_size=args.batch_size,
+                      n_resamples=args.resamples, model_name=args.model, progress=progress)
 
 
-VERB = Verb("hybrid", "hybrid cache factorial: recurrent caches, attention KV, both (Sec. 4.1, Fig. 6)", run_hybrid,
-            from_args=_from_args, n_sources=128, head=False, ranking=False, options=_options,
-            check=require_hybrid)
+VERB = Verb("hybrid", "hybrid cache factorial: recurrent caches, attention KV, both (Sec. 4.1, Fig. 6); --task update "
+            "or niah: Table 2", run_hybrid, from_args=_from_args, n_sources=128, head=False, ranking=False,
+            options=_options, check=require_hybrid)
