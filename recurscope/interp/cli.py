@@ -284,11 +284,12 @@ _AT_LEAST_ZERO = ("filler", "seed", "source", "layer")
 def validate_args(args) -> None:
     """Raises UsageError (one line: the problem and the fix) for any option no command can run with."""
     for name in _AT_LEAST_ONE + _AT_LEAST_ZERO:
-        value = getattr(args, name, None)
         low = 1 if name in _AT_LEAST_ONE else 0
-        if value is not None and value < low:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least {low}, got {value}; e.g. "
-                             f"--{name.replace('_', '-')} {max(low, 1) if name != 'seed' else 0}")
+        given = getattr(args, name, None)
+        for value in given if isinstance(given, list) else [given]:   # a list: several loads (overlap --n-facts)
+            if value is not None and value < low:
+                raise UsageError(f"--{name.replace('_', '-')} must be at least {low}, got {value}; e.g. "
+                                 f"--{name.replace('_', '-')} {max(low, 1) if name != 'seed' else 0}")
     _check_scan_method(args)
     for h in getattr(args, "head", None) or []:
         if h < 0:
