@@ -243,6 +243,15 @@ def _ray_spec(args):
     return ModelSpec(str(args.model), device=args.device, dtype=args.dtype)
 
 
+def _ray_executor(args):
+    """A protocol verb's --ray: its units on Ray workers that each load the model (run_units_ray)."""
+    from recurscope.interp.distributed import run_units_ray
+
+    spec = _ray_spec(args)
+    return lambda pairs, units, compute, on_rows: run_units_ray(spec, pairs, units, compute, on_rows,
+                                                                workers=args.workers, address=args.ray)
+
+
 def _unit_bar(desc):
     from tqdm.auto import tqdm
 
@@ -650,7 +659,7 @@ def main(argv=None) -> int:
     _gate_args(p)
     p.add_argument("--out", default=None, help="result directory (default results/<model name>)")
     p.set_defaults(fn=cmd_run)
-    register_verbs(sub, _model_args, _load)
+    register_verbs(sub, _model_args, _load, _ray_executor)
     args = parser.parse_args(argv)
     if args.command == "run" and args.out is None:
         args.out = str(Path("results") / (Path(str(args.model)).name or "model"))

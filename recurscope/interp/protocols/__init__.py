@@ -104,19 +104,21 @@ class _OneVerb:
         return self.parser
 
 
-def register_verbs(subparsers, model_args, load) -> None:
+def register_verbs(subparsers, model_args, load, executor=None) -> None:
     """Adds one subcommand per protocol to the `recurscope` parser (protocols.runner.add_verb with the module's VERB).
     model_args(p) adds the shared model options (model, --device, --dtype, --batch-size) and load(args) loads the
     model, both from interp.cli. When `subparsers` makes VerbParser parsers (add_subparsers(parser_class=VerbParser),
     as the `recurscope` command does), each verb's module is imported and its options added only when the verb is
-    chosen; with plain parsers, all at once."""
+    chosen; with plain parsers, all at once. executor(args), also from interp.cli, runs a verb's independent units
+    on Ray (--ray, for the verbs whose VERB has ray=True)."""
     from_the_start = not issubclass(getattr(subparsers, "_parser_class", object), VerbParser)
     for verb in VERBS:
         def fill(parser, verb=verb):
             from recurscope.interp.protocols.runner import add_verb
 
             module = importlib.import_module(f"recurscope.interp.protocols.{verb}")
-            add_verb(parser if from_the_start else _OneVerb(verb, parser), module.VERB, model_args, load)
+            add_verb(parser if from_the_start else _OneVerb(verb, parser), module.VERB, model_args, load,
+                     executor)
         if from_the_start:
             fill(subparsers)
         else:

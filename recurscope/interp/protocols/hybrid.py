@@ -145,28 +145,50 @@ def source_chunks(pairs, batch_size: int) -> list[list[int]]:
     return chunks
 
 
+def factorial_unit(model, pairs, rows) -> list[dict]:
+    """One unit of work (rows of whole sources): the factorial's row records, numbered as in the whole batch. A
+    top-level function, so that Ray workers can run it (interp.distributed.run_units_ray)."""
+    rows = list(rows)
+    return cache_factorial(model, pairs.select(rows), len(rows), rows=np.asarray(rows)).to_dict("records")
+
+
 def factorial_rows(model, pairs, *, run_dir=None, batch_size: int = 16, table: str = "hybrid_rows",
-                   progress: Optional[Callable[[str], None]] = None) -> pd.DataFrame:
+                   progress: Optional[Callable[[str], None]] = None, executor: Optional[Callable] = None
+                   ) -> pd.DataFrame:
     """Every arm's rows, chunk by chunk of whole sources; with a result directory each chunk goes to the row log
-    `table` as it finishes and the chunks already there are skipped."""
+    `table` as it finishes and the chunks already there are skipped. executor(pairs, units, compute, on_rows), where
+    given (the CLI's --ray), runs one unit per source elsewhere; this process alone writes the log."""
     require_hybrid(model)
     log = None if run_dir is None else run_dir.table(table, key=["arm", "row"])
     done = set() if log is None else {int(k[1]) for k in log.done_keys() if k[0] == "both"}
     frames = []
-    chunks = source_chunks(pairs, batch_size)
-    for i, chunk in enumerate(chunks):
-        if set(chunk) <= done:
-            continue
-        if progress:
-            progress(f"sources chunk {i + 1}/{len(chunks)}")
-        frame = cache_factorial(model, pairs.select(chunk), batch_size, rows=np.asarray(chunk))
+    chunks = source_chunks(pairs, 1 if executor is not None else batch_size)
+    todo = [chunk for chunk in chunks if not set(chunk) <= done]
+
+    def on_rows(chunk, records):
         if log is not None:
-            log.append(frame.to_dict("records"))
-        frames.append(frame)
+            log.append(records)
+        frames.append(pd.DataFrame.from_records(records))
+    if executor is not None:
+        if progress:
+            progress(f"{len(todo)} source units on Ray ({len(chunks) - len(todo)} done before)")
+        if todo:
+            executor(pairs, todo, factorial_unit, on_rows)
+    else:
+        for i, chunk in enumerate(chunks):
+            if chunk not in todo:
+                continue
+            if progress:
+                progress(f"sources chunk {i + 1}/{len(chunks)}")
+            frame = cache_factorial(model, pairs.select(chunk), batch_size, rows=np.asarray(chunk))
+            on_rows(chunk, frame.to_dict("records"))
     if log is not None:
-        return log.read().sort_values(["arm", "row"], key=lambda c: c.map(ARMS.index) if c.name == "arm" else c)\
-            .reset_index(drop=True)
-    return pd.concat(frames, ignore_index=True)
+        rows = log.read()
+    else:
+        rows = pd.concat(frames, ignore_index=True)
+    order = {arm: i for i, arm in enumerate(ARMS)}
+    return rows.sort_values(["arm", "row"], key=lambda c: c.map(order) if c.name == "arm" else c)\
+        .reset_index(drop=True)
 
 
 def build_factorial_pairs(model, *, n_sources: int, layout: dict, task: str = "recall", total_length: int = 4096):
@@ -234,10 +256,10 @@ def build_niah_pairs(tokenizer, *, n_sources: int, total_length: int, seed: int 
 def run_hybrid(model, pairs=None, *, run_dir=None, task: str = "recall", n_sources: int = 128,
                layout: Optional[dict] = None, total_length: Optional[int] = None, seed: int = 0,
                batch_size: int = 16, n_resamples: int = 9999, model_name: str = "model",
-               progress=None) -> ProtocolResult:
+               progress=None, executor: Optional[Callable] = None) -> ProtocolResult:
     """The factorial on one task (TASKS): `pairs` as given, else held-out pairs of the task in `layout` (recall,
     update) or of `total_length` tokens (niah; default the smaller of 4096, the paper's about 4K, and the model's
-    positions)."""
+    positions). executor: see factorial_rows (the CLI's --ray)."""
     require_hybrid(model)
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
@@ -250,7 +272,8 @@ def run_hybrid(model, pairs=None, *, run_dir=None, task: str = "recall", n_sourc
                          f"--total-length {limit} or less")
     if pairs is None:
         pairs = build_factorial_pairs(model, n_sources=n_sources, layout=layout, task=task, total_length=total_length)
-    rows = factorial_rows(model, pairs, run_dir=run_dir, batch_size=batch_size, progress=progress)
+    rows = factorial_rows(model, pairs, run_dir=run_dir, batch_size=batch_size, progress=progress,
+                          executor=executor)
     label = TASKS[task].label + (f", {total_length} tokens" if task == "niah" else "")
     n_candidates = int(pairs.candidate_ids.shape[1])
     return factorial_result("hybrid", rows, model=model, model_name=model_name, run_dir=run_dir, seed=seed,
@@ -363,15 +386,15 @@ def _options(p) -> None:
                    help="niah: tokens per sequence (default the smaller of 4096 and the model's positions)")
 
 
-def _from_args(model, args, run_dir, progress) -> ProtocolResult:
+def _from_args(model, args, run_dir, progress, executor=None) -> ProtocolResult:
     from recurscope.interp.protocols.runner import layout_from_args
 
     layout = {**layout_from_args(args), "n_facts": args.n_facts}
     return run_hybrid(model, run_dir=run_dir, task=args.task, n_sources=args.n_sources, layout=layout,
                       total_length=args.total_length, seed=args.seed, batch_size=args.batch_size,
-                      n_resamples=args.resamples, model_name=args.model, progress=progress)
+                      n_resamples=args.resamples, model_name=args.model, progress=progress, executor=executor)
 
 
 VERB = Verb("hybrid", "hybrid cache factorial: recurrent caches, attention KV, both (Sec. 4.1, Fig. 6); --task update "
             "or niah: Table 2", run_hybrid, from_args=_from_args, n_sources=128, head=False, ranking=False,
-            options=_options, check=require_hybrid)
+            options=_options, check=require_hybrid, ray=True)
