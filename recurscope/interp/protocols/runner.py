@@ -159,7 +159,9 @@ def _cli(verb: Verb, work: Sequence[str], args, load, executor=None) -> int:
     if verb.ray and getattr(args, "ray", None):
         if executor is None:
             raise ValueError(f"{verb.name} --ray needs the command line's Ray runner; run it through `recurscope`")
-        result = verb.from_args(model, args, run, progress, executor=executor(args))
+        ex = executor(args)
+        result = (verb.from_args(model, args, run, progress, executor=ex) if verb.from_args is not None else
+                  verb.run(model, run_dir=run, progress=progress, executor=ex, **run_kwargs(verb.run, args)))
     elif verb.from_args is not None:
         result = verb.from_args(model, args, run, progress)
     else:
