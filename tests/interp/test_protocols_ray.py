@@ -1,5 +1,5 @@
-"""Protocol verbs under `--ray local --workers 2`: hybrid (one unit per source) and neutral (one unit per (source,
-arm)) on two Ray workers, the driver the only writer of the row log; the rows equal the in-process run's, each exactly
+"""Protocol verbs under `--ray local --workers 2`: hybrid (one unit per source), neutral and selectivity (one unit
+per (source, arm)) on two Ray workers, the driver the only writer of the row log; the rows equal the in-process run's, each exactly
 once, and the manifest's work is the same (so either run resumes the other)."""
 import json
 
@@ -13,8 +13,9 @@ from recurscope.interp.results import RowLog
 TINY = ["--n-sources", "3", "--filler", "12", "--presentations", "2", "--gap", "4", "--resamples", "100",
         "--batch-size", "4"]
 VERBS = {"hybrid": ["hybrid", "tiny-gdn-hybrid", *TINY],
-         "neutral": ["neutral", "tiny-gla", "--head", "0", "1", *TINY]}
-ROWS = {"hybrid": 3 * 3, "neutral": 2 * 3 * 4}      # arms x sources x rows per source
+         "neutral": ["neutral", "tiny-gla", "--head", "0", "1", *TINY],
+         "selectivity": ["selectivity", "tiny-gla", "--head", "0", "1", *TINY]}
+ROWS = {"hybrid": 3 * 3, "neutral": 2 * 3 * 4, "selectivity": 6 * 3 * 4}   # arms x sources x rows per source
 KEY = ["arm", "row"]
 
 
