@@ -47,7 +47,8 @@ VERB_HELP = {
                  "(App. F.1)",
     "reuse": "the frozen head's donor write across templates, value vocabularies and the update format, and the "
              "rank-4 colour-to-shape subspace transfer (App. D.2)",
-    "hybrid": "hybrid cache factorial: recurrent caches, attention KV, both (Sec. 4.1, Fig. 6)",
+    "hybrid": "hybrid cache factorial: recurrent caches, attention KV, both (Sec. 4.1, Fig. 6); --task update or niah: "
+              "Table 2",
 }
 VERBS = tuple(VERB_HELP)
 
