@@ -250,6 +250,15 @@ def _ray_spec(args):
     return ModelSpec(str(args.model), device=args.device, dtype=args.dtype)
 
 
+def _ray_executor(args):
+    """A protocol verb's --ray: its units on Ray workers that each load the model (run_units_ray)."""
+    from recurscope.interp.distributed import run_units_ray
+
+    spec = _ray_spec(args)
+    return lambda pairs, units, compute, on_rows: run_units_ray(spec, pairs, units, compute, on_rows,
+                                                                workers=args.workers, address=args.ray)
+
+
 def _unit_bar(desc):
     from tqdm.auto import tqdm
 
@@ -293,11 +302,12 @@ def validate_args(args) -> None:
     cli_checks.check_options(args)
     cli_checks.check_inputs(args)
     for name in _AT_LEAST_ONE + _AT_LEAST_ZERO:
-        value = getattr(args, name, None)
         low = 1 if name in _AT_LEAST_ONE else 0
-        if value is not None and value < low:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least {low}, got {value}; e.g. "
-                             f"--{name.replace('_', '-')} {max(low, 1) if name != 'seed' else 0}")
+        given = getattr(args, name, None)
+        for value in given if isinstance(given, list) else [given]:   # a list: several loads (overlap --n-facts)
+            if value is not None and value < low:
+                raise UsageError(f"--{name.replace('_', '-')} must be at least {low}, got {value}; e.g. "
+                                 f"--{name.replace('_', '-')} {max(low, 1) if name != 'seed' else 0}")
     _check_scan_method(args)
     for h in getattr(args, "head", None) or []:
         if h < 0:
@@ -659,7 +669,7 @@ def main(argv=None) -> int:
     _gate_args(p)
     p.add_argument("--out", default=None, help="result directory (default results/<model name>)")
     p.set_defaults(fn=cmd_run)
-    register_verbs(sub, _model_args, _load)
+    register_verbs(sub, _model_args, _load, _ray_executor)
     args = parser.parse_args(argv)
     if args.command == "run" and args.out is None:
         args.out = str(Path("results") / (Path(str(args.model)).name or "model"))

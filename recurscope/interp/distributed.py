@@ -1,7 +1,8 @@
 """Head scans and confirmations across processes, GPUs and nodes on Ray, with the same resumable results as a
 local run (docs/distributed.md).
 
-Work units: (source, head block) for a scan, (source, intervention arm) for a confirmation. Each worker is a Ray
+Work units: (source, head block) for a scan, (source, intervention arm) for a confirmation, and for a protocol verb
+under --ray (run_units_ray) the units its module lists, e.g. one source of the hybrid cache factorial. Each worker is a Ray
 actor that loads the model once (one GPU per actor on GPU nodes) and runs the library's own run_scan / confirm_arm
 on the unit's subset of the pairs. Workers only compute: the driver alone writes every row, through the run
 directory's append-only row log (interp.results), one atomic batch per unit. So a run has one writer, a unit is on
@@ -31,7 +32,7 @@ import pandas as pd
 import torch
 
 __all__ = ["DistributedError", "RayRunStats", "ModelSpec", "Unit", "require_ray", "connect",
-           "scan_units", "confirm_units", "run_scan_ray", "run_confirm_ray", "INSTALL_HINT"]
+           "scan_units", "confirm_units", "run_scan_ray", "run_confirm_ray", "run_units_ray", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'recurscope[distributed]' (or pip install 'ray>=2.9')"
 #: units queued on each actor at once: one running, one waiting, so an actor never idles on a driver round trip
@@ -276,6 +277,10 @@ class UnitWorker:
         rows = rows.sort_values(list(SCAN_KEY), kind="stable")   # in the order run_scan's result lists them
         rows["row"] = [unit.rows[i] for i in rows["row"]]       # back to indices into the whole batch
         return rows.to_dict("records")
+
+    def compute(self, unit: Unit, fn: Callable) -> list[dict]:
+        """A protocol's unit: fn(model, pairs, rows) -> row records, rows indexing the whole batch."""
+        return self._guarded(unit, "--batch-size", lambda: fn(self.model, self.pairs, unit.rows))
 
     def confirm(self, unit: Unit, heads, scan_heads, seed: int, batch_size: int) -> list[dict]:
         from recurscope.interp.confirm import confirm_arm
@@ -543,3 +548,28 @@ def run_confirm_ray(model_factory: Callable, pairs, heads: Sequence, controls: S
         run_dir.write_table(CONFIRM_TABLE, rows)         # the row log's finished copy, CSV and parquet
     stats.wall_s = time.perf_counter() - t0
     return ConfirmResult(rows, summary, heads, list(controls)), stats
+
+
+def run_units_ray(model_factory: Callable, pairs, units: Sequence[Sequence[int]], compute: Callable,
+                  on_rows: Callable, *, workers: Optional[int] = None, address: Optional[str] = None,
+                  uses_gpu: Optional[bool] = None, threads_per_worker: int = 1,
+                  progress: Optional[Callable[[int, int], None]] = None,
+                  actor_name_prefix: Optional[str] = None) -> RayRunStats:
+    """A protocol's independent units on Ray actors: each unit is a tuple of row indices into `pairs`; a worker
+    returns compute(model, pairs, rows) (a picklable top-level function giving row records) and the driver, the only
+    writer, calls on_rows(rows, records) as each unit finishes (the protocol appends them to its row log there)."""
+    t0 = time.perf_counter()
+    uses_gpu = getattr(model_factory, "uses_gpu", False) if uses_gpu is None else uses_gpu
+    units = [tuple(int(i) for i in rows) for rows in units]
+    stats = RayRunStats()
+    if not units:
+        return stats
+    ray = connect(address)
+    n_workers = _default_workers(ray, uses_gpu) if workers is None else _check_workers(workers)
+    source = pairs.source_id.cpu().tolist()
+    work = [Unit(int(source[rows[0]]), rows, arm=f"rows {rows[0]}-{rows[-1]}") for rows in units]
+    new_actor = _actor_factory(ray, model_factory, ray.put(pairs), uses_gpu, threads_per_worker, actor_name_prefix)
+    _execute(ray, work, new_actor, lambda a, u: a.compute.remote(u, compute), lambda u, rows: on_rows(u.rows, rows),
+             n_workers, stats, progress)
+    stats.wall_s = time.perf_counter() - t0
+    return stats

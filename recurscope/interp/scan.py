@@ -163,26 +163,31 @@ def _example_suffix(model, cache: RecurrentCache, clean_inputs: list, context, n
 
 
 def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optional[Sequence] = None,
-             prefix_batch: int = 4, progress: Optional[Callable[[int, int], None]] = None) -> ScanResult:
+             prefix_batch: int = 4, progress: Optional[Callable[[int, int], None]] = None,
+             table: str = SCAN_TABLE) -> ScanResult:
     """Scan every recurrent head (or `heads`) over the target rows of `pairs` (dev sources).
 
     batch_size: (pair, head) rows per suffix run. prefix_batch: pairs per prefix forward.
     run_dir: an interp.results.RunDir; rows go to its "scan_rows" table keyed by (source, pair, layer, head) as each
     suffix batch finishes, so a rerun on the same directory skips what is done and loses nothing; the per-head table
-    is written as "scan_heads" at the end. progress(done, total) is called after each suffix batch.
+    is written as "scan_heads" at the end. table: the row log's name, for a scan inside another protocol's
+    directory (headscan's "read_scan_rows"; its heads table is then "read_scan_heads"). progress(done, total) is
+    called after each suffix batch.
     """
-    frame = scan_rows(model, pairs, run_dir, batch_size, heads=heads, prefix_batch=prefix_batch, progress=progress)
+    frame = scan_rows(model, pairs, run_dir, batch_size, heads=heads, prefix_batch=prefix_batch, progress=progress,
+                      table=table)
     result = summarise_scan(frame)
     if run_dir is not None:
-        run_dir.write_table("scan_heads", result.heads)
-        run_dir.write_table(SCAN_TABLE, frame)           # the row log's finished copy, CSV and parquet
+        run_dir.write_table(table.replace("rows", "heads"), result.heads)
+        run_dir.write_table(table, frame)                # the row log's finished copy, CSV and parquet
     return result
 
 
 def scan_rows(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optional[Sequence] = None,
-              prefix_batch: int = 4, progress: Optional[Callable[[int, int], None]] = None) -> pd.DataFrame:
+              prefix_batch: int = 4, progress: Optional[Callable[[int, int], None]] = None,
+              table: str = SCAN_TABLE) -> pd.DataFrame:
     """The rows of run_scan (one per target pair and head: clean margin, patched margin, shift) without the
-    per-head summary; what a Ray worker computes for its unit."""
+    per-head summary; what a Ray worker computes for its unit. table: the row log's name (see run_scan)."""
     check_pairs(model, pairs)
     for name, value in (("batch_size", batch_size), ("prefix_batch", prefix_batch)):
         if not isinstance(value, (int, np.integer)) or value < 1:
@@ -190,7 +195,7 @@ def scan_rows(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Option
     head_list = all_heads(model) if heads is None else normalise_heads(model, heads)
     rows = _target_rows(pairs)
     device = model_device(model)
-    log = None if run_dir is None else run_dir.table(SCAN_TABLE, key=list(SCAN_KEY))
+    log = None if run_dir is None else run_dir.table(table, key=list(SCAN_KEY))
     done = set() if log is None else log.done_keys()
     collected: list[dict] = []
     total = len(rows) * len(head_list)

@@ -18,6 +18,7 @@ verdict comes from interp.verdicts.
 | retention | retention.py | §4.2, Fig. 8: clean recall, state-swap edit shift and non-target breakage against K |
 | corrector | corrector.py | App. F.1, Fig. 15: a low-rank state-feature corrector fitted on dev, applied held out |
 | reuse | reuse.py | App. D.2, Fig. 13: the frozen head's donor write across formats; rank-4 value-subspace transfer |
+| hybrid | hybrid.py | Sec. 4.1, Fig. 6: hybrid cache factorial (recurrent caches, attention KV, both) |
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ VERB_HELP = {
                  "(App. F.1)",
     "reuse": "the frozen head's donor write across templates, value vocabularies and the update format, and the "
              "rank-4 colour-to-shape subspace transfer (App. D.2)",
+    "hybrid": "hybrid cache factorial: recurrent caches, attention KV, both (Sec. 4.1, Fig. 6); --task update or niah: "
+              "Table 2",
 }
 VERBS = tuple(VERB_HELP)
 
@@ -102,19 +105,21 @@ class _OneVerb:
         return self.parser
 
 
-def register_verbs(subparsers, model_args, load) -> None:
+def register_verbs(subparsers, model_args, load, executor=None) -> None:
     """Adds one subcommand per protocol to the `recurscope` parser (protocols.runner.add_verb with the module's VERB).
     model_args(p) adds the shared model options (model, --device, --dtype, --batch-size) and load(args) loads the
     model, both from interp.cli. When `subparsers` makes VerbParser parsers (add_subparsers(parser_class=VerbParser),
     as the `recurscope` command does), each verb's module is imported and its options added only when the verb is
-    chosen; with plain parsers, all at once."""
+    chosen; with plain parsers, all at once. executor(args), also from interp.cli, runs a verb's independent units
+    on Ray (--ray, for the verbs whose VERB has ray=True)."""
     from_the_start = not issubclass(getattr(subparsers, "_parser_class", object), VerbParser)
     for verb in VERBS:
         def fill(parser, verb=verb):
             from recurscope.interp.protocols.runner import add_verb
 
             module = importlib.import_module(f"recurscope.interp.protocols.{verb}")
-            add_verb(parser if from_the_start else _OneVerb(verb, parser), module.VERB, model_args, load)
+            add_verb(parser if from_the_start else _OneVerb(verb, parser), module.VERB, model_args, load,
+                     executor)
         if from_the_start:
             fill(subparsers)
         else:

@@ -133,6 +133,45 @@ def logged_arms(run_dir: Optional[RunDir], table: str, key: Sequence[str], arms:
     return pd.concat(frames, ignore_index=True)
 
 
+def source_units(pairs) -> list[tuple]:
+    """The row indices of each source of `pairs`, in source order: the independent units of a per-row protocol."""
+    source = pairs.source_id.cpu().tolist()
+    units: dict[int, list] = {}
+    for i, s in enumerate(source):
+        units.setdefault(int(s), []).append(i)
+    return [tuple(units[s]) for s in sorted(units)]
+
+
+def logged_arms_on(executor: Callable, run_dir: Optional[RunDir], table: str, arms: Sequence[str], pairs,
+                   unit: Callable, progress: Optional[Callable[[str], None]] = None) -> pd.DataFrame:
+    """logged_arms with (source, arm) units run by `executor(pairs, units, compute, on_rows)` (the CLI's --ray):
+    for each arm, compute = partial(unit, arm=arm), a picklable top-level function (model, pairs, rows) -> row
+    records with the rows' indices in the whole batch; this process alone appends them to the row log `table`
+    (key (arm, row)), so the result is the in-process run's and either resumes the other."""
+    from functools import partial
+
+    log = None if run_dir is None else run_dir.table(table, key=["arm", "row"])
+    done = set() if log is None else {(k[0], int(k[1])) for k in log.done_keys()}
+    frames = []
+
+    def on_rows(rows, records):
+        if log is not None:
+            log.append(records)
+        frames.append(pd.DataFrame.from_records(records))
+    units = source_units(pairs)
+    for arm in arms:
+        todo = [u for u in units if any((arm, i) not in done for i in u)]
+        if not todo:
+            continue
+        if progress:
+            progress(f"{arm}: {len(todo)} source units on Ray")
+        executor(pairs, todo, partial(unit, arm=arm), on_rows)
+    if log is not None:
+        rows = log.read()
+        return rows[rows["arm"].isin(list(arms))].sort_values(["arm", "row"]).reset_index(drop=True)
+    return pd.concat(frames, ignore_index=True)
+
+
 def ci_text(summary: pd.DataFrame, where: dict, metric: str, pct: bool = False, digits: int = 2) -> str:
     """"estimate [low, high]" of one summary row, or "–" where it is missing or undefined."""
     sel = summary["metric"] == metric

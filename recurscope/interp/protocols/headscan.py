@@ -6,6 +6,10 @@ interp.scan.run_scan), both as the mean donor-margin shift. Reported: the frozen
 each scan (interp.stats.bootstrap_rank_interval), the fraction of heads above 0.25 logit in each, and the
 write-versus-read Spearman correlation over heads with its source-bootstrap interval (interp.stats.spearman_with_ci).
 
+Both scans resume after a kill: the write scan's rows go to the result directory's row log "write_scan_rows" head by
+head, the read scan's to "read_scan_rows" batch by batch (interp.scan.run_scan), and a rerun computes only what is
+missing.
+
 Paper (340M, 96 heads, 32 sources): the selected head ranks [1, 1] in both; 1.0% (GLA) / 3.1% (GDN) of heads
 exceed 0.25 logit; write-vs-read Spearman 0.173 [-0.014, 0.320] (GLA), 0.149 [-0.027, 0.285] (GDN).
 """
@@ -89,7 +93,7 @@ def run_headscan(model, pairs=None, head: Optional[Sequence[int]] = None, *, run
     writes = write_scan(model, pairs, batch_size=batch_size, run_dir=run_dir, progress=progress)
     if progress:
         progress("read scan (every head's state swap)")
-    reads = run_scan(model, pairs, batch_size=max(batch_size, 1) * 6).rows
+    reads = run_scan(model, pairs, run_dir, batch_size=max(batch_size, 1) * 6, table="read_scan_rows").rows
     rows = pd.concat([writes.assign(scan="write")[["scan", "source", "pair", "layer", "head", "shift"]],
                       reads.assign(scan="read")[["scan", "source", "pair", "layer", "head", "shift"]]],
                      ignore_index=True)

@@ -9,6 +9,7 @@ Paper: GLA 91.8% -> 7.6% on the target with +2.15 pp on the others; GDN 96.1% ->
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional, Sequence
 
 import pandas as pd
@@ -17,7 +18,7 @@ from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics
 from recurscope.interp import stats
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_setup, head_label, logged_arms,
-                                                 max_length, pair_kwargs)
+                                                 logged_arms_on, max_length, pair_kwargs)
 from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
 from recurscope.interp.verdicts import Claim, judge, measure_from
 
@@ -51,10 +52,30 @@ def neutral_rows(frame: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def neutral_arm(model, pairs, arm: str, head, *, seed: int, batch_size: int, rows=None) -> pd.DataFrame:
+    """One arm's rows on `pairs` (or on its `rows`, numbered as in the whole batch; the random update is seeded by
+    that number, so a unit's rows are the whole run's)."""
+    sub = pairs if rows is None else pairs.select(list(rows))
+    ids = None if rows is None else list(rows)
+    if arm == "state_swap":
+        result = iv.state_swap(model, sub, [head], batch_size=batch_size)
+    else:
+        result = iv.random_update(model, sub, [head], kind="state_swap", seed=seed, batch_size=batch_size, row_ids=ids)
+    frame = neutral_rows(example_metrics(sub, result, intervention=arm))
+    frame.insert(0, "arm", arm)
+    frame["row"] = range(len(frame)) if rows is None else ids
+    return frame
+
+
+def neutral_unit(model, pairs, rows, *, arm: str, head, seed: int, batch_size: int) -> list[dict]:
+    """A (source, arm) unit for --ray (protocols._common.logged_arms_on)."""
+    return neutral_arm(model, pairs, arm, head, seed=seed, batch_size=batch_size, rows=rows).to_dict("records")
+
+
 def run_neutral(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_dir=None, from_scan=None,
                 n_sources: int = 32, n_dev: int = 16, layout: Optional[dict] = None, seed: int = 0,
                 batch_size: int = 16, n_resamples: int = 9999, model_name: str = "model",
-                progress=None) -> ProtocolResult:
+                progress=None, executor=None) -> ProtocolResult:
     layout, chosen, _, pairs = frozen_setup(
         model, pairs, head, from_scan, n_dev=n_dev, layout=layout, seed=seed,
         build=lambda lay: build_neutral_all_pairs(model.tokenizer, n_sources=n_sources, model=model, **lay))
@@ -62,16 +83,13 @@ def run_neutral(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_
         raise ValueError("neutral suppression needs neutral-donor pairs: build them with build_neutral_pairs(..., "
                          "queries='all')")
 
-    def compute(arm):
-        if arm == "state_swap":
-            result = iv.state_swap(model, pairs, [chosen], batch_size=batch_size)
-        else:
-            result = iv.random_update(model, pairs, [chosen], kind="state_swap", seed=seed, batch_size=batch_size)
-        frame = neutral_rows(example_metrics(pairs, result, intervention=arm))
-        frame.insert(0, "arm", arm)
-        frame["row"] = range(len(frame))
-        return frame
-    rows = logged_arms(run_dir, "neutral_rows", ("arm", "row"), ARMS, compute, progress)
+    if executor is not None:
+        rows = logged_arms_on(executor, run_dir, "neutral_rows", ARMS, pairs,
+                              partial(neutral_unit, head=chosen, seed=seed, batch_size=batch_size), progress)
+    else:
+        rows = logged_arms(run_dir, "neutral_rows", ("arm", "row"), ARMS,
+                           lambda arm: neutral_arm(model, pairs, arm, chosen, seed=seed, batch_size=batch_size),
+                           progress)
     sources = rows.groupby(["arm", "source"])[list(METRICS)].mean().reset_index()
     summary = stats.summarise(rows, list(METRICS), by=["arm"], n_resamples=n_resamples, seed=seed)
     nt = rows[~rows["is_target"].astype(bool)]
@@ -116,4 +134,4 @@ def reading(s: pd.DataFrame) -> list[str]:
     return out
 
 
-VERB = Verb("neutral", "neutral suppression of the target fact (App. D.1, Fig. 12)", run_neutral)
+VERB = Verb("neutral", "neutral suppression of the target fact (App. D.1, Fig. 12)", run_neutral, ray=True)

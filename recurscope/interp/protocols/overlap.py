@@ -24,7 +24,7 @@ from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, source_means, summarise_metrics
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_setup, head_label, heldout_pairs,
-                                                 logged_arms)
+                                                 pair_kwargs)
 from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish, layout_from_args
 from recurscope.interp.verdicts import Claim, judge, measure_from
 
@@ -32,6 +32,8 @@ __all__ = ["ARMS", "interfering_spans", "target_direction", "replace_keys", "ove
            "run_overlap", "reading", "VERB"]
 
 ARMS = ("aligned", "orthogonal", "control_head:aligned")
+#: Figure labels (plain text: the figures turn underscores into spaces).
+SHORT = {"aligned": "aligned key", "orthogonal": "orthogonalised key", "control_head:aligned": "control head, aligned key"}
 LABELS = {"aligned": "aligned key ‖u_t‖·û_A", "orthogonal": "orthogonalised key, same norm",
           "control_head:aligned": "control head, aligned key"}
 METRICS = ("target_margin_change", "clean_correct", "correct")
@@ -98,65 +100,103 @@ def overlap_write(model, pairs, head, mode: str = "aligned", *, batch_size: int 
 
 
 def run_overlap(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_dir=None, from_scan=None,
-                n_sources: int = 32, n_dev: int = 16, layout: Optional[dict] = None, seed: int = 0,
-                batch_size: int = 16, n_resamples: int = 9999, model_name: str = "model",
-                progress=None) -> ProtocolResult:
-    layout, chosen, scan_heads, pairs = frozen_setup(model, pairs, head, from_scan, n_dev=n_dev, layout=layout,
-                                                     seed=seed, build=heldout_pairs(model, n_sources))
+                n_sources: int = 32, n_dev: int = 16, layout: Optional[dict] = None,
+                loads: Optional[Sequence[int]] = None, seed: int = 0, batch_size: int = 16, n_resamples: int = 9999,
+                model_name: str = "model", progress=None) -> ProtocolResult:
+    """The three arms at each load K in `loads` (default: the layout's n_facts, 4), on held-out pairs with K facts;
+    the head is frozen once, on the first load's layout. Rows carry n_facts; the row log is keyed by
+    (n_facts, arm, row), so an interrupted run resumes at the first (load, arm) without rows."""
+    base = {**pair_kwargs(seed=seed), **(layout or {})}
+    loads = [int(k) for k in (loads if loads is not None else [base["n_facts"]])]
+    if not loads or min(loads) < 2 or len(set(loads)) != len(loads):
+        raise ValueError(f"--n-facts needs distinct loads of at least 2 facts (an interfering fact); got {loads}")
+    if pairs is not None and (len(loads) > 1 or loads[0] != base["n_facts"]):
+        raise ValueError("given pairs have one load: pass loads=None (or build pairs per load)")
+    layout, chosen, scan_heads, first = frozen_setup(model, pairs, head, from_scan, n_dev=n_dev,
+                                                     layout={**base, "n_facts": loads[0]}, seed=seed,
+                                                     build=heldout_pairs(model, n_sources))
     control = iv.choose_control_heads(model, [chosen], scan_heads)[0]
-
-    def compute(arm):
-        on, mode = (control, arm.split(":", 1)[1]) if arm.startswith("control_head:") else (chosen, arm)
-        frame = example_metrics(pairs, overlap_write(model, pairs, on, mode, batch_size=batch_size), intervention=arm)
-        frame = frame[frame["is_target"].astype(bool)].copy()
-        frame.insert(0, "arm", arm)
-        return frame
-    rows = logged_arms(run_dir, "overlap_rows", ("arm", "row"), ARMS, compute, progress)
-    sources = source_means(rows, METRICS, by=("arm",))
-    summary = summarise_metrics(rows, METRICS, by=("arm",), n_resamples=n_resamples, seed=seed)
-    n_spans = int((interfering_spans(pairs)[..., 0] >= 0).sum(1).float().mean())
+    log = None if run_dir is None else run_dir.table("overlap_rows", key=["n_facts", "arm", "row"])
+    done = set() if log is None else {(int(k[0]), k[1]) for k in log.done_keys()}
+    frames, spans_per_row = [], {}
+    for k in loads:
+        batch = first if k == loads[0] else heldout_pairs(model, n_sources)({**layout, "n_facts": k})
+        spans_per_row[k] = float((interfering_spans(batch)[..., 0] >= 0).sum(1).float().mean())
+        for arm in ARMS:
+            if (k, arm) in done:
+                continue
+            if progress:
+                progress(f"K={k} {arm}")
+            on, mode = (control, arm.split(":", 1)[1]) if arm.startswith("control_head:") else (chosen, arm)
+            frame = example_metrics(batch, overlap_write(model, batch, on, mode, batch_size=batch_size),
+                                    intervention=arm)
+            frame = frame[frame["is_target"].astype(bool)].copy()
+            frame.insert(0, "arm", arm)
+            frame.insert(0, "n_facts", k)
+            if log is not None:
+                log.append(frame.to_dict("records"))
+            frames.append(frame)
+    rows = pd.concat(frames, ignore_index=True) if log is None else log.read()
+    rows = rows[rows["n_facts"].isin(loads)].reset_index(drop=True)
+    sources = source_means(rows, METRICS, by=("n_facts", "arm"))
+    summary = summarise_metrics(rows, METRICS, by=("n_facts", "arm"), n_resamples=n_resamples, seed=seed)
     info = {"head": chosen, "control_head": control, "n_sources": int(rows["source"].nunique()),
-            "interfering_per_row": n_spans, "n_facts": layout["n_facts"]}
+            "interfering_per_row": spans_per_row, "loads": loads}
     result = ProtocolResult("overlap", rows, sources, summary, info=info)
-    figure = FigureSpec("overlap", summary, dict(
-        row_col="arm", rows=list(ARMS), panels=["target_margin_change"],
-        panel_labels={"target_margin_change": "target margin change (logits)"},
-        title=f"{model_name}: write-key overlap, head {head_label(chosen)}"))
+    title = f"{model_name}: write-key overlap, head {head_label(chosen)}"
+    labels = {"target_margin_change": "target margin change (logits)"}
+    if len(loads) == 1:
+        figure = FigureSpec("overlap", summary.assign(arm=summary["arm"].map(SHORT)), dict(
+            row_col="arm", rows=[SHORT[a] for a in ARMS], panels=["target_margin_change"], panel_labels=labels,
+            title=f"{title}, K = {loads[0]}"))
+    else:
+        figure = FigureSpec("overlap", summary.assign(arm=summary["arm"].map(SHORT)), dict(
+            row_col="n_facts", hue_col="arm", kind="lines", panels=["target_margin_change", "correct"],
+            percent=["correct"], panel_labels={**labels, "correct": "recall after"},
+            title=f"{title}, against the load K"))
     return finish(result, run_dir, lambda r: overlap_section(r, model_name), [figure])
 
 
 def overlap_section(result: ProtocolResult, model_name: str) -> Section:
     s, info = result.summary, result.info
-    table = ["| arm | target margin change | accuracy after (clean) |", "|---|---|---|"]
-    for arm, label in LABELS.items():
-        table.append(f"| {label} | {ci_text(s, {'arm': arm}, 'target_margin_change')} | "
-                     f"{ci_text(s, {'arm': arm}, 'correct', pct=True)} ({ci_text(s, {'arm': arm}, 'clean_correct', pct=True)}) |")
-    intro = (f"K = {info['n_facts']}; the keys of the other facts' presentations after the target's first one "
-             f"(on average {info['interfering_per_row']} spans per row) are replaced; {info['n_sources']} held-out "
-             f"sources; control head {head_label(info['control_head'])}.")
+    table = ["| K | arm | target margin change | accuracy after (clean) |", "|---|---|---|---|"]
+    for k in info["loads"]:
+        for arm, label in LABELS.items():
+            where = {"n_facts": k, "arm": arm}
+            table.append(f"| {k} | {label} | {ci_text(s, where, 'target_margin_change')} | "
+                         f"{ci_text(s, where, 'correct', pct=True)} ({ci_text(s, where, 'clean_correct', pct=True)}) |")
+    spans = ", ".join(f"{v:.1f} at K = {k}" for k, v in info["interfering_per_row"].items())
+    intro = (f"K = {', '.join(map(str, info['loads']))}; the keys of the other facts' presentations after the target's "
+             f"first one (spans per row: {spans}) are replaced; {info['n_sources']} held-out sources; control head "
+             f"{head_label(info['control_head'])}.")
     return Section(f"Write-key overlap: {model_name}, head {head_label(info['head'])}", intro, [table], reading(s))
 
 
 def reading(s: pd.DataFrame) -> list[str]:
-    out = ["The paper: the aligned key lowers the target margin by 0.27-0.44 logits; the orthogonalised key and "
-           "the control head stay near 0."]
+    """Each load's three arms judged against the paper (its Fig. 7c is at K = 4; the claims are its signs)."""
+    out = ["The paper (K = 4): the aligned key lowers the target margin by 0.27-0.44 logits; the orthogonalised key "
+           "and the control head stay near 0."]
     claims = {"aligned": Claim.negative("the aligned key lowers the target margin by 0.27-0.44 logits"),
               "orthogonal": Claim.near_zero("near 0"), "control_head:aligned": Claim.near_zero("near 0")}
-    for arm, claim in claims.items():
-        out.append(judge(measure_from(s, {"arm": arm}, "target_margin_change"), claim,
-                         f"The target margin change under the {LABELS[arm]}"))
+    loads = sorted(s["n_facts"].dropna().unique()) if "n_facts" in s.columns else [None]
+    for k in loads:
+        at = {} if k is None else {"n_facts": k}
+        suffix = "" if k is None or len(loads) == 1 else f" at K = {int(k)}"
+        for arm, claim in claims.items():
+            out.append(judge(measure_from(s, {**at, "arm": arm}, "target_margin_change"), claim,
+                             f"The target margin change under the {LABELS[arm]}{suffix}"))
     return out
 
 
 def _options(p) -> None:
-    p.add_argument("--n-facts", type=int, default=4, help="facts K in the context (the paper's Fig. 7c: 4)")
+    p.add_argument("--n-facts", type=int, nargs="+", default=[4], metavar="K",
+                   help="facts K in the context, one run per load (the paper's Fig. 7c: 4), e.g. --n-facts 2 4 8")
 
 
 def _from_args(model, args, run_dir, progress) -> ProtocolResult:
-    layout = {**layout_from_args(args), "n_facts": args.n_facts}
     return run_overlap(model, head=args.head, from_scan=args.from_scan, n_sources=args.n_sources, n_dev=args.n_dev,
-                       layout=layout, seed=args.seed, batch_size=args.batch_size, n_resamples=args.resamples,
-                       run_dir=run_dir, model_name=args.model, progress=progress)
+                       layout=layout_from_args(args), loads=args.n_facts, seed=args.seed, batch_size=args.batch_size,
+                       n_resamples=args.resamples, run_dir=run_dir, model_name=args.model, progress=progress)
 
 
 VERB = Verb("overlap", "write-key overlap: interfering writes aligned with the target's write direction (§4.2, "

@@ -24,7 +24,7 @@ __all__ = ["Verb", "FigureSpec", "Section", "finish", "render", "add_verb", "lay
            "run_kwargs"]
 
 #: Options that say how to compute, not what: left out of the manifest's work arguments.
-_NOT_WORK = {"resamples", "out", "device", "dtype", "batch_size", "fn", "command", "ray"}
+_NOT_WORK = {"resamples", "out", "device", "dtype", "batch_size", "fn", "command", "ray", "workers"}
 #: Option names whose run_* parameter is named differently (the rest share their names).
 _RENAMES = {"resamples": "n_resamples", "model": "model_name", "gate": "gate_threshold"}
 
@@ -107,9 +107,12 @@ class Verb:
     fixed_length: bool = False           # --total-length (the load curves' fixed sequence length)
     options: Optional[Callable] = None
     defaults: dict = field(default_factory=dict)
+    check: Optional[Callable] = None     # check(model) raises ValueError before the result directory is made
+    ray: bool = False                    # --ray / --workers: from_args(..., executor=) runs independent units on Ray
 
 
-def add_verb(sub, verb: Verb, model_args, load) -> None:
+def add_verb(sub, verb: Verb, model_args, load, executor: Optional[Callable] = None) -> None:
+    """executor(args) -> executor(pairs, units, compute, on_rows): the CLI's Ray runner, for verbs with ray=True."""
     p = sub.add_parser(verb.name, help=verb.help)
     model_args(p)
     before = {a.dest for a in p._actions}
@@ -122,11 +125,16 @@ def add_verb(sub, verb: Verb, model_args, load) -> None:
                        "layout with 128 filler tokens, as `capacity`)")
     if verb.options:
         verb.options(p)
+    if verb.ray:
+        p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                       help="run the independent work units on Ray: alone, a local Ray instance; 'auto' or HOST:PORT, "
+                            "an existing cluster (docs/distributed.md)")
+        p.add_argument("--workers", type=int, default=None, help="with --ray: at most this many workers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resamples", type=int, default=9999, help="bootstrap resamples per interval")
     p.add_argument("--out", required=True, help="result directory (resumed if it holds the same work)")
     work = ["model", *sorted({a.dest for a in p._actions} - before - _NOT_WORK - {"help"})]
-    p.set_defaults(fn=lambda args: _cli(verb, work, args, load), **verb.defaults)
+    p.set_defaults(fn=lambda args: _cli(verb, work, args, load, executor), **verb.defaults)
 
 
 def run_kwargs(run: Callable, args) -> dict:
@@ -139,14 +147,22 @@ def run_kwargs(run: Callable, args) -> dict:
     return {k: v for k, v in values.items() if k in params}
 
 
-def _cli(verb: Verb, work: Sequence[str], args, load) -> int:
+def _cli(verb: Verb, work: Sequence[str], args, load, executor=None) -> int:
     from recurscope.interp.protocols._common import open_run
 
     model = load(args)
+    if verb.check is not None:
+        verb.check(model)
     run = open_run(args.out, kind=verb.name, model=model, model_name=args.model,
                    args={k: getattr(args, k) for k in work}, seeds=[args.seed], split="heldout")
     progress = lambda what: print(f"{verb.name}: {what}", flush=True)  # noqa: E731
-    if verb.from_args is not None:
+    if verb.ray and getattr(args, "ray", None):
+        if executor is None:
+            raise ValueError(f"{verb.name} --ray needs the command line's Ray runner; run it through `recurscope`")
+        ex = executor(args)
+        result = (verb.from_args(model, args, run, progress, executor=ex) if verb.from_args is not None else
+                  verb.run(model, run_dir=run, progress=progress, executor=ex, **run_kwargs(verb.run, args)))
+    elif verb.from_args is not None:
         result = verb.from_args(model, args, run, progress)
     else:
         result = verb.run(model, run_dir=run, progress=progress, **run_kwargs(verb.run, args))

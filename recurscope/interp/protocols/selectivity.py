@@ -11,6 +11,7 @@ Paper (GLA-340M / GDN-340M / 1.3B): target donor-answer 89.1 / 71.9 / 61.3%, non
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional, Sequence
 
 import pandas as pd
@@ -18,7 +19,7 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, source_means, summarise_metrics
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_setup, head_label, logged_arms,
-                                                 max_length, pair_kwargs, pooled_break_rate)
+                                                 logged_arms_on, max_length, pair_kwargs, pooled_break_rate)
 from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
 from recurscope.interp.verdicts import Claim, control_verdict, judge, measure_from
 
@@ -48,11 +49,16 @@ def build_selectivity_pairs(tokenizer, *, n_sources: int = 32, split: str = "hel
                                  max_length=None if model is None else max_length(model), **kwargs)
 
 
-def _arm(model, pairs, head, arm: str, *, seed: int, batch_size: int, scan_heads=None) -> pd.DataFrame:
+def _arm(model, pairs, head, arm: str, *, seed: int, batch_size: int, scan_heads=None, rows=None) -> pd.DataFrame:
+    """One arm's rows on `pairs`, or on its `rows` (numbered as in the whole batch, which also seeds the random
+    controls, so that a unit's rows are the whole run's)."""
+    ids = None if rows is None else list(rows)
+    pairs = pairs if rows is None else pairs.select(ids)
     if arm == "random_update":
-        result = iv.random_update(model, pairs, [head], kind="state_swap", seed=seed, batch_size=batch_size)
+        result = iv.random_update(model, pairs, [head], kind="state_swap", seed=seed, batch_size=batch_size,
+                                  row_ids=ids)
     elif arm == "random_write":
-        result = iv.random_write(model, pairs, [head], variant="value", seed=seed, batch_size=batch_size)
+        result = iv.random_write(model, pairs, [head], variant="value", seed=seed, batch_size=batch_size, row_ids=ids)
     elif arm.startswith("control_head:"):
         result = iv.control_head(model, pairs, [head], arm.split(":", 1)[1], scan=scan_heads, batch_size=batch_size)
     elif arm in ("state_swap", "donor_write"):
@@ -61,13 +67,20 @@ def _arm(model, pairs, head, arm: str, *, seed: int, batch_size: int, scan_heads
         raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
     frame = example_metrics(pairs, result, intervention=arm)
     frame.insert(0, "arm", arm)
+    frame["row"] = range(len(frame)) if ids is None else ids
     return frame
+
+
+def selectivity_unit(model, pairs, rows, *, arm: str, head, seed: int, batch_size: int, scan_heads=None) -> list:
+    """A (source, arm) unit for --ray (protocols._common.logged_arms_on)."""
+    return _arm(model, pairs, head, arm, seed=seed, batch_size=batch_size, scan_heads=scan_heads,
+                rows=rows).to_dict("records")
 
 
 def run_selectivity(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_dir=None, from_scan=None,
                     n_sources: int = 32, n_dev: int = 16, layout: Optional[dict] = None, seed: int = 0,
                     batch_size: int = 16, arms: Sequence[str] = ARMS, n_resamples: int = 9999,
-                    model_name: str = "model", progress=None) -> ProtocolResult:
+                    model_name: str = "model", progress=None, executor=None) -> ProtocolResult:
     """Runs every arm on the frozen head over four-fact pairs (all facts queried); returns rows, per-source means,
     the summary by arm (with the pooled break rate), the figure and the report section. The head is `head`, else the
     top of `from_scan`, else the winner of a scan on `n_dev` dev sources (never the evaluation sources)."""
@@ -82,11 +95,14 @@ def run_selectivity(model, pairs=None, head: Optional[Sequence[int]] = None, *, 
                          "(queries='all')")
     controls = iv.choose_control_heads(model, [chosen], scan_heads)
 
-    def compute(arm):
-        frame = _arm(model, pairs, chosen, arm, seed=seed, batch_size=batch_size, scan_heads=scan_heads)
-        frame["row"] = range(len(frame))
-        return frame
-    rows = logged_arms(run_dir, "selectivity_rows", ("arm", "row"), arms, compute, progress)
+    if executor is not None:     # --ray: (source, arm) units
+        rows = logged_arms_on(executor, run_dir, "selectivity_rows", arms, pairs,
+                              partial(selectivity_unit, head=chosen, seed=seed, batch_size=batch_size,
+                                      scan_heads=scan_heads), progress)
+    else:
+        rows = logged_arms(run_dir, "selectivity_rows", ("arm", "row"), arms,
+                           lambda arm: _arm(model, pairs, chosen, arm, seed=seed, batch_size=batch_size,
+                                            scan_heads=scan_heads), progress)
     sources = source_means(rows, METRICS, by=("arm",))
     summary = summarise_metrics(rows, METRICS, by=("arm",), n_resamples=n_resamples, seed=seed)
     pooled = pooled_break_rate(rows, ("arm",), n_resamples=n_resamples, seed=seed)
@@ -146,4 +162,4 @@ def reading(s: pd.DataFrame) -> list[str]:
     return out
 
 
-VERB = Verb("selectivity", "four-fact selectivity of the frozen head (§3.3, Fig. 5a-b)", run_selectivity)
+VERB = Verb("selectivity", "four-fact selectivity of the frozen head (§3.3, Fig. 5a-b)", run_selectivity, ray=True)
