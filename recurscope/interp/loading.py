@@ -100,11 +100,10 @@ def checkpoint_format(raw_config: dict) -> str:
     if not isinstance(model_type, str):
         raise ValueError(f"`model_type` must be a string naming the architecture (e.g. \"gla\"), got {model_type!r}; "
                          "restore config.json from the original checkpoint")
-    if model_type == "mamba2" and "layer_norm_epsilon" in raw_config:
+    if model_type == "mamba2" and ("layer_norm_epsilon" in raw_config or "time_step_limit" in raw_config):
         # transformers' Mamba-2 shares fla's model_type and class name; its config names its options differently
-        raise ValueError("config.json is transformers' Mamba-2 format (layer_norm_epsilon, time_step_limit): "
-                         "recurscope loads fla's Mamba-2 format (norm_eps, dt_limit); transformers' Mamba-2 through "
-                         "the bridge is not implemented yet")
+        # (layer_norm_epsilon, time_step_limit where fla has norm_eps, dt_limit): it goes through the bridge
+        return "transformers"
     if model_type in FAMILIES:
         return "fla"
     if bridge_family(model_type) is not None:

@@ -69,6 +69,11 @@ def checkpoint(request, tmp_path_factory):
     return request.param, path, cls
 
 
+def _in_transformers_layout(model, state):
+    """A head's state (..., K, V) as transformers' cache keeps it: (..., V, K) for Mamba-2 (head_dim x state_size)."""
+    return state.transpose(-1, -2) if model.bridge_family.state_transposed else state
+
+
 def _reference(path, cls):
     return cls.from_pretrained(str(path), dtype=torch.float32).eval()
 
@@ -170,7 +175,7 @@ def test_state_patch_equals_a_hand_edit_of_the_transformers_cache(checkpoint):
             text_cfg = ref.config.get_text_config(decoder=True)
             cache = DynamicCache(config=text_cfg)
             ref(input_ids=tokens[:, :p + 1], cache=cache, use_cache=True)
-            cache.layers[layer].recurrent_states[0][:, head] = new_state
+            cache.layers[layer].recurrent_states[0][:, head] = _in_transformers_layout(model, new_state)
             suffix = ref(input_ids=tokens[:, p + 1:], cache=cache, use_cache=True).logits
     torch.testing.assert_close(as_cache_edit[:, p + 1:], suffix, rtol=0, atol=1e-5)
     torch.testing.assert_close(patched[:, :p], clean[:, :p], rtol=0, atol=0)
@@ -205,7 +210,7 @@ def test_every_hook_name_is_a_module_path_and_an_nnsight_envoy(checkpoint):
     `mixer` are modules; the state dict and the parameters keep transformers' names (under `hf.`) and reload."""
     from recurscope.hooks.nnsight import RecurscopeNNsight
 
-    _, path, _ = checkpoint
+    _, path, cls = checkpoint
     model = load_model(path)
     assert isinstance(model.blocks, torch.nn.ModuleList) and len(model.blocks) == model.cfg.n_layers
     model_nn = RecurscopeNNsight(model)
@@ -214,9 +219,7 @@ def test_every_hook_name_is_a_module_path_and_an_nnsight_envoy(checkpoint):
         assert model_nn.get(name)._module is point, name
     for layer, block in enumerate(model.blocks):
         assert model.get_submodule(f"blocks.{layer}.mixer") is block.mixer
-    from transformers import AutoModelForCausalLM
-
-    theirs = {f"hf.{k}" for k in AutoModelForCausalLM.from_pretrained(str(path)).state_dict()}   # what load_model wraps
+    theirs = {f"hf.{k}" for k in cls.from_pretrained(str(path)).state_dict()}   # what load_model wraps
     assert set(model.state_dict()) == theirs
     assert {n for n, _ in model.named_parameters()} <= theirs
     model.load_state_dict(model.state_dict(), strict=True)
@@ -282,7 +285,8 @@ def test_component_swaps_equal_the_same_swaps_in_transformers_cache(checkpoint):
     with torch.no_grad():
         rec_cache, don_cache = model.run_prefix(recipient[:, :b]), model.run_prefix(donor[:, :b])
         clean, _ = model.run_suffix(recipient[:, b:], rec_cache)
-        for parts in (("state",), ("conv",), ("kv",), ("state", "conv", "kv")):
+        kv = ("kv",) if model.attention_layers else ()   # Mamba-2 has no attention layer, so no K/V
+        for parts in (("state",), ("conv",), *[kv] * bool(kv), ("state", "conv", *kv)):
             got, _ = model.run_suffix(recipient[:, b:], rec_cache.swap_from(don_cache, parts=parts))
             with torch_reference_path():
                 expected = _hand_swapped_suffix(ref, recipient, donor, b, parts)
@@ -308,7 +312,7 @@ def test_hook_state_at_requested_positions_is_transformers_own_state(checkpoint)
                 theirs = DynamicCache(config=ref.config.get_text_config(decoder=True))
                 ref(input_ids=tokens[:, :p + 1], cache=theirs, use_cache=True)
                 for layer, name in names.items():
-                    expected = theirs.layers[layer].recurrent_states[0]
+                    expected = _in_transformers_layout(model, theirs.layers[layer].recurrent_states[0])
                     assert got[name].shape == (2, len(positions), *expected.shape[1:])
                     torch.testing.assert_close(got[name][:, j].to(expected.dtype), expected, rtol=0, atol=1e-5,
                                                msg=lambda m: f"layer {layer}, position {p}: {m}")
@@ -461,7 +465,8 @@ def test_conv_tail_spans_reach_as_far_as_the_conv_transformers_runs(checkpoint):
     fact, wide = iv.resolve_spans(pairs, "fact"), iv.spans_with_conv_tail(model, pairs)
     assert kernel > 1 and torch.equal(wide[..., 0], fact[..., 0])
     assert torch.equal(wide[..., 1], torch.minimum(fact[..., 1] + kernel - 1, pairs.query_start[:, None]))
-    assert max_length(model) == model.hf.config.get_text_config(decoder=True).max_position_embeddings
+    bound = getattr(model.hf.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    assert max_length(model) == (bound if model.attention_layers else None)   # Mamba-2: no attention, no bound
 
 
 # ---- the bridge's hook tables in docs/hooks.md --------------------------------------------------------------------
@@ -472,10 +477,11 @@ def _documented_hooks(layout: str) -> set:
     """{(kind, name)} of the bridge's tables in docs/hooks.md, kind "model", "block" (every layer), "recurrent" or
     "attention" (a row marked "(attention)"); names as blocks.{l}.[mixer.]hook_x. The Qwen3.5 table serves every
     layout, the second table adds the rows of Qwen3-Next, OLMo-hybrid and Kimi-Linear (their other rows read as in
-    the first)."""
+    the first); Mamba-2 has a table of its own."""
     text = (ROOT / "docs" / "hooks.md").read_text().split("## On transformers checkpoints (the bridge)", 1)[1]
     qwen, others = text.split("### Qwen3-Next, OLMo-hybrid and Kimi-Linear", 1)
-    tables = [qwen] if layout.startswith("qwen3_5") else [qwen, others]
+    others, mamba = others.split("### Mamba-2", 1)
+    tables = [qwen] if layout.startswith("qwen3_5") else [mamba] if layout == "mamba2" else [qwen, others]
     found = set()
     for table in tables:
         for line in table.splitlines():
@@ -511,7 +517,7 @@ def test_the_bridge_hook_tables_of_the_docs_are_the_models_hook_points(checkpoin
         kind = ("recurrent" if layer in model.recurrent_layers else "attention") if rest.startswith("mixer.") \
             else "block"
         actual.add((kind, "blocks.{l}." + rest))
-    assert len(documented) >= 20
+    assert len(documented) >= (20 if model.attention_layers else 14)   # Mamba-2: no attention or MLP hooks
     assert documented - actual == set(), "docs/hooks.md names hooks this model lacks"
     assert actual - documented == set(), "this model has hooks docs/hooks.md does not list"
     # and each documented name is there on every layer of its kind

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from recurscope.interp.models.families import FamilySpec, WeightMap
 
@@ -24,6 +25,16 @@ class BridgeFamily:
     # Its attention hands the cache's K/V to the attention function as they are, so the head scan's rows can read a
     # shared cached K/V there (False for Kimi's MLA, which expands its cached latents into keys and values first).
     cached_kv_to_attention: bool = True
+    # Where the family keeps the rest of the model (Mamba-2 names them differently from the decoder hybrids):
+    mixer_norm_attr: str = "input_layernorm"   # the decoder layer's norm before its mixer
+    final_norm_attr: str = "norm"              # the text model's final norm
+    conv_kernel_key: str = "linear_conv_kernel_dim"   # the config key of the linear layers' short conv kernel
+    # transformers' cache keeps each head's state transposed, (V, K) (Mamba-2: head_dim x state_size); the bridge's
+    # RecurrentCache and hook_state keep recurscope's (K, V)
+    state_transposed: bool = False
+    # the transformers class to build, when AutoModelForCausalLM may not give transformers' own: fla registers its
+    # Mamba-2 under the same model_type "mamba2" in transformers' Auto classes once fla.models is imported
+    model_class: Optional[str] = None
 
 
 def _gdn_state_shape(cfg):
@@ -89,11 +100,31 @@ KIMI_KDA = FamilySpec(
     readout_norm=lambda mixer: mixer.o_norm, readout_gate=None,
 )
 
+MAMBA2_SSD = FamilySpec(
+    name="mamba2", title="Mamba-2 SSD (transformers' Mamba2ForCausalLM)",
+    weights=TRANSFORMERS_WEIGHTS,
+    config_keys=frozenset({"num_heads", "head_dim", "state_size", "n_groups", "expand", "conv_kernel",
+                           "time_step_limit", "use_conv_bias", "use_bias", "chunk_size", "residual_in_fp32"}),
+    kernel_inputs={"q": "C = silu(conv1d(in_proj))[C part], repeated over the heads of its group (contiguous)",
+                   "k": "B = silu(conv1d(in_proj))[B part], repeated over the heads of its group (contiguous)",
+                   "x": "dt x, dt = clamp(softplus(in_proj[dt part] + dt_bias), time_step_limit) per head, "
+                        "x = silu(conv1d(in_proj))[x part]",
+                   "g": "dt A, A = -exp(A_log), per head (scale 1; D skip and gated norm after the readout)",
+                   "a": "none (no erase)"},
+    mixer="BridgedMamba2", mixer_module=_MIXERS,
+    state_shape=lambda cfg: (cfg.state_size, cfg.head_dim), state_heads=lambda cfg: cfg.num_heads,
+    absent_hooks=frozenset({"hook_erase", "hook_erase_gate", "hook_mlp_out"}),
+    readout_norm=lambda mixer: mixer.norm, readout_gate=None, mlp=False,
+)
+
 BRIDGE_FAMILIES: tuple[BridgeFamily, ...] = (
     BridgeFamily(QWEN35_GDN, ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), "linear_attn", "self_attn"),
     BridgeFamily(QWEN3_NEXT_GDN, ("qwen3_next",), "linear_attn", "self_attn"),
     BridgeFamily(OLMO_HYBRID_GDN, ("olmo_hybrid",), "linear_attn", "self_attn", attention_norm="post"),
     BridgeFamily(KIMI_KDA, ("kimi_linear",), "self_attn", "self_attn", cached_kv_to_attention=False),
+    BridgeFamily(MAMBA2_SSD, ("mamba2",), "mixer", "mixer", mixer_norm_attr="norm", final_norm_attr="norm_f",
+                 conv_kernel_key="conv_kernel", state_transposed=True,
+                 model_class="Mamba2ForCausalLM"),
 )
 
 

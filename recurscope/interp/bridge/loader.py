@@ -104,10 +104,13 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
     except ValueError as err:
         raise CheckpointError(f"{directory}/{err}") from None
     check_shards(directory)
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    # the family's own class where AutoModelForCausalLM may build another library's (fla's Mamba-2, see model_class)
+    model_cls = getattr(transformers, family.model_class) if family.model_class else AutoModelForCausalLM
     try:
-        config = AutoConfig.from_pretrained(str(directory))
+        config = (model_cls.config_class if family.model_class else AutoConfig).from_pretrained(str(directory))
     except Exception as err:  # transformers' strict config validation raises several types, over several lines
         reason = " ".join(str(err).split()) or type(err).__name__
         raise CheckpointError(f"{directory}/config.json is refused by transformers ({reason}); fix the key it "
@@ -124,8 +127,8 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()   # its load report would repeat what the check below says in one line
     try:
-        hf, info = AutoModelForCausalLM.from_pretrained(str(directory), config=config, dtype=dtype or torch.float32,
-                                                        output_loading_info=True, ignore_mismatched_sizes=True)
+        hf, info = model_cls.from_pretrained(str(directory), config=config, dtype=dtype or torch.float32,
+                                             output_loading_info=True, ignore_mismatched_sizes=True)
     finally:
         hf_logging.set_verbosity(previous)
     missing, unexpected = sorted(info.get("missing_keys", [])), sorted(info.get("unexpected_keys", []))

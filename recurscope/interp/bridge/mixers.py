@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from transformer_lens.hook_points import HookPoint
 
 from recurscope.hooks.points import is_intercepted
-from recurscope.interp.models.mixers import RecurrentMixer, grouped_scores, grouped_values
+from recurscope.interp.models.mixers import (RecurrentMixer, _repeat_heads, _split_heads, grouped_scores,
+                                              grouped_values)
 
 
 def _adopt(target: torch.nn.Module, source: torch.nn.Module) -> None:
@@ -177,6 +178,71 @@ class BridgedKimiDeltaAttention(BridgedDeltaRule):
         q, k, v = self._conv_qkv(torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1), cache)
         gate = self.g_b_proj(self.g_a_proj(h)).reshape(B, T, -1, self.head_v_dim)
         return q, k, v, self.b_proj(h).sigmoid(), self.forget_gate(h), gate
+
+
+class BridgedMamba2(RecurrentMixer):
+    """transformers' Mamba-2 SSD layer (`Mamba2Mixer`): in_proj -> gate z, the conv input (x, B, C) and dt; after
+    transformers' causal conv (with its cache) and SiLU, per head h of group h // (H / n_groups):
+
+        S_t = exp(dt_t A_h) S_{t-1} + B_t (dt_t x_t)^T,    y_t = S_t^T C_t + D_h x_t,    out = out_proj(norm(y, z))
+
+    i.e. the kernel with q = C, k = B (repeated over a group's heads, contiguously, as transformers'
+    repeat_interleave), x = dt x, g = dt A per head, no erase, scale 1. dt = clamp(softplus(dt + dt_bias),
+    time_step_limit). The state is N x P (state_size x head_dim) per head, key side first; transformers' cache keeps
+    its transpose (B, H, P, N), which the layer reads and writes as transformers does. hook_head_out is the readout
+    S_t^T C_t alone; the D skip is added after it, then the gated group norm `norm` (hook_z), then out_proj."""
+
+    copied = ("num_heads", "head_dim", "ssm_state_size", "n_groups", "intermediate_size", "conv_dim",
+              "conv_kernel_size", "layer_idx", "activation", "time_step_limit", "hidden_size")
+    norm_attr, out_attr = "norm", "out_proj"
+
+    def __init__(self, hf_layer: torch.nn.Module):
+        super().__init__(hf_layer.layer_idx)
+        del self.hook_erase                  # no erase term
+        _adopt(self, hf_layer)
+        for attr in self.copied:
+            setattr(self, attr, getattr(hf_layer, attr))
+        self.head_k, self.head_v = self.ssm_state_size, self.head_dim
+        self.modeling = importlib.import_module(type(hf_layer).__module__)   # its causal conv functions
+        self.state_positions: Optional[Sequence[int]] = None
+
+    def _conv(self, mixed: torch.Tensor, cache) -> torch.Tensor:
+        T = mixed.shape[-1]
+        if cache is not None:
+            mixed = cache.update_conv_state(mixed, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+        out = self.modeling.causal_conv1d_fn(mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                             activation=self.activation)
+        return out[:, :, -T:]
+
+    def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
+        if attention_mask is not None:   # transformers zeroes padded positions before the layer and after the conv
+            hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+        init = None if cache is None else cache.get_recurrent_state(self.layer_idx)   # (B, H, P, N)
+        B, T, _ = hidden_states.shape
+        gate, xBC, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads],
+                                                          dim=-1)
+        xBC = self._conv(xBC.transpose(1, 2), cache).transpose(1, 2)
+        if attention_mask is not None:
+            xBC = (xBC * attention_mask[:, :, None]).to(xBC.dtype)
+        xs, Bm, Cm = xBC.split([self.intermediate_size, self.n_groups * self.ssm_state_size,
+                                self.n_groups * self.ssm_state_size], dim=-1)
+        acc = torch.promote_types(hidden_states.dtype, torch.float32)   # float32, as transformers, or float64
+        per_group = self.num_heads // self.n_groups
+        q = self.hook_q(_repeat_heads(_split_heads(Cm.to(acc), self.ssm_state_size), per_group))
+        k = self.hook_k(_repeat_heads(_split_heads(Bm.to(acc), self.ssm_state_size), per_group))
+        v = self.hook_v(_split_heads(xs.to(acc), self.head_dim))
+        dt = F.softplus(dt.to(acc) + self.dt_bias.to(acc)).clamp(*self.time_step_limit)           # (B, T, H)
+        g = self.hook_decay(dt * -self.A_log.to(acc).exp())
+        o, S = self._recur(q, k, dt[..., None] * v, g, None,
+                           None if init is None else init.transpose(-1, -2).to(acc), self.state_positions, 1.0)
+        if cache is not None and S is not None:   # None when keep_final_state is off (the scan's suffix rows)
+            keep = init.dtype if init is not None else S.dtype
+            cache.update_recurrent_state(S.transpose(-1, -2).to(keep).contiguous(), self.layer_idx)
+        o = self.hook_head_out(o)
+        y = o + self.D.to(acc)[:, None] * v                                                      # the D skip
+        z = self.norm(y.reshape(B, T, -1), gate.to(acc))
+        z = self.hook_z(z.reshape(B, T, self.num_heads, self.head_dim))
+        return self.out_proj(z.reshape(B, T, -1).to(hidden_states.dtype))
 
 
 # ---------------------------------------------------------------------------------------------------------------

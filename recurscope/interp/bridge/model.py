@@ -64,25 +64,32 @@ class BridgeBlock(nn.Module):
     post_attention_layernorm on the mixer's output and post_feedforward_layernorm on the MLP's (OLMo-hybrid's
     attention layers). hook_mixer_out and hook_mlp_out are what the layer adds to the residual stream."""
 
-    def __init__(self, hf_layer: nn.Module, mixer_attr: str, recurrent: bool, norm: str = "pre"):
+    def __init__(self, hf_layer: nn.Module, mixer_attr: str, recurrent: bool, norm: str = "pre",
+                 mixer_norm_attr: str = "input_layernorm"):
         super().__init__()
         if norm not in ("pre", "post"):
             raise ValueError(f"norm must be 'pre' or 'post', got {norm!r}")
         for name, child in hf_layer.named_children():
             setattr(self, name, child)
         self.mixer_attr, self.is_recurrent, self.norm_layout = mixer_attr, recurrent, norm
+        self.mixer_norm_attr = mixer_norm_attr
+        # Mamba-2's blocks are norm, mixer, residual only; their residual stream is kept in at least float32
+        # (transformers' residual_in_fp32), never narrowed
+        self.has_mlp = hasattr(hf_layer, "mlp")
+        self.residual_in_fp32 = bool(getattr(getattr(hf_layer, "config", None), "residual_in_fp32", False))
         # A list while BridgedLM.embed_suffix records the arguments transformers' model passes to each
         # layer (masks, rotary tables, positions); the layer then computes nothing.
         self.recorded: Optional[list] = None
         self.hook_resid_pre = HookPoint()
         self.hook_mixer_out = HookPoint()
         self.hook_resid_mid = HookPoint()
-        self.hook_mlp_out = HookPoint()
+        if self.has_mlp:
+            self.hook_mlp_out = HookPoint()
         self.hook_resid_post = HookPoint()
 
     @property
     def mixer(self) -> nn.Module:
-        return getattr(self, self.mixer_attr)
+        return self._modules[self.mixer_attr]   # not getattr: Mamba-2's layer names its mixer `mixer` itself
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, cache=None,
                 **kwargs):
@@ -93,7 +100,9 @@ class BridgeBlock(nn.Module):
             return hidden_states
         resid = self.hook_resid_pre(hidden_states)
         pre = self.norm_layout == "pre"
-        h = self.input_layernorm(resid) if pre else resid
+        h = getattr(self, self.mixer_norm_attr)(resid) if pre else resid
+        if self.residual_in_fp32:
+            resid = resid.to(torch.promote_types(resid.dtype, torch.float32))
         if self.is_recurrent:
             mixed = self.mixer(h, cache=cache, attention_mask=attention_mask)
         else:
@@ -102,6 +111,8 @@ class BridgeBlock(nn.Module):
         if not pre:
             mixed = self.post_attention_layernorm(mixed)
         resid = self.hook_resid_mid(resid + self.hook_mixer_out(mixed))
+        if not self.has_mlp:
+            return self.hook_resid_post(resid)
         mlp = self.mlp(self.post_attention_layernorm(resid) if pre else resid)
         if isinstance(mlp, tuple):   # MoE blocks may also return router logits
             mlp = mlp[0]
@@ -116,16 +127,18 @@ class _LayerView:
     cache returns them, and nothing is stored. The head scan's rows share the recipient's cache as batch-expanded
     views, which transformers' in-place cache updates could not take (and would copy per row)."""
 
-    def __init__(self, lc: LayerCache, seen: int, new_kv_only: bool = False):
+    def __init__(self, lc: LayerCache, seen: int, new_kv_only: bool = False, state_transposed: bool = False):
         # new_kv_only: `update` returns the new K/V alone; the attention function reads the cached ones itself
-        # (the module's shared_kv, set by BridgedLM.run_layer)
-        self.lc, self.seen, self.new_kv_only = lc, seen, new_kv_only
+        # (the module's shared_kv, set by BridgedLM.run_layer). state_transposed: the layer reads its state as
+        # transformers keeps it, (V, K) per head (Mamba-2), while the LayerCache holds recurscope's (K, V)
+        self.lc, self.seen, self.new_kv_only, self.state_transposed = lc, seen, new_kv_only, state_transposed
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
-        return self.lc.state
+        state = self.lc.state
+        return state.transpose(-1, -2) if self.state_transposed and state is not None else state
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         return self.lc.conv.get(str(state_idx))
@@ -177,7 +190,8 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         from recurscope.interp.bridge.mixers import register_attention
 
         register_attention()
-        text = hf.model.language_model if hasattr(hf.model, "language_model") else hf.model
+        base = hf.base_model        # hf.model (the decoder hybrids), hf.backbone (Mamba-2)
+        text = base.language_model if hasattr(base, "language_model") else base
         text_cfg = text.config
         text_cfg._attn_implementation = "recurscope"
         self.bridge_family = family
@@ -191,7 +205,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
             else:
                 add_attention_hooks(getattr(layer, family.attention_attr))
             block = BridgeBlock(layer, family.linear_attr if recurrent else family.attention_attr, recurrent,
-                                "pre" if recurrent else family.attention_norm)
+                                "pre" if recurrent else family.attention_norm, family.mixer_norm_attr)
             text.layers[i] = block
             blocks.append(block)
         self.hf = hf
@@ -201,9 +215,9 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         self.register_state_dict_post_hook(_drop_block_aliases)
         self.register_load_state_dict_post_hook(_ignore_block_aliases)
         self.hook_embed = HookPoint()
-        text.embed_tokens.register_forward_hook(lambda module, args, out: self.hook_embed(out))
+        text.get_input_embeddings().register_forward_hook(lambda module, args, out: self.hook_embed(out))
         self.cfg = BridgeConfig(family.spec.name, int(text_cfg.vocab_size), int(text_cfg.num_hidden_layers),
-                                text_cfg, family.spec, conv_size=int(text_cfg.linear_conv_kernel_dim),
+                                text_cfg, family.spec, conv_size=int(getattr(text_cfg, family.conv_kernel_key)),
                                 max_position_embeddings=getattr(text_cfg, "max_position_embeddings", None))
         self.tokenizer = tokenizer
         self.name_or_path: Optional[str] = None
@@ -231,7 +245,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
     # The facts (recurrent_layers, attention_layers, family, n_state_heads), the debug switch, set_backend,
     # run_with_cache and TransformerLens's methods come from ProtocolMethods (interp.models.protocol).
     def _embedding(self) -> nn.Embedding:
-        return self.text_model[0].embed_tokens
+        return self.text_model[0].get_input_embeddings()
 
     # ---- the cache: RecurrentCache <-> transformers' DynamicCache ----------------------------------------------
     def _to_hf_cache(self, cache: Optional[RecurrentCache]):
@@ -252,7 +266,8 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
                     layer.is_conv_states_initialized[idx] = True
                     layer.has_previous_state[idx] = True
                 if lc.state is not None:
-                    layer.recurrent_states[0] = lc.state.clone()
+                    state = lc.state.transpose(-1, -2) if self.bridge_family.state_transposed else lc.state
+                    layer.recurrent_states[0] = state.contiguous().clone()
                     layer.is_recurrent_states_initialized[0] = True
                     layer.has_previous_state[0] = True
                 layer.device, layer.dtype = lc.state.device, lc.state.dtype
@@ -266,7 +281,10 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
             layer = hf_cache.layers[i]
             if block.is_recurrent:
                 conv = {str(k): v for k, v in layer.conv_states.items() if v is not None}
-                layers.append(LayerCache("recurrent", state=layer.recurrent_states[0], conv=conv))
+                state = layer.recurrent_states[0]
+                if self.bridge_family.state_transposed and state is not None:
+                    state = state.transpose(-1, -2)
+                layers.append(LayerCache("recurrent", state=state, conv=conv))
             else:
                 layers.append(LayerCache("attention", keys=layer.keys.transpose(1, 2), values=layer.values.transpose(1, 2)))
         return RecurrentCache(layers, seen)
@@ -315,7 +333,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         B, T = tokens.shape
         one = RecurrentCache([lc.map(lambda t: t[:1]) for lc in cache.layers], cache.seen_tokens)
         positions = torch.arange(cache.seen_tokens, cache.seen_tokens + T, device=tokens.device)[None]
-        embeds = torch.zeros(1, T, self.cfg.hf_config.hidden_size, dtype=text.embed_tokens.weight.dtype,
+        embeds = torch.zeros(1, T, self.cfg.hf_config.hidden_size, dtype=self._embedding().weight.dtype,
                              device=tokens.device)
         for block in self.blocks:
             block.recorded = []
@@ -325,7 +343,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         finally:
             for block in self.blocks:
                 block.recorded = None
-        return text.embed_tokens(tokens), (context, cache.seen_tokens)
+        return self._embedding()(tokens), (context, cache.seen_tokens)
 
     def run_layer(self, layer: int, resid: torch.Tensor, layer_cache: LayerCache, context) -> torch.Tensor:
         kwargs, seen = context
@@ -336,7 +354,9 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         shared = (not block.is_recurrent and self.bridge_family.cached_kv_to_attention and keys is not None
                   and keys.shape[0] > 1 and keys.stride(0) == 0 and layer_cache.values.stride(0) == 0)
         if not shared:
-            return block(resid, cache=_LayerView(layer_cache, seen), **kwargs[layer])
+            return block(resid, cache=_LayerView(layer_cache, seen,
+                                                 state_transposed=self.bridge_family.state_transposed),
+                         **kwargs[layer])
         block.mixer.shared_kv = (keys[:1].transpose(1, 2), layer_cache.values[:1].transpose(1, 2))
         try:
             return block(resid, cache=_LayerView(layer_cache, seen, new_kv_only=True), **kwargs[layer])
@@ -346,7 +366,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
     def unembed(self, resid: torch.Tensor) -> torch.Tensor:
         """Logits of residual-stream vectors (..., D): the text model's final norm, then the LM head. (forward
         applies only the LM head: transformers' text model returns its hidden states already normed.)"""
-        return self.hf.lm_head(self.text_model[0].norm(resid))
+        return self.hf.lm_head(getattr(self.text_model[0], self.bridge_family.final_norm_attr)(resid))
 
     @property
     def unembed_weight(self) -> torch.Tensor:

@@ -25,6 +25,9 @@ DISPATCHED = {
     "transformers.models.kimi_linear.modeling_kimi_linear": ("causal_conv1d_update", "causal_conv1d_fn",
                                                               "recurrent_kimi_delta_attention",
                                                               "chunk_kimi_delta_attention"),
+    "transformers.models.mamba2.modeling_mamba2": ("causal_conv1d_update", "causal_conv1d_fn",
+                                                    "mamba2_split_conv1d_scan_combined",
+                                                    "mamba2_selective_state_update", "mamba2_chunk_scan"),
 }
 
 
@@ -73,7 +76,7 @@ def torch_reference_path(module_names=None):
 
 @contextmanager
 def torch_reference():
-    """transformers' own forward of every family the bridge knows (Qwen3.5, Qwen3-Next, OLMo-hybrid, Kimi-Linear)
+    """transformers' own forward of every family the bridge knows (Qwen3.5, Qwen3-Next, OLMo-hybrid, Kimi-Linear, Mamba-2)
     on its PyTorch functions, on any device, within the block: the baseline against which the bridge is checked.
     Without it transformers hands the recurrence and the short convolution to fla's Triton kernels or the
     causal-conv1d package whenever those import, which fails on a CPU. Public as `recurscope.torch_reference()`.
