@@ -21,8 +21,12 @@ from test_bridge import (  # noqa: F401  (collected here with this module's chec
     test_scan_equals_one_full_patched_forward_per_head, test_stepping_equals_the_full_run,
     test_unembed_of_the_last_residual_is_transformers_own_logits,
 )
+from test_bridge_hybrids import test_single_token_steps_equal_transformers_own_decode  # noqa: F401
 
+from recurscope import kernels
+from recurscope.hooks.patches import StateReplace, WriteReplace, WriteScale, run_with_patches
 from recurscope.interp.data import build_word_tokenizer, save_word_tokenizer
+from recurscope.interp.loading import load_model
 
 LAYOUTS = ("mamba2",)
 # 4 heads in 2 groups (contiguous: heads 0, 1 read group 0), several chunks of transformers' chunked scan per run;
@@ -50,3 +54,130 @@ def checkpoint(request, tmp_path_factory):
     hf.save_pretrained(path)
     save_word_tokenizer(tok, path)
     return request.param, path, cls
+
+
+def _tokens(vocab, B=2, T=19, seed=1):
+    return torch.randint(4, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_loads_as_transformers_mamba2_even_with_fla_registered(checkpoint):
+    """Every layer is a bridged Mamba-2 mixer; no attention, MLP or erase hooks; the state is N x P. fla registers
+    its own Mamba-2 under the same model_type in transformers' Auto classes: the bridge still builds transformers'."""
+    import fla.models  # noqa: F401  (registers fla's Mamba2ForCausalLM for "mamba2" with AutoModelForCausalLM)
+    import transformers
+
+    _, path, _ = checkpoint
+    model = load_model(path)
+    assert type(model.hf) is transformers.Mamba2ForCausalLM and model.family.name == "mamba2"
+    assert model.recurrent_layers == [0, 1, 2] and model.attention_layers == []
+    assert all(type(b.mixer).__name__ == "BridgedMamba2" for b in model.blocks)
+    assert model.cfg.state_shape() == (8, 16) and model.n_state_heads == 4 and model.cfg.conv_size == 4
+    assert model.heads() == [(l, h) for l in range(3) for h in range(4)]
+    for absent in ("blocks.0.mixer.hook_erase", "blocks.0.hook_mlp_out"):
+        assert absent not in model.hook_dict
+    cache = model.run_prefix(_tokens(model.cfg.vocab_size, T=5))
+    assert cache.layers[0].state.shape == (2, 4, 8, 16)   # (B, H, N, P), recurscope's layout
+
+
+def test_the_fla_format_of_the_same_model_type_still_loads_natively(tmp_path):
+    """model_type "mamba2" in fla's format (norm_eps, dt_limit) stays a native RecurrentLM."""
+    from helpers_models import tiny_model
+
+    from recurscope.interp.loading import save_model
+
+    save_model(tiny_model("mamba2"), tmp_path)
+    model = load_model(tmp_path)
+    assert type(model).__name__ == "RecurrentLM" and type(model.blocks[0].mixer).__name__ == "Mamba2Mixer"
+
+
+def test_state_patch_carries_forward_at_the_patched_mixers_own_output(checkpoint):
+    """StateReplace at (layer, head, p): the patched layer's own readout (hook_head_out) at p and after is the kernel
+    run from the new state over that layer's unchanged inputs (a layer's inputs do not depend on its own state);
+    before p, and on the layer's other heads, nothing changes."""
+    _, path, _ = checkpoint
+    model = load_model(path, dtype=torch.float64)
+    tokens = _tokens(model.cfg.vocab_size, seed=3)
+    layer, head, p = 1, 2, 8
+    K, V = model.cfg.state_shape()
+    new_state = torch.randn(2, K, V, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    names = [f"blocks.{layer}.mixer.{n}" for n in ("hook_q", "hook_k", "hook_write_value", "hook_decay",
+                                                   "hook_head_out")]
+    with torch.no_grad():
+        _, clean = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+        q, k, x, g, o_clean = (clean[n] for n in names)
+        patch = StateReplace(layer, head, position=p, state=new_state)
+        captured = {}
+
+        def keep(t, hook):
+            captured["o"] = t.clone()
+            return t
+        with model.hooks(fwd_hooks=[(names[-1], keep)]):
+            run_with_patches(model, tokens, [patch])
+    o = captured["o"]
+    sl = slice(p + 1, None)
+    suffix = kernels.recurrence(q[:, sl, head:head + 1], k[:, sl, head:head + 1], x[:, sl, head:head + 1],
+                                g[:, sl, head:head + 1], None, scale=1.0, initial_state=new_state[:, None],
+                                backend="reference").o[:, :, 0]
+    at_p = torch.einsum("bkv,bk->bv", new_state, q[:, p, head])        # o_p = S_p^T C_p
+    torch.testing.assert_close(o[:, p, head], at_p, rtol=0, atol=1e-10)
+    torch.testing.assert_close(o[:, sl, head], suffix, rtol=0, atol=1e-10)
+    others = [h for h in range(model.n_state_heads) if h != head]
+    torch.testing.assert_close(o[:, :, others], o_clean[:, :, others], rtol=0, atol=1e-12)   # float64 rounding
+    torch.testing.assert_close(o[:, :p], o_clean[:, :p], rtol=0, atol=1e-12)
+    assert float((o[:, sl, head] - o_clean[:, sl, head]).abs().max()) > 1e-3
+
+
+def test_write_patches_change_only_the_write(checkpoint):
+    """write_block (WriteScale 0) and donor_write (WriteReplace) at layer l: its readout equals the reference kernel
+    (no erase, scale 1) with the write scaled to zero / replaced by the donor's B (dt x)^T on the span."""
+    _, path, _ = checkpoint
+    model = load_model(path, dtype=torch.float64)
+    tokens, donor = _tokens(model.cfg.vocab_size, seed=7), _tokens(model.cfg.vocab_size, seed=8)
+    layer, head, positions = 0, 1, [10, 11, 12]
+    names = [f"blocks.{layer}.mixer.{n}" for n in ("hook_q", "hook_k", "hook_write_value", "hook_decay",
+                                                   "hook_write_key", "hook_head_out")]
+
+    def inputs(ids):
+        _, c = model.run_with_cache(ids, names_filter=lambda n: n in names)
+        return [c[n] for n in names]
+
+    def readout(patch):
+        seen = {}
+        with model.hooks(fwd_hooks=patch.fwd_hooks() + [(names[-1], lambda t, hook: seen.setdefault("o", t))]):
+            model(tokens)
+        return seen["o"]
+
+    with torch.no_grad():
+        q, k, x, g, _, o_clean = inputs(tokens)
+        _, _, dx, _, du, _ = inputs(donor)
+        mask = torch.zeros(q.shape[:3], dtype=torch.bool)
+        mask[:, positions, head] = True
+        ws = (~mask).double()
+        blocked = readout(WriteScale(layer, head, positions, 0.0))
+        expected = kernels.recurrence(q, k, x, g, None, scale=1.0, write_scale=ws, backend="reference").o
+        torch.testing.assert_close(blocked, expected, rtol=0, atol=1e-12)
+        assert float((blocked - o_clean).abs().max()) > 1e-3
+        m = mask[..., None]
+        replaced = readout(WriteReplace(layer, head, positions, key=du, value=dx))
+        expected = kernels.recurrence(q, k, x, g, None, scale=1.0, write_scale=ws,
+                                      extra_write=(torch.where(m, du, 0.0), torch.where(m, dx, 0.0)),
+                                      backend="reference").o
+        torch.testing.assert_close(replaced, expected, rtol=0, atol=1e-12)
+        assert float((replaced - blocked).abs().max()) > 1e-3
+
+
+def test_recurscope_scan_and_patch_run_on_a_tiny_mamba2(checkpoint, tmp_path, capsys):
+    import pandas as pd
+
+    from recurscope.interp.cli import main
+
+    _, path, _ = checkpoint
+    small = ["--n-facts", "2", "--presentations", "2", "--filler", "12"]
+    assert main(["scan", str(path), *small, "--batch-size", "8", "--n-sources", "2", "--gate-threshold", "0",
+                 "--out", str(tmp_path / "scan")]) == 0
+    table = pd.read_csv(tmp_path / "scan" / "scan_heads.csv")
+    assert sorted(zip(table["layer"], table["head"])) == [(l, h) for l in range(3) for h in range(4)]
+    assert main(["patch", str(path), "--layer", "1", "--head", "2", *small]) == 0
+    out = capsys.readouterr().out
+    for name in ("write_block", "donor_write", "state_swap", "output_patch", "output_restore"):
+        assert name in out

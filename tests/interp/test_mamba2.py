@@ -185,13 +185,17 @@ def test_a_write_block_equals_a_state_edit_that_removes_that_write():
     assert (blocked - model(tokens)).abs().max() > 1e-4
 
 
-def test_a_transformers_mamba2_checkpoint_is_named_not_misread(tmp_path):
-    """transformers' Mamba-2 config.json has the same model_type ("mamba2") and class name as fla's."""
+def test_a_transformers_mamba2_checkpoint_is_told_from_fla_s(tmp_path):
+    """transformers' Mamba-2 config.json has the same model_type ("mamba2") and class name as fla's: its keys
+    (layer_norm_epsilon, time_step_limit) send it to the bridge (tests/interp/test_bridge_mamba.py loads it)."""
+    import json
+
     from transformers import Mamba2Config
 
-    from recurscope.interp.checkpoint_files import CheckpointError
+    from recurscope.interp.loading import checkpoint_format
 
     Mamba2Config(hidden_size=32, num_heads=8, head_dim=8, state_size=8, num_hidden_layers=1,
                  vocab_size=50).save_pretrained(tmp_path)
-    with pytest.raises(CheckpointError, match="transformers' Mamba-2 format"):
-        load_model(tmp_path)
+    assert checkpoint_format(json.loads((tmp_path / "config.json").read_text())) == "transformers"
+    save_model(tiny_model("mamba2"), tmp_path / "fla")
+    assert checkpoint_format(json.loads((tmp_path / "fla" / "config.json").read_text())) == "fla"
