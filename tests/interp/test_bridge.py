@@ -210,7 +210,7 @@ def test_every_hook_name_is_a_module_path_and_an_nnsight_envoy(checkpoint):
     `mixer` are modules; the state dict and the parameters keep transformers' names (under `hf.`) and reload."""
     from recurscope.hooks.nnsight import RecurscopeNNsight
 
-    _, path, cls = checkpoint
+    _, path, _ = checkpoint
     model = load_model(path)
     assert isinstance(model.blocks, torch.nn.ModuleList) and len(model.blocks) == model.cfg.n_layers
     model_nn = RecurscopeNNsight(model)
@@ -219,7 +219,8 @@ def test_every_hook_name_is_a_module_path_and_an_nnsight_envoy(checkpoint):
         assert model_nn.get(name)._module is point, name
     for layer, block in enumerate(model.blocks):
         assert model.get_submodule(f"blocks.{layer}.mixer") is block.mixer
-    theirs = {f"hf.{k}" for k in cls.from_pretrained(str(path)).state_dict()}   # what load_model wraps
+    # the class load_model wraps (AutoModelForCausalLM's, or the family's model_class where fla shares the name)
+    theirs = {f"hf.{k}" for k in type(model.hf).from_pretrained(str(path)).state_dict()}
     assert set(model.state_dict()) == theirs
     assert {n for n, _ in model.named_parameters()} <= theirs
     model.load_state_dict(model.state_dict(), strict=True)
