@@ -124,7 +124,7 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     by tensor name (False loads them, e.g. to inspect a diverged checkpoint).
 
     fla's format gives a RecurrentLM; a transformers checkpoint of a family the bridge knows (Qwen3.5 dense, MoE or
-    multimodal, Qwen3-Next, OLMo-hybrid, Kimi-Linear) gives a BridgedLM. Both implement the same model protocol (interp.models.protocol).
+    multimodal, Qwen3-Next, OLMo-hybrid, Kimi-Linear, Mamba-2) gives a BridgedLM. Both implement the same model protocol (interp.models.protocol).
 
     tokenizer: a tokenizer object, or a directory to load one from (AutoTokenizer); by default the checkpoint's own
     (tokenizer.json beside config.json). A checkpoint without one loads for forward and hook work; building recall

@@ -1,4 +1,4 @@
-"""The transformers bridge: Qwen3.5 (dense, MoE, multimodal layout), Qwen3-Next, OLMo-hybrid and Kimi-Linear
+"""The transformers bridge: Qwen3.5 (dense, MoE, multimodal layout), Qwen3-Next, OLMo-hybrid, Kimi-Linear and Mamba-2
 checkpoints in transformers' format, on recurscope's hooks, cache edits, interventions and CLI. `load_model` sends a
 transformers checkpoint here (see loader.py)."""
 from recurscope.interp.bridge.families import BRIDGE_FAMILIES, bridge_family, supported_model_types
