@@ -76,8 +76,9 @@ def torch_reference_path(module_names=None):
 
 @contextmanager
 def torch_reference():
-    """transformers' own forward of every family the bridge knows (Qwen3.5, Qwen3-Next, OLMo-hybrid, Kimi-Linear, Mamba-2)
-    on its PyTorch functions, on any device, within the block: the baseline against which the bridge is checked.
+    """transformers' own forward of every family the bridge knows (Qwen3.5, Qwen3-Next, OLMo-hybrid, Kimi-Linear,
+    Mamba-2) on its PyTorch functions, on any device, within the block: the baseline against which the bridge is
+    checked.
     Without it transformers hands the recurrence and the short convolution to fla's Triton kernels or the
     causal-conv1d package whenever those import, which fails on a CPU. Public as `recurscope.torch_reference()`.
 
