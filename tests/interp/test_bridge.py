@@ -200,7 +200,7 @@ def _hand_swapped_suffix(ref, recipient, donor, b, parts):
                 mine.recurrent_states[0] = theirs.recurrent_states[0].clone()
             if "conv" in parts:
                 mine.conv_states[0] = theirs.conv_states[0].clone()
-        elif "kv" in parts:
+        elif "kv" in parts and getattr(mine, "keys", None) is not None:   # not Nemotron-H's MLP blocks
             mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
     return ref(input_ids=recipient[:, b:], cache=rec, use_cache=True).logits
 
@@ -478,11 +478,14 @@ def _documented_hooks(layout: str) -> set:
     """{(kind, name)} of the bridge's tables in docs/hooks.md, kind "model", "block" (every layer), "recurrent" or
     "attention" (a row marked "(attention)"); names as blocks.{l}.[mixer.]hook_x. The Qwen3.5 table serves every
     layout, the second table adds the rows of Qwen3-Next, OLMo-hybrid and Kimi-Linear (their other rows read as in
-    the first); Mamba-2 has a table of its own."""
+    the first); Mamba-2 and Nemotron-H have tables of their own ("mlp block": a row marked
+    "(MLP blocks)", Nemotron-H's blocks that hold only an MLP or MoE)."""
     text = (ROOT / "docs" / "hooks.md").read_text().split("## On transformers checkpoints (the bridge)", 1)[1]
     qwen, others = text.split("### Qwen3-Next, OLMo-hybrid and Kimi-Linear", 1)
     others, mamba = others.split("### Mamba-2", 1)
-    tables = [qwen] if layout.startswith("qwen3_5") else [mamba] if layout == "mamba2" else [qwen, others]
+    mamba, nemotron = mamba.split("### Nemotron-H", 1)
+    tables = ([qwen] if layout.startswith("qwen3_5") else [mamba] if layout == "mamba2"
+              else [nemotron] if layout == "nemotron_h" else [qwen, others])
     found = set()
     for table in tables:
         for line in table.splitlines():
@@ -499,7 +502,8 @@ def _documented_hooks(layout: str) -> set:
                 elif not token.startswith("blocks."):   # a bare hook_x continues the cell's first name
                     token = f"{context}.{token}"
                 context = token.rsplit(".", 1)[0]
-                kind = ("attention" if "(attention)" in cell else "recurrent") if ".mixer." in token else "block"
+                kind = ("attention" if "(attention)" in cell else "recurrent") if ".mixer." in token \
+                    else "mlp block" if "(MLP blocks)" in cell else "block"
                 found.add((kind, token))
     return found
 
@@ -508,6 +512,7 @@ def test_the_bridge_hook_tables_of_the_docs_are_the_models_hook_points(checkpoin
     layout, path, _ = checkpoint
     model = load_model(path)
     documented = _documented_hooks(layout)
+    mixer_layers = model.recurrent_layers + model.attention_layers   # the rest: Nemotron-H's MLP-only blocks
     actual = set()
     for name in model.hook_dict:
         m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
@@ -516,14 +521,14 @@ def test_the_bridge_hook_tables_of_the_docs_are_the_models_hook_points(checkpoin
             continue
         layer, rest = int(m.group(1)), m.group(2)
         kind = ("recurrent" if layer in model.recurrent_layers else "attention") if rest.startswith("mixer.") \
-            else "block"
+            else "block" if layer in mixer_layers else "mlp block"
         actual.add((kind, "blocks.{l}." + rest))
     assert len(documented) >= (20 if model.attention_layers else 14)   # Mamba-2: no attention or MLP hooks
     assert documented - actual == set(), "docs/hooks.md names hooks this model lacks"
     assert actual - documented == set(), "this model has hooks docs/hooks.md does not list"
     # and each documented name is there on every layer of its kind
-    layers = {"block": range(model.cfg.num_hidden_layers), "recurrent": model.recurrent_layers,
-              "attention": model.attention_layers}
+    layers = {"block": mixer_layers, "recurrent": model.recurrent_layers, "attention": model.attention_layers,
+              "mlp block": [l for l in range(model.cfg.num_hidden_layers) if l not in mixer_layers]}
     for kind, name in documented - {("model", "hook_embed")}:
         assert all(name.format(l=l) in model.hook_dict for l in layers[kind]), name
 

@@ -35,6 +35,8 @@ class BridgeFamily:
     # the transformers class to build, when AutoModelForCausalLM may not give transformers' own: fla registers its
     # Mamba-2 under the same model_type "mamba2" in transformers' Auto classes once fla.models is imported
     model_class: Optional[str] = None
+    # layer_types of blocks that hold only an MLP or MoE after their norm (Nemotron-H's "mlp" and "moe")
+    mlp_block_types: tuple = ()
 
 
 def _gdn_state_shape(cfg):
@@ -117,6 +119,20 @@ MAMBA2_SSD = FamilySpec(
     readout_norm=lambda mixer: mixer.norm, readout_gate=None, mlp=False,
 )
 
+NEMOTRON_H = FamilySpec(
+    name="nemotron_h", title="Nemotron-H: Mamba-2 SSD, attention and MLP/MoE blocks (transformers)",
+    weights=TRANSFORMERS_WEIGHTS,
+    config_keys=frozenset({"layers_block_type", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
+                           "conv_kernel", "time_step_min", "use_conv_bias", "use_bias", "chunk_size"}),
+    kernel_inputs=dict(MAMBA2_SSD.kernel_inputs,
+                       x="dt x, dt = clamp(softplus(in_proj[dt part] + dt_bias), (time_step_min, inf)) per head, "
+                         "x = silu(conv1d(in_proj))[x part]"),
+    mixer="BridgedMamba2", mixer_module=_MIXERS,
+    state_shape=lambda cfg: (cfg.ssm_state_size, cfg.mamba_head_dim), state_heads=lambda cfg: cfg.mamba_num_heads,
+    absent_hooks=frozenset({"hook_erase", "hook_erase_gate"}),
+    readout_norm=lambda mixer: mixer.norm, readout_gate=None, mlp=False,
+)
+
 BRIDGE_FAMILIES: tuple[BridgeFamily, ...] = (
     BridgeFamily(QWEN35_GDN, ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), "linear_attn", "self_attn"),
     BridgeFamily(QWEN3_NEXT_GDN, ("qwen3_next",), "linear_attn", "self_attn"),
@@ -125,6 +141,8 @@ BRIDGE_FAMILIES: tuple[BridgeFamily, ...] = (
     BridgeFamily(MAMBA2_SSD, ("mamba2",), "mixer", "mixer", mixer_norm_attr="norm", final_norm_attr="norm_f",
                  conv_kernel_key="conv_kernel", state_transposed=True,
                  model_class="Mamba2ForCausalLM"),
+    BridgeFamily(NEMOTRON_H, ("nemotron_h",), "mixer", "mixer", mixer_norm_attr="norm", final_norm_attr="norm_f",
+                 conv_kernel_key="conv_kernel", state_transposed=True, mlp_block_types=("mlp", "moe")),
 )
 
 

@@ -65,14 +65,20 @@ class BridgeBlock(nn.Module):
     attention layers). hook_mixer_out and hook_mlp_out are what the layer adds to the residual stream."""
 
     def __init__(self, hf_layer: nn.Module, mixer_attr: str, recurrent: bool, norm: str = "pre",
-                 mixer_norm_attr: str = "input_layernorm"):
+                 mixer_norm_attr: str = "input_layernorm", mlp_only: bool = False):
         super().__init__()
         if norm not in ("pre", "post"):
             raise ValueError(f"norm must be 'pre' or 'post', got {norm!r}")
         for name, child in hf_layer.named_children():
             setattr(self, name, child)
+        if hasattr(hf_layer, "block_type"):   # Nemotron-H's model picks each block's mask by it
+            self.block_type = hf_layer.block_type
         self.mixer_attr, self.is_recurrent, self.norm_layout = mixer_attr, recurrent, norm
         self.mixer_norm_attr = mixer_norm_attr
+        # mlp_only: the layer holds an MLP or MoE in place of a mixer (Nemotron-H's "mlp" / "moe" blocks): norm, MLP,
+        # residual; hook_resid_mid is its input (no mixer, no hook_mixer_out)
+        self.mlp_only = mlp_only
+        self.is_attention = not recurrent and not mlp_only
         # Mamba-2's blocks are norm, mixer, residual only; their residual stream is kept in at least float32
         # (transformers' residual_in_fp32), never narrowed
         self.has_mlp = hasattr(hf_layer, "mlp")
@@ -81,9 +87,10 @@ class BridgeBlock(nn.Module):
         # layer (masks, rotary tables, positions); the layer then computes nothing.
         self.recorded: Optional[list] = None
         self.hook_resid_pre = HookPoint()
-        self.hook_mixer_out = HookPoint()
+        if not mlp_only:
+            self.hook_mixer_out = HookPoint()
         self.hook_resid_mid = HookPoint()
-        if self.has_mlp:
+        if self.has_mlp or mlp_only:
             self.hook_mlp_out = HookPoint()
         self.hook_resid_post = HookPoint()
 
@@ -103,6 +110,9 @@ class BridgeBlock(nn.Module):
         h = getattr(self, self.mixer_norm_attr)(resid) if pre else resid
         if self.residual_in_fp32:
             resid = resid.to(torch.promote_types(resid.dtype, torch.float32))
+        if self.mlp_only:
+            resid = self.hook_resid_mid(resid)
+            return self.hook_resid_post(resid + self.hook_mlp_out(self.mixer(h)))
         if self.is_recurrent:
             mixed = self.mixer(h, cache=cache, attention_mask=attention_mask)
         else:
@@ -200,12 +210,13 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         blocks = []
         for i, layer in enumerate(text.layers):
             recurrent = self.text_layer_types[i] == "linear_attention"
+            mlp_only = self.text_layer_types[i] in family.mlp_block_types
             if recurrent:
                 setattr(layer, family.linear_attr, mixer_cls(getattr(layer, family.linear_attr)))
-            else:
+            elif not mlp_only:
                 add_attention_hooks(getattr(layer, family.attention_attr))
             block = BridgeBlock(layer, family.linear_attr if recurrent else family.attention_attr, recurrent,
-                                "pre" if recurrent else family.attention_norm, family.mixer_norm_attr)
+                                "pre" if recurrent else family.attention_norm, family.mixer_norm_attr, mlp_only)
             text.layers[i] = block
             blocks.append(block)
         self.hf = hf
@@ -258,6 +269,8 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
             raise ValueError(f"the cache has {len(cache.layers)} layers but the model has {len(self.blocks)}")
         for i, lc in enumerate(cache.layers):
             layer = hf_cache.layers[i]
+            if lc.kind == "none":   # an MLP-only block: transformers keeps no cache layer content for it
+                continue
             if lc.kind == "recurrent":
                 for key, conv in lc.conv.items():
                     idx = int(key)
@@ -285,6 +298,8 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
                 if self.bridge_family.state_transposed and state is not None:
                     state = state.transpose(-1, -2)
                 layers.append(LayerCache("recurrent", state=state, conv=conv))
+            elif block.mlp_only:
+                layers.append(LayerCache("none"))
             else:
                 layers.append(LayerCache("attention", keys=layer.keys.transpose(1, 2), values=layer.values.transpose(1, 2)))
         return RecurrentCache(layers, seen)

@@ -28,6 +28,9 @@ DISPATCHED = {
     "transformers.models.mamba2.modeling_mamba2": ("causal_conv1d_update", "causal_conv1d_fn",
                                                     "mamba2_split_conv1d_scan_combined",
                                                     "mamba2_selective_state_update", "mamba2_chunk_scan"),
+    "transformers.models.nemotron_h.modeling_nemotron_h": ("causal_conv1d_update", "causal_conv1d_fn",
+                                                            "mamba2_split_conv1d_scan_combined",
+                                                            "mamba2_selective_state_update", "mamba2_chunk_scan"),
 }
 
 

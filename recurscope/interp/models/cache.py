@@ -12,7 +12,7 @@ import torch
 
 @dataclass
 class LayerCache:
-    kind: str                                        # "recurrent" or "attention"
+    kind: str                                        # "recurrent", "attention" or "none" (an MLP-only block)
     state: Optional[torch.Tensor] = None             # (B, H, K, V)
     conv: dict = field(default_factory=dict)         # name -> (B, W-1, D) tail of conv inputs
     keys: Optional[torch.Tensor] = None              # (B, T, Hkv, D)
@@ -118,7 +118,7 @@ class RecurrentCache:
                         mine.state[:, h] = theirs.state[:, h]
                 if "conv" in parts:
                     mine.conv = {k: v.clone() for k, v in theirs.conv.items()}
-            elif "kv" in parts:
+            elif "kv" in parts and mine.kind == "attention":
                 if heads is None:
                     mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
                 else:

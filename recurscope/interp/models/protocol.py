@@ -103,7 +103,8 @@ class ProtocolMethods(TransformerLensMethods):
 
     @property
     def attention_layers(self) -> list[int]:
-        return [i for i, b in enumerate(self.blocks) if not b.is_recurrent]
+        # (a bridged MLP-only block, Nemotron-H's, is neither: is_attention False)
+        return [i for i, b in enumerate(self.blocks) if getattr(b, "is_attention", not b.is_recurrent)]
 
     @property
     def family(self):
