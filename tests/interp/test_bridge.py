@@ -74,6 +74,12 @@ def _in_transformers_layout(model, state):
     return state.transpose(-1, -2) if model.bridge_family.state_transposed else state
 
 
+def _after(ids, start: int):
+    """Position ids of ids[:, start:] after a cached prefix of `start` tokens: passed to transformers' own suffix runs,
+    since Bamba's model numbers a suffix from 0 when it is given none (its RoPE would then see the wrong positions)."""
+    return torch.arange(start, ids.shape[1])[None]
+
+
 def _reference(path, cls):
     return cls.from_pretrained(str(path), dtype=torch.float32).eval()
 
@@ -176,7 +182,8 @@ def test_state_patch_equals_a_hand_edit_of_the_transformers_cache(checkpoint):
             cache = DynamicCache(config=text_cfg)
             ref(input_ids=tokens[:, :p + 1], cache=cache, use_cache=True)
             cache.layers[layer].recurrent_states[0][:, head] = _in_transformers_layout(model, new_state)
-            suffix = ref(input_ids=tokens[:, p + 1:], cache=cache, use_cache=True).logits
+            suffix = ref(input_ids=tokens[:, p + 1:], cache=cache, use_cache=True,
+                         position_ids=_after(tokens, p + 1)).logits
     torch.testing.assert_close(as_cache_edit[:, p + 1:], suffix, rtol=0, atol=1e-5)
     torch.testing.assert_close(patched[:, :p], clean[:, :p], rtol=0, atol=0)
     change = (patched - clean).abs().amax(-1)                # (B, T)
@@ -202,7 +209,7 @@ def _hand_swapped_suffix(ref, recipient, donor, b, parts):
                 mine.conv_states[0] = theirs.conv_states[0].clone()
         elif "kv" in parts and getattr(mine, "keys", None) is not None:   # not Nemotron-H's MLP blocks
             mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
-    return ref(input_ids=recipient[:, b:], cache=rec, use_cache=True).logits
+    return ref(input_ids=recipient[:, b:], cache=rec, use_cache=True, position_ids=_after(recipient, b)).logits
 
 
 def test_every_hook_name_is_a_module_path_and_an_nnsight_envoy(checkpoint):
@@ -389,7 +396,8 @@ def test_interventions_run_through_the_protocol(checkpoint):
                 caches.append(c)
             rec, don = caches
             rec.layers[2].recurrent_states[0][:, 0] = don.layers[2].recurrent_states[0][:, 0]
-            logits = ref(input_ids=pairs.recipient_ids[i:i + 1, b + 1:], cache=rec, use_cache=True).logits
+            logits = ref(input_ids=pairs.recipient_ids[i:i + 1, b + 1:], cache=rec, use_cache=True,
+                         position_ids=_after(pairs.recipient_ids, b + 1)).logits
             at = logits[0, int(pairs.query_pos[i]) - b - 1]
             expect = at[pairs.candidate_ids[i]]
             torch.testing.assert_close(result.logits[i], expect, rtol=0, atol=1e-4)
@@ -478,14 +486,15 @@ def _documented_hooks(layout: str) -> set:
     """{(kind, name)} of the bridge's tables in docs/hooks.md, kind "model", "block" (every layer), "recurrent" or
     "attention" (a row marked "(attention)"); names as blocks.{l}.[mixer.]hook_x. The Qwen3.5 table serves every
     layout, the second table adds the rows of Qwen3-Next, OLMo-hybrid and Kimi-Linear (their other rows read as in
-    the first); Mamba-2 and Nemotron-H have tables of their own ("mlp block": a row marked
+    the first); Mamba-2, Nemotron-H and Bamba have tables of their own ("mlp block": a row marked
     "(MLP blocks)", Nemotron-H's blocks that hold only an MLP or MoE)."""
     text = (ROOT / "docs" / "hooks.md").read_text().split("## On transformers checkpoints (the bridge)", 1)[1]
     qwen, others = text.split("### Qwen3-Next, OLMo-hybrid and Kimi-Linear", 1)
     others, mamba = others.split("### Mamba-2", 1)
     mamba, nemotron = mamba.split("### Nemotron-H", 1)
-    tables = ([qwen] if layout.startswith("qwen3_5") else [mamba] if layout == "mamba2"
-              else [nemotron] if layout == "nemotron_h" else [qwen, others])
+    nemotron, bamba = nemotron.split("### Bamba", 1)
+    own = {"mamba2": mamba, "nemotron_h": nemotron, "bamba": bamba}
+    tables = [qwen] if layout.startswith("qwen3_5") else [own[layout]] if layout in own else [qwen, others]
     found = set()
     for table in tables:
         for line in table.splitlines():

@@ -102,7 +102,8 @@ def test_single_token_steps_equal_transformers_own_decode(checkpoint):
         for t in range(6, 12):
             step, cache = model.run_suffix(tokens[:, t:t + 1], cache)
             ours.append(step)
-            expected.append(ref(input_ids=tokens[:, t:t + 1], cache=theirs, use_cache=True).logits)
+            expected.append(ref(input_ids=tokens[:, t:t + 1], cache=theirs, use_cache=True,
+                                position_ids=torch.tensor([[t]])).logits)
     torch.testing.assert_close(torch.cat(ours, 1), torch.cat(expected, 1), rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.cat(ours, 1), full[:, 6:], rtol=0, atol=1e-5)
 

@@ -29,7 +29,7 @@ from recurscope.hooks.patches import StateReplace, WriteReplace, WriteScale, run
 from recurscope.interp.data import build_word_tokenizer, save_word_tokenizer
 from recurscope.interp.loading import load_model
 
-LAYOUTS = ("mamba2", "nemotron_h")
+LAYOUTS = ("mamba2", "nemotron_h", "bamba")
 # 4 heads in 2 groups (contiguous: heads 0, 1 read group 0), several chunks of transformers' chunked scan per run;
 # time steps dt near 1 (the default 0.001-0.1 leaves the writes, and so every state patch, nearly invisible)
 MAMBA2 = dict(hidden_size=32, num_heads=4, head_dim=16, state_size=8, n_groups=2, expand=2, num_hidden_layers=3,
@@ -52,6 +52,13 @@ def _build(layout: str, vocab: int):
                                  chunk_size=8, initializer_range=0.2, rescale_prenorm_residual=False,
                                  pad_token_id=None, bos_token_id=None, eos_token_id=None)
         return tf.NemotronHForCausalLM(cfg), tf.NemotronHForCausalLM
+    if layout == "bamba":   # three Mamba-2 decoder layers and an attention one (RoPE), each with a SwiGLU MLP
+        cfg = tf.BambaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=4, attn_layer_indices=[3],
+                             num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, mamba_n_heads=4,
+                             mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_expand=2, mamba_d_conv=4,
+                             mamba_chunk_size=8, initializer_range=0.1, pad_token_id=None, bos_token_id=None,
+                             eos_token_id=None)
+        return tf.BambaForCausalLM(cfg), tf.BambaForCausalLM
     raise KeyError(layout)
 
 
@@ -85,8 +92,8 @@ def test_loads_as_transformers_own_model_even_with_fla_registered(checkpoint):
     assert all(type(model.blocks[l].mixer).__name__ == "BridgedMamba2" for l in model.recurrent_layers)
     assert model.cfg.state_shape() == (8, 16) and model.n_state_heads == 4 and model.cfg.conv_size == 4
     assert model.heads() == [(l, h) for l in range(3) for h in range(4)]
-    for absent in ("blocks.0.mixer.hook_erase", "blocks.0.hook_mlp_out"):
-        assert absent not in model.hook_dict
+    assert "blocks.0.mixer.hook_erase" not in model.hook_dict
+    assert ("blocks.0.hook_mlp_out" in model.hook_dict) == (layout == "bamba")   # Bamba's layers have an MLP
     if layout == "nemotron_h":
         assert "blocks.4.hook_mlp_out" in model.hook_dict and "blocks.4.hook_mixer_out" not in model.hook_dict
     cache = model.run_prefix(_tokens(model.cfg.vocab_size, T=5))

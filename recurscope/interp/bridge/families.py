@@ -37,6 +37,9 @@ class BridgeFamily:
     model_class: Optional[str] = None
     # layer_types of blocks that hold only an MLP or MoE after their norm (Nemotron-H's "mlp" and "moe")
     mlp_block_types: tuple = ()
+    mlp_attr: str = "mlp"                              # the decoder layer's MLP (Bamba: feed_forward) ...
+    mlp_norm_attr: str = "post_attention_layernorm"    # ... and the norm before it (Bamba: pre_ff_layernorm)
+    layer_returns_tuple: bool = False   # its model unpacks (hidden_states, attention weights) from each layer (Bamba)
 
 
 def _gdn_state_shape(cfg):
@@ -133,6 +136,19 @@ NEMOTRON_H = FamilySpec(
     readout_norm=lambda mixer: mixer.norm, readout_gate=None, mlp=False,
 )
 
+BAMBA = FamilySpec(
+    name="bamba", title="Bamba: Mamba-2 SSD + attention decoder layers with a SwiGLU MLP (transformers)",
+    weights=TRANSFORMERS_WEIGHTS,
+    config_keys=frozenset({"layers_block_type", "attn_layer_indices", "mamba_n_heads", "mamba_d_head",
+                           "mamba_d_state", "mamba_n_groups", "mamba_expand", "mamba_d_conv", "mamba_chunk_size",
+                           "time_step_limit", "mamba_conv_bias", "mamba_proj_bias"}),
+    kernel_inputs=MAMBA2_SSD.kernel_inputs,
+    mixer="BridgedMamba2", mixer_module=_MIXERS,
+    state_shape=lambda cfg: (cfg.mamba_d_state, cfg.mamba_d_head), state_heads=lambda cfg: cfg.mamba_n_heads,
+    absent_hooks=frozenset({"hook_erase", "hook_erase_gate"}),
+    readout_norm=lambda mixer: mixer.norm, readout_gate=None,
+)
+
 BRIDGE_FAMILIES: tuple[BridgeFamily, ...] = (
     BridgeFamily(QWEN35_GDN, ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), "linear_attn", "self_attn"),
     BridgeFamily(QWEN3_NEXT_GDN, ("qwen3_next",), "linear_attn", "self_attn"),
@@ -143,6 +159,9 @@ BRIDGE_FAMILIES: tuple[BridgeFamily, ...] = (
                  model_class="Mamba2ForCausalLM"),
     BridgeFamily(NEMOTRON_H, ("nemotron_h",), "mixer", "mixer", mixer_norm_attr="norm", final_norm_attr="norm_f",
                  conv_kernel_key="conv_kernel", state_transposed=True, mlp_block_types=("mlp", "moe")),
+    BridgeFamily(BAMBA, ("bamba",), "mamba", "self_attn", final_norm_attr="final_layernorm",
+                 conv_kernel_key="mamba_d_conv", state_transposed=True, mlp_attr="feed_forward",
+                 mlp_norm_attr="pre_ff_layernorm", layer_returns_tuple=True),
 )
 
 

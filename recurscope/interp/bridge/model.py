@@ -65,7 +65,8 @@ class BridgeBlock(nn.Module):
     attention layers). hook_mixer_out and hook_mlp_out are what the layer adds to the residual stream."""
 
     def __init__(self, hf_layer: nn.Module, mixer_attr: str, recurrent: bool, norm: str = "pre",
-                 mixer_norm_attr: str = "input_layernorm", mlp_only: bool = False):
+                 mixer_norm_attr: str = "input_layernorm", mlp_only: bool = False, mlp_attr: str = "mlp",
+                 mlp_norm_attr: str = "post_attention_layernorm"):
         super().__init__()
         if norm not in ("pre", "post"):
             raise ValueError(f"norm must be 'pre' or 'post', got {norm!r}")
@@ -75,13 +76,15 @@ class BridgeBlock(nn.Module):
             self.block_type = hf_layer.block_type
         self.mixer_attr, self.is_recurrent, self.norm_layout = mixer_attr, recurrent, norm
         self.mixer_norm_attr = mixer_norm_attr
+        self.returns_tuple = False   # set by BridgedLM for a family whose model unpacks (hidden, weights) per layer
         # mlp_only: the layer holds an MLP or MoE in place of a mixer (Nemotron-H's "mlp" / "moe" blocks): norm, MLP,
         # residual; hook_resid_mid is its input (no mixer, no hook_mixer_out)
         self.mlp_only = mlp_only
         self.is_attention = not recurrent and not mlp_only
         # Mamba-2's blocks are norm, mixer, residual only; their residual stream is kept in at least float32
         # (transformers' residual_in_fp32), never narrowed
-        self.has_mlp = hasattr(hf_layer, "mlp")
+        self.mlp_attr, self.mlp_norm_attr = mlp_attr, mlp_norm_attr   # Bamba: feed_forward, pre_ff_layernorm
+        self.has_mlp = hasattr(hf_layer, mlp_attr)
         self.residual_in_fp32 = bool(getattr(getattr(hf_layer, "config", None), "residual_in_fp32", False))
         # A list while BridgedLM.embed_suffix records the arguments transformers' model passes to each
         # layer (masks, rotary tables, positions); the layer then computes nothing.
@@ -98,8 +101,13 @@ class BridgeBlock(nn.Module):
     def mixer(self) -> nn.Module:
         return self._modules[self.mixer_attr]   # not getattr: Mamba-2's layer names its mixer `mixer` itself
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, cache=None,
-                **kwargs):
+    def forward(self, *args, **kwargs):
+        out = self.block_forward(*args, **kwargs)
+        return (out, None) if self.returns_tuple else out
+
+    def block_forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
+                      cache=None, **kwargs):
+        """The layer's residual update (a tensor), whatever its model expects the layer to return."""
         kwargs.pop("use_cache", None)
         if self.recorded is not None:
             self.recorded.append(dict(kwargs, position_embeddings=position_embeddings, attention_mask=attention_mask,
@@ -123,7 +131,7 @@ class BridgeBlock(nn.Module):
         resid = self.hook_resid_mid(resid + self.hook_mixer_out(mixed))
         if not self.has_mlp:
             return self.hook_resid_post(resid)
-        mlp = self.mlp(self.post_attention_layernorm(resid) if pre else resid)
+        mlp = getattr(self, self.mlp_attr)(getattr(self, self.mlp_norm_attr)(resid) if pre else resid)
         if isinstance(mlp, tuple):   # MoE blocks may also return router logits
             mlp = mlp[0]
         if not pre:
@@ -216,7 +224,9 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
             elif not mlp_only:
                 add_attention_hooks(getattr(layer, family.attention_attr))
             block = BridgeBlock(layer, family.linear_attr if recurrent else family.attention_attr, recurrent,
-                                "pre" if recurrent else family.attention_norm, family.mixer_norm_attr, mlp_only)
+                                "pre" if recurrent else family.attention_norm, family.mixer_norm_attr, mlp_only,
+                                family.mlp_attr, family.mlp_norm_attr)
+            block.returns_tuple = family.layer_returns_tuple
             text.layers[i] = block
             blocks.append(block)
         self.hf = hf
@@ -369,12 +379,12 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         shared = (not block.is_recurrent and self.bridge_family.cached_kv_to_attention and keys is not None
                   and keys.shape[0] > 1 and keys.stride(0) == 0 and layer_cache.values.stride(0) == 0)
         if not shared:
-            return block(resid, cache=_LayerView(layer_cache, seen,
+            return block.block_forward(resid, cache=_LayerView(layer_cache, seen,
                                                  state_transposed=self.bridge_family.state_transposed),
                          **kwargs[layer])
         block.mixer.shared_kv = (keys[:1].transpose(1, 2), layer_cache.values[:1].transpose(1, 2))
         try:
-            return block(resid, cache=_LayerView(layer_cache, seen, new_kv_only=True), **kwargs[layer])
+            return block.block_forward(resid, cache=_LayerView(layer_cache, seen, new_kv_only=True), **kwargs[layer])
         finally:
             block.mixer.shared_kv = None
 
