@@ -486,14 +486,15 @@ def _documented_hooks(layout: str) -> set:
     """{(kind, name)} of the bridge's tables in docs/hooks.md, kind "model", "block" (every layer), "recurrent" or
     "attention" (a row marked "(attention)"); names as blocks.{l}.[mixer.]hook_x. The Qwen3.5 table serves every
     layout, the second table adds the rows of Qwen3-Next, OLMo-hybrid and Kimi-Linear (their other rows read as in
-    the first); Mamba-2, Nemotron-H and Bamba have tables of their own ("mlp block": a row marked
+    the first); Mamba-2, Nemotron-H, Bamba and Granite-4.0-H have tables of their own ("mlp block": a row marked
     "(MLP blocks)", Nemotron-H's blocks that hold only an MLP or MoE)."""
     text = (ROOT / "docs" / "hooks.md").read_text().split("## On transformers checkpoints (the bridge)", 1)[1]
     qwen, others = text.split("### Qwen3-Next, OLMo-hybrid and Kimi-Linear", 1)
     others, mamba = others.split("### Mamba-2", 1)
     mamba, nemotron = mamba.split("### Nemotron-H", 1)
     nemotron, bamba = nemotron.split("### Bamba", 1)
-    own = {"mamba2": mamba, "nemotron_h": nemotron, "bamba": bamba}
+    bamba, granite = bamba.split("### Granite-4.0-H", 1)
+    own = {"mamba2": mamba, "nemotron_h": nemotron, "bamba": bamba, "granitemoehybrid": granite}
     tables = [qwen] if layout.startswith("qwen3_5") else [own[layout]] if layout in own else [qwen, others]
     found = set()
     for table in tables:

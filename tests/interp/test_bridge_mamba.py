@@ -29,7 +29,7 @@ from recurscope.hooks.patches import StateReplace, WriteReplace, WriteScale, run
 from recurscope.interp.data import build_word_tokenizer, save_word_tokenizer
 from recurscope.interp.loading import load_model
 
-LAYOUTS = ("mamba2", "nemotron_h", "bamba")
+LAYOUTS = ("mamba2", "nemotron_h", "bamba", "granitemoehybrid")
 # 4 heads in 2 groups (contiguous: heads 0, 1 read group 0), several chunks of transformers' chunked scan per run;
 # time steps dt near 1 (the default 0.001-0.1 leaves the writes, and so every state patch, nearly invisible)
 MAMBA2 = dict(hidden_size=32, num_heads=4, head_dim=16, state_size=8, n_groups=2, expand=2, num_hidden_layers=3,
@@ -59,6 +59,15 @@ def _build(layout: str, vocab: int):
                              mamba_chunk_size=8, initializer_range=0.1, pad_token_id=None, bos_token_id=None,
                              eos_token_id=None)
         return tf.BambaForCausalLM(cfg), tf.BambaForCausalLM
+    if layout == "granitemoehybrid":   # Granite-4.0-H: MoE + shared MLP; every multiplier away from 1
+        cfg = tf.GraniteMoeHybridConfig(
+            vocab_size=vocab, hidden_size=32, num_hidden_layers=4, layer_types=["mamba"] * 3 + ["attention"],
+            num_attention_heads=2, num_key_value_heads=1, intermediate_size=24, shared_intermediate_size=48,
+            num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+            mamba_n_groups=2, mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=8, position_embedding_type="rope",
+            embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0, attention_multiplier=0.3,
+            initializer_range=0.1, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+        return tf.GraniteMoeHybridForCausalLM(cfg), tf.GraniteMoeHybridForCausalLM
     raise KeyError(layout)
 
 
@@ -72,6 +81,13 @@ def checkpoint(request, tmp_path_factory):
     hf.save_pretrained(path)
     save_word_tokenizer(tok, path)
     return request.param, path, cls
+
+
+def _float64(path):
+    model = load_model(path, dtype=torch.float64)
+    if any("experts" in n for n, _ in model.named_modules()):
+        model.hf.set_experts_implementation("eager")   # MoE layers: grouped_mm has no float64
+    return model
 
 
 def _tokens(vocab, B=2, T=19, seed=1):
@@ -93,7 +109,7 @@ def test_loads_as_transformers_own_model_even_with_fla_registered(checkpoint):
     assert model.cfg.state_shape() == (8, 16) and model.n_state_heads == 4 and model.cfg.conv_size == 4
     assert model.heads() == [(l, h) for l in range(3) for h in range(4)]
     assert "blocks.0.mixer.hook_erase" not in model.hook_dict
-    assert ("blocks.0.hook_mlp_out" in model.hook_dict) == (layout == "bamba")   # Bamba's layers have an MLP
+    assert ("blocks.0.hook_mlp_out" in model.hook_dict) == (layout in ("bamba", "granitemoehybrid"))
     if layout == "nemotron_h":
         assert "blocks.4.hook_mlp_out" in model.hook_dict and "blocks.4.hook_mixer_out" not in model.hook_dict
     cache = model.run_prefix(_tokens(model.cfg.vocab_size, T=5))
@@ -136,7 +152,7 @@ def test_state_patch_carries_forward_at_the_patched_mixers_own_output(checkpoint
     run from the new state over that layer's unchanged inputs (a layer's inputs do not depend on its own state);
     before p, and on the layer's other heads, nothing changes."""
     _, path, _ = checkpoint
-    model = load_model(path, dtype=torch.float64)
+    model = _float64(path)
     tokens = _tokens(model.cfg.vocab_size, seed=3)
     layer, head, p = 1, 2, 8
     K, V = model.cfg.state_shape()
@@ -172,7 +188,7 @@ def test_write_patches_change_only_the_write(checkpoint):
     """write_block (WriteScale 0) and donor_write (WriteReplace) at layer l: its readout equals the reference kernel
     (no erase, scale 1) with the write scaled to zero / replaced by the donor's B (dt x)^T on the span."""
     _, path, _ = checkpoint
-    model = load_model(path, dtype=torch.float64)
+    model = _float64(path)
     tokens, donor = _tokens(model.cfg.vocab_size, seed=7), _tokens(model.cfg.vocab_size, seed=8)
     layer, head, positions = 0, 1, [10, 11, 12]
     names = [f"blocks.{layer}.mixer.{n}" for n in ("hook_q", "hook_k", "hook_write_value", "hook_decay",

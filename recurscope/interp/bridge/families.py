@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from recurscope.interp.models.families import FamilySpec, WeightMap
 
@@ -40,6 +40,9 @@ class BridgeFamily:
     mlp_attr: str = "mlp"                              # the decoder layer's MLP (Bamba: feed_forward) ...
     mlp_norm_attr: str = "post_attention_layernorm"    # ... and the norm before it (Bamba: pre_ff_layernorm)
     layer_returns_tuple: bool = False   # its model unpacks (hidden_states, attention weights) from each layer (Bamba)
+    # the MLP as a function of the block and its normed input, when it is not one module (Granite-4.0-H: the MoE plus
+    # the shared MLP)
+    mlp_fn: Optional[Callable] = None
 
 
 def _gdn_state_shape(cfg):
@@ -149,6 +152,24 @@ BAMBA = FamilySpec(
     readout_norm=lambda mixer: mixer.norm, readout_gate=None,
 )
 
+def _granite_mlp(block, h):
+    """Granite-4.0-H's MLP: the routed experts (when the layer has them) plus the shared MLP."""
+    moe = block.block_sparse_moe
+    return block.shared_mlp(h) if moe is None else moe(h) + block.shared_mlp(h)
+
+
+GRANITE_MOE_HYBRID = FamilySpec(
+    name="granitemoehybrid",
+    title="Granite-4.0-H: Mamba-2 SSD + attention, MoE with a shared MLP, scaled residuals (transformers)",
+    weights=TRANSFORMERS_WEIGHTS, config_keys=BAMBA.config_keys | {"layer_types", "residual_multiplier",
+                                                                   "embedding_multiplier", "logits_scaling"},
+    kernel_inputs=MAMBA2_SSD.kernel_inputs,
+    mixer="BridgedMamba2", mixer_module=_MIXERS,
+    state_shape=BAMBA.state_shape, state_heads=BAMBA.state_heads,
+    absent_hooks=frozenset({"hook_erase", "hook_erase_gate"}),
+    readout_norm=lambda mixer: mixer.norm, readout_gate=None,
+)
+
 BRIDGE_FAMILIES: tuple[BridgeFamily, ...] = (
     BridgeFamily(QWEN35_GDN, ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), "linear_attn", "self_attn"),
     BridgeFamily(QWEN3_NEXT_GDN, ("qwen3_next",), "linear_attn", "self_attn"),
@@ -162,6 +183,8 @@ BRIDGE_FAMILIES: tuple[BridgeFamily, ...] = (
     BridgeFamily(BAMBA, ("bamba",), "mamba", "self_attn", final_norm_attr="final_layernorm",
                  conv_kernel_key="mamba_d_conv", state_transposed=True, mlp_attr="feed_forward",
                  mlp_norm_attr="pre_ff_layernorm", layer_returns_tuple=True),
+    BridgeFamily(GRANITE_MOE_HYBRID, ("granitemoehybrid",), "mamba", "self_attn", conv_kernel_key="mamba_d_conv",
+                 state_transposed=True, mlp_attr="shared_mlp", mlp_fn=_granite_mlp),
 )
 
 

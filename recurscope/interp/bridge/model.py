@@ -66,7 +66,7 @@ class BridgeBlock(nn.Module):
 
     def __init__(self, hf_layer: nn.Module, mixer_attr: str, recurrent: bool, norm: str = "pre",
                  mixer_norm_attr: str = "input_layernorm", mlp_only: bool = False, mlp_attr: str = "mlp",
-                 mlp_norm_attr: str = "post_attention_layernorm"):
+                 mlp_norm_attr: str = "post_attention_layernorm", mlp_fn=None):
         super().__init__()
         if norm not in ("pre", "post"):
             raise ValueError(f"norm must be 'pre' or 'post', got {norm!r}")
@@ -85,6 +85,10 @@ class BridgeBlock(nn.Module):
         # (transformers' residual_in_fp32), never narrowed
         self.mlp_attr, self.mlp_norm_attr = mlp_attr, mlp_norm_attr   # Bamba: feed_forward, pre_ff_layernorm
         self.has_mlp = hasattr(hf_layer, mlp_attr)
+        self.mlp_fn = mlp_fn
+        # Granite-4.0-H scales what each mixer and MLP adds to the residual stream (hook_mixer_out and hook_mlp_out
+        # hold the scaled outputs: what the layer adds)
+        self.residual_multiplier = float(getattr(hf_layer, "residual_multiplier", 1.0))
         self.residual_in_fp32 = bool(getattr(getattr(hf_layer, "config", None), "residual_in_fp32", False))
         # A list while BridgedLM.embed_suffix records the arguments transformers' model passes to each
         # layer (masks, rotary tables, positions); the layer then computes nothing.
@@ -128,14 +132,19 @@ class BridgeBlock(nn.Module):
                                   cache=cache, position_embeddings=position_embeddings)
         if not pre:
             mixed = self.post_attention_layernorm(mixed)
+        if self.residual_multiplier != 1.0:
+            mixed = mixed * self.residual_multiplier
         resid = self.hook_resid_mid(resid + self.hook_mixer_out(mixed))
         if not self.has_mlp:
             return self.hook_resid_post(resid)
-        mlp = getattr(self, self.mlp_attr)(getattr(self, self.mlp_norm_attr)(resid) if pre else resid)
+        h = getattr(self, self.mlp_norm_attr)(resid) if pre else resid
+        mlp = self.mlp_fn(self, h) if self.mlp_fn is not None else getattr(self, self.mlp_attr)(h)
         if isinstance(mlp, tuple):   # MoE blocks may also return router logits
             mlp = mlp[0]
         if not pre:
             mlp = self.post_feedforward_layernorm(mlp)
+        if self.residual_multiplier != 1.0:
+            mlp = mlp * self.residual_multiplier
         return self.hook_resid_post(resid + self.hook_mlp_out(mlp))
 
 
@@ -225,7 +234,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
                 add_attention_hooks(getattr(layer, family.attention_attr))
             block = BridgeBlock(layer, family.linear_attr if recurrent else family.attention_attr, recurrent,
                                 "pre" if recurrent else family.attention_norm, family.mixer_norm_attr, mlp_only,
-                                family.mlp_attr, family.mlp_norm_attr)
+                                family.mlp_attr, family.mlp_norm_attr, family.mlp_fn)
             block.returns_tuple = family.layer_returns_tuple
             text.layers[i] = block
             blocks.append(block)
@@ -343,7 +352,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         hidden = out.last_hidden_state
         if logit_positions is not None:
             hidden = at_positions(hidden, logit_positions)
-        logits = self.hf.lm_head(hidden)
+        logits = self._logits(hidden)
         new_cache = self._from_hf_cache(hf_cache, offset + T) if use_cache else None
         return self._output(logits, tokens, return_type, loss_per_token, logit_positions, new_cache, use_cache)
 
@@ -368,7 +377,9 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         finally:
             for block in self.blocks:
                 block.recorded = None
-        return self._embedding()(tokens), (context, cache.seen_tokens)
+        # Granite-4.0-H's model scales its embeddings before the first layer
+        scale = float(getattr(text, "embedding_multiplier", 1.0))
+        return self._embedding()(tokens) * scale, (context, cache.seen_tokens)
 
     def run_layer(self, layer: int, resid: torch.Tensor, layer_cache: LayerCache, context) -> torch.Tensor:
         kwargs, seen = context
@@ -391,7 +402,13 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
     def unembed(self, resid: torch.Tensor) -> torch.Tensor:
         """Logits of residual-stream vectors (..., D): the text model's final norm, then the LM head. (forward
         applies only the LM head: transformers' text model returns its hidden states already normed.)"""
-        return self.hf.lm_head(getattr(self.text_model[0], self.bridge_family.final_norm_attr)(resid))
+        return self._logits(getattr(self.text_model[0], self.bridge_family.final_norm_attr)(resid))
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head, divided by Granite-4.0-H's logits_scaling (1 for every other family)."""
+        logits = self.hf.lm_head(hidden)
+        scaling = float(getattr(self.hf, "logits_scaling", 1.0))
+        return logits if scaling == 1.0 else logits / scaling
 
     @property
     def unembed_weight(self) -> torch.Tensor:
