@@ -29,9 +29,10 @@ def bundled_names() -> list[str]:
 
 
 def resolve_checkpoint(path_or_name: Union[str, os.PathLike]) -> Path:
-    """A local directory, or the name of a bundled checkpoint."""
+    """A local directory, or the name of a bundled checkpoint. A local folder that holds no config.json (a result
+    directory named like a bundled checkpoint, say `--out tiny-gla`) does not hide the bundled checkpoint."""
     p = Path(path_or_name).expanduser()
-    if p.is_dir():
+    if p.is_dir() and ((p / "config.json").is_file() or str(path_or_name) not in bundled_names()):
         return p
     if str(path_or_name) in bundled_names():
         return CHECKPOINT_DIR / str(path_or_name)

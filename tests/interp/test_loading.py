@@ -146,3 +146,13 @@ def test_pytorch_bin_and_sharded_safetensors(tmp_path):
     with torch.no_grad():
         for d in ("bin", "shard"):
             assert torch.equal(load_model(tmp_path / d)(tokens), model(tokens))
+
+
+def test_a_result_folder_named_like_a_bundled_checkpoint_does_not_hide_it(tmp_path, monkeypatch):
+    from recurscope.interp.loading import CHECKPOINT_DIR, resolve_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-gla").mkdir()            # e.g. `recurscope run tiny-gla --out tiny-gla`
+    assert resolve_checkpoint("tiny-gla") == CHECKPOINT_DIR / "tiny-gla"
+    (tmp_path / "tiny-gla" / "config.json").write_text("{}")   # a real local checkpoint of that name wins
+    assert resolve_checkpoint("tiny-gla").resolve() == tmp_path / "tiny-gla"
