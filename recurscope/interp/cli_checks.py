@@ -40,6 +40,8 @@ def check_options(args) -> None:
     """Every number and list option in range, --out a non-empty path; raises CheckError before any work."""
     for name, low in AT_LEAST.items():
         value = getattr(args, name, None)
+        if isinstance(value, (list, tuple)):   # a verb may take several (overlap --n-facts 4 8 16)
+            value = min(value) if value else None
         if value is not None and value < low:
             raise CheckError(f"{_flag(name)} must be at least {low}, got {value}{WHY.get(name, '')}; e.g. "
                              f"{_flag(name)} {max(low, 1) if name != 'seed' else 0}")
@@ -201,8 +203,9 @@ def size_run(args) -> Optional[RunSize]:
     if sources == 0:
         return None
     pairs = sources * (getattr(args, "pairs_per_source", None) or 1)
-    facts = max([getattr(args, "n_facts", None) or 4, getattr(args, "k", None) or 0,
-                 *(getattr(args, "loads", None) or [])])
+    n_facts = getattr(args, "n_facts", None) or 4
+    n_facts = list(n_facts) if isinstance(n_facts, (list, tuple)) else [n_facts]   # overlap takes several loads
+    facts = max([*n_facts, getattr(args, "k", None) or 0, *(getattr(args, "loads", None) or [])])
     presentations = getattr(args, "presentations", None) or 3
     gap = getattr(args, "gap", None) or 24
     filler = max([getattr(args, "filler", None) or 0, getattr(args, "total_length", None) or 0,
