@@ -1,7 +1,7 @@
 """recurscope installs under one namespace, so Hugging Face's `kernels` package and ours live side by side.
 
 The checks run in a subprocess started outside the repository: inside it the checkout's own `kernels/` folder is
-on sys.path (as any folder of the working directory is) and would shadow an installed `kernels` by design.
+on the module search path (as any folder of the working directory is) and would shadow an installed `kernels` by design.
 """
 from __future__ import annotations
 
