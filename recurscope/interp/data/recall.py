@@ -15,8 +15,8 @@ import torch
 
 from .filler import SPLITS, FillerSource, Source
 from .layout import LAYOUTS, PairLayout, resolve_layout
-from .tokenizer import (decode_text, encode_continuation, encode_text, require_tokenizer, span_tokens, token_strings,
-                        vocabulary_hash)
+from .tokenizer import (check_distinct_tokens, decode_text, encode_continuation, encode_text, require_tokenizer,
+                        span_tokens, token_strings, vocabulary_hash)
 from .words import KEY_NAMES, LAYOUT_TEMPLATES, NATURAL_TEMPLATES, TEMPLATES, VALUE_VOCABS, Template, recall_words
 
 __all__ = [
@@ -395,13 +395,7 @@ def _check_words(tokenizer, tmpl: Template, words: list[str], role: str, other: 
             f"{len(dropped)} {role}(s) of {list_name} are not single known tokens in template {tmpl.name!r} for this "
             f"tokenizer, or change the tokens around them: {detail}. Use other words (--keys/--values), or pass "
             f"on_multitoken='filter' (--on-multitoken filter, the default) to drop them.")
-    by_id: dict[int, list[str]] = {}
-    for word, token in zip(kept, ids_out):
-        by_id.setdefault(token, []).append(word)
-    collisions = {token: ws for token, ws in by_id.items() if len(ws) > 1}
-    if collisions:
-        raise ValueError(f"several {role}s map to the same token id: {collisions}; {role}s must be distinct words "
-                         f"with distinct tokens.")
+    check_distinct_tokens(kept, ids_out, role)
     return kept, ids_out, dropped
 
 

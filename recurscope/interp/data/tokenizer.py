@@ -140,14 +140,19 @@ def single_token_ids(tokenizer, words: Sequence[str], on_multitoken: str = "erro
         raise ValueError(
             f"{len(dropped)} {what}(s) are not single known tokens mid-sentence for this tokenizer: {detail}. "
             f"Use single-token words, or pass on_multitoken='filter' to drop them.")
+    check_distinct_tokens(kept, ids, what)
+    return kept, ids, dropped
+
+
+def check_distinct_tokens(words: Sequence[str], ids: Sequence[int], what: str) -> None:
+    """Two words of one list on the same token id would make their answers indistinguishable: refused by name."""
     by_id: dict[int, list[str]] = {}
-    for word, token in zip(kept, ids):
+    for word, token in zip(words, ids):
         by_id.setdefault(token, []).append(word)
-    collisions = {token: words for token, words in by_id.items() if len(words) > 1}
+    collisions = {token: ws for token, ws in by_id.items() if len(ws) > 1}
     if collisions:
         raise ValueError(f"several {what}s map to the same token id: {collisions}; {what}s must be distinct words "
                          f"with distinct tokens.")
-    return kept, ids, dropped
 
 
 def build_word_tokenizer(extra_words: Iterable[str] = ()):
