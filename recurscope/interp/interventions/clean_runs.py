@@ -79,7 +79,7 @@ def _shallow(cache: RecurrentCache) -> RecurrentCache:
     """New cache and layer objects over the same tensors: an edit that reassigns a layer's tensor (set_head_state)
     cannot reach the memo's copy."""
     return RecurrentCache([LayerCache(lc.kind, lc.state, dict(lc.conv), lc.keys, lc.values) for lc in cache.layers],
-                          cache.seen_tokens)
+                          cache.seen_tokens, cache.lengths)
 
 
 def prefix_caches(model, pairs, rows: torch.Tensor, b: int, device) -> tuple[RecurrentCache, RecurrentCache]:
