@@ -27,6 +27,22 @@ def _adopt(target: torch.nn.Module, source: torch.nn.Module) -> None:
         target.register_buffer(name, buf)
 
 
+def _packed_conv(mixer, mixed: torch.Tensor, cache) -> torch.Tensor:
+    """transformers' causal conv over packed sequences (mixer.cu_seqlens; mixed (1, C, T)): each sequence convolved
+    from zeros, as alone; the cache gets each sequence's last conv_kernel_size inputs, (n, C, W), as transformers
+    keeps them after a prefill."""
+    from recurscope.interp.models.layers import packed_conv
+
+    if mixer.activation not in (None, "silu", "swish"):
+        raise ValueError(f"packed sequences: the conv activation {mixer.activation!r} is not supported")
+    y, tails = packed_conv(mixed.transpose(1, 2), mixer.conv1d.weight[:, 0], mixer.conv1d.bias, mixer.cu_seqlens,
+                           mixer.conv_kernel_size, activation=mixer.activation is not None)
+    if cache is not None:
+        cache.update_conv_state(tails.transpose(1, 2).contiguous(), mixer.layer_idx,
+                                conv_kernel_size=mixer.conv_kernel_size)
+    return y.transpose(1, 2)
+
+
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     # x / sqrt(|x|^2 + eps), in float32, as transformers' (and fla's) gated delta rule normalises q and k
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -58,6 +74,8 @@ class BridgedDeltaRule(RecurrentMixer):
 
     # transformers' conv with its cache: the cache keeps the last conv_kernel_size inputs of the layer
     def _conv(self, mixed: torch.Tensor, cache) -> torch.Tensor:
+        if self.cu_seqlens is not None:
+            return _packed_conv(self, mixed, cache)
         T = mixed.shape[-1]
         if cache is not None:
             mixed = cache.update_conv_state(mixed, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
@@ -207,6 +225,8 @@ class BridgedMamba2(RecurrentMixer):
         self.state_positions: Optional[Sequence[int]] = None
 
     def _conv(self, mixed: torch.Tensor, cache) -> torch.Tensor:
+        if self.cu_seqlens is not None:
+            return _packed_conv(self, mixed, cache)
         T = mixed.shape[-1]
         if cache is not None:
             mixed = cache.update_conv_state(mixed, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
