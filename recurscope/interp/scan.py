@@ -85,6 +85,16 @@ def _prefix_cache(model, pairs, ex: torch.Tensor, b: int, device) -> RecurrentCa
     return run_prefixes(model, pairs, ex, b, device)
 
 
+def _example_cache(cache: RecurrentCache, n: int, e: int) -> RecurrentCache:
+    """Rows e (recipient) and n + e (donor) of a cache of 2n rows with per-row lengths, as views: a cache of example
+    e's own length whose K/V drop the left padding."""
+    L = int(cache.lengths[e])
+    cut = lambda t: None if t is None else t[e::n][:, cache.seen_tokens - L:]  # noqa: E731
+    layers = [LayerCache(lc.kind, None if lc.state is None else lc.state[e::n], {k: v[e::n] for k, v in lc.conv.items()},
+                         cut(lc.keys), cut(lc.values)) for lc in cache.layers]
+    return RecurrentCache(layers, L)
+
+
 def _rows_view(cache: RecurrentCache, rows: slice) -> RecurrentCache:
     """A cache of some of `cache`'s rows as views (nothing copied), their lengths with them."""
     return RecurrentCache([lc.map(lambda t: t[rows]) for lc in cache.layers], cache.seen_tokens,
@@ -138,11 +148,16 @@ def _patched_suffix(model, cache: RecurrentCache, clean_inputs: list, context, n
     resids, orders = [], []
     for e in torch.unique(example).tolist():
         rows = torch.nonzero(example == e)[:, 0]
-        if cache.lengths is not None:
-            # rows continuing caches of different lengths: example e's positions (and, on a hybrid, its K/V
-            # padding) are its own, so its rows get the context of its row alone
-            context = model.embed_suffix(suffix[e:e + 1], _rows_view(cache, slice(e, e + 1)))[1]
-        resid, order = _example_suffix(model, cache, clean_inputs, context, n, e, layer[rows], head[rows])
+        if cache.lengths is None:
+            resid, order = _example_suffix(model, cache, clean_inputs, context, n, e, layer[rows], head[rows])
+        else:
+            # rows of different lengths: example e's rows continue its recipient and donor rows cut to its own
+            # length (views; K/V without the padding), as a cache of that length, so they neither read nor mask
+            # the padding
+            own = _example_cache(cache, n, e)
+            ctx = model.embed_suffix(suffix[e:e + 1], _rows_view(own, slice(0, 1)))[1]
+            resid, order = _example_suffix(model, own, [t[e:e + 1] for t in clean_inputs], ctx, 1, 0, layer[rows],
+                                           head[rows])
         resids.append(resid)
         orders.append(rows[order])
     return torch.cat(resids), torch.cat(orders)

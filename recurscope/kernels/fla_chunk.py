@@ -38,6 +38,7 @@ What falls back to the Triton kernel (kernels.triton_recurrent), and why:
 """
 from __future__ import annotations
 
+import bisect
 from typing import Optional
 
 import torch
@@ -170,7 +171,7 @@ def recurrence_fla(
         carried = torch.zeros(n_seq, H, K, V, dtype=torch.float32, device=q.device)
     else:
         carried = initial_state.float().expand(n_seq, H, K, V).clone()
-    seq_of = lambda t: max(j for j in range(n_seq) if bounds[j] <= t) if cu_seqlens is not None else None  # noqa
+    seq_of = lambda t: bisect.bisect_right(bounds, t) - 1    # noqa: E731 - the (last) sequence that holds step t
     captured = set(capture or [])
     extra = set(extra_at)
     ends = sorted(captured | extra)
@@ -178,14 +179,15 @@ def recurrence_fla(
         ends.append(T - 1)
     outs, states, start = [], [], 0
     for end in ends:
+        fresh = start == 0 and initial_state is None          # every state still zero: fla starts from none
         if cu_seqlens is None:
-            o_seg, S = segment(start, end + 1, carried, None)
+            o_seg, S = segment(start, end + 1, None if fresh else carried, None)
             carried = S.float()
         else:
             # the sequences this segment meets, each piece from its sequence's carried state
             cuts = sorted({start, end + 1} | {b for b in bounds if start < b <= end})
             ids = [seq_of(lo) for lo in cuts[:-1]]
-            o_seg, S = segment(start, end + 1, carried[ids], [c - start for c in cuts])
+            o_seg, S = segment(start, end + 1, None if fresh else carried[ids], [c - start for c in cuts])
             carried[ids] = S.float()
         if end in extra:
             u_t, y_t = extra_write[0][:, end].float(), extra_write[1][:, end].float()   # (B, H, K), (B, H, V)

@@ -141,6 +141,8 @@ def test_packed_calls_refuse_what_they_cannot_run():
         m(tokens.expand(2, -1), cu_seqlens=cu)
     with pytest.raises(ValueError, match="start from no cache"):
         m(tokens, cu_seqlens=cu, cache=m.run_prefix(tokens))
+    with pytest.raises(ValueError, match="across sequence boundaries"):
+        m(tokens, cu_seqlens=cu, return_type="loss")
     with pytest.raises(ValueError, match="not supported for rwkv7"):
         tiny_model("rwkv7", layers=1)(tokens, cu_seqlens=cu)
 

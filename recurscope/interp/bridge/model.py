@@ -366,7 +366,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         if int(tokens.max()) >= vocab or int(tokens.min()) < 0:
             raise ValueError(f"token ids must lie in [0, {vocab - 1}]; got ids in [{int(tokens.min())}, "
                              f"{int(tokens.max())}] (wrong tokenizer for this model?)")
-        cu = None if cu_seqlens is None else check_packed(tokens, cu_seqlens, cache)
+        cu = None if cu_seqlens is None else check_packed(tokens, cu_seqlens, cache, return_type)
         offset = 0 if cache is None else cache.seen_tokens
         B, T = tokens.shape
         hf_cache = self._to_hf_cache(cache) if (cache is not None or use_cache) else None

@@ -127,7 +127,7 @@ class RecurrentLM(ProtocolMethods, HookedRootModule):
 
     def _packed_forward(self, tokens, cu_seqlens, cache, use_cache, state_positions, logit_positions, return_type,
                         loss_per_token):
-        cu = check_packed(tokens, cu_seqlens, cache)
+        cu = check_packed(tokens, cu_seqlens, cache, return_type)
         if self.cfg.family.block_class is not None:
             raise ValueError(f"packed sequences (cu_seqlens) are not supported for {self.cfg.family.name} (its "
                              "token shift crosses sequences); run the sequences one by one")

@@ -54,8 +54,13 @@ def pack_rows(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     return torch.cat([r.reshape(-1) for r in rows])[None], cu
 
 
-def check_packed(tokens: torch.Tensor, cu_seqlens, cache) -> list[int]:
-    """cu_seqlens as a list of ints, checked against packed tokens (1, T); a packed call starts from no cache."""
+def check_packed(tokens: torch.Tensor, cu_seqlens, cache, return_type="logits") -> list[int]:
+    """cu_seqlens as a list of ints, checked against packed tokens (1, T); a packed call starts from no cache and
+    returns logits (a next-token loss over the packed row would score each sequence's last token on the next one's
+    first)."""
+    if return_type in ("loss", "both"):
+        raise ValueError("return_type='loss' with cu_seqlens would score across sequence boundaries; take the logits "
+                         "and form the loss per sequence")
     cu = [int(b) for b in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[0] != 1:
         raise ValueError("packed sequences (cu_seqlens) take tokens of shape (1, T); pack rows with "
