@@ -18,6 +18,11 @@ cache and the donor's state in its one head; rows run on through the layers abov
 query position only. Rows are chunked by batch_size. No full forward is rerun per head; `naive_head_shifts` is that
 slow reference. The layers run through the model protocol's layer-by-layer methods (`embed_suffix`, `run_layer`,
 `unembed`; interp.models.protocol), so the native models and the transformers bridge share this one path.
+
+Rows of different lengths (left-padded, PairBatch.lengths; e.g. natural-length prompts of a real tokenizer) never
+compute their padding: the prefix pass runs them packed (cu_seqlens), the clean suffix continues a cache that knows
+each row's length, and each example's patched rows continue its own rows cut to its length. Rows equal each row
+scanned alone (tests/interp/test_packed_rows.py).
 """
 from __future__ import annotations
 

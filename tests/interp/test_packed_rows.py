@@ -52,6 +52,24 @@ def test_packed_forward_equals_each_sequence_alone(family, kw):
     _check_packed_forward(tiny_model(family, layers=2, **kw).double(), 61, 1e-9)
 
 
+def test_packed_attention_with_a_pattern_hook_is_block_diagonal():
+    """Without a hook the native attention runs each packed sequence apart; a hook on hook_pattern sees the whole
+    row's block-diagonal pattern (zero across sequences) and the logits are the same."""
+    m = tiny_model("gdn_hybrid", layers=2).double()
+    tokens, cu = pack_rows(_rows(61))
+    seen = {}
+
+    def keep(pattern, hook):
+        seen["p"] = pattern
+        return pattern
+
+    plain = m(tokens, cu_seqlens=cu)
+    hooked = m.run_with_hooks(tokens, fwd_hooks=[("blocks.1.mixer.hook_pattern", keep)], cu_seqlens=cu)
+    torch.testing.assert_close(hooked, plain, atol=1e-12, rtol=0)
+    p = seen["p"][0, 0]
+    assert p.shape == (cu[-1], cu[-1]) and float(p[cu[1]:, :cu[1]].abs().max()) == 0.0
+
+
 @pytest.mark.parametrize("family,kw", NATIVE[:2], ids=[f for f, _ in NATIVE[:2]])
 def test_a_state_patch_at_a_boundary_stays_in_its_sequence(family, kw):
     """Patches at the last step of sequence 0 and the first of sequence 1: sequence 0's outputs after it are

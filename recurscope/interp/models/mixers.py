@@ -643,6 +643,29 @@ class AttentionMixer(nn.Module):
         v = _split_heads(self.v_proj(h), self.head_dim)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         past = layer_cache is not None and layer_cache.keys is not None
+        if cu is not None and not is_intercepted(self.hook_pattern):
+            # packed sequences, no hook on the pattern: each sequence's own causal attention, so the work is the
+            # sum of the squared lengths (the block-diagonal pattern of the whole row is formed only for a hook)
+            o = torch.cat([self._attend(h, q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], None, 0)
+                           for lo, hi in zip(cu[:-1], cu[1:]) if hi > lo], dim=1)
+        else:
+            same = None if cu is None else start[None, :] == start[:, None]
+            o = self._attend(h, q, k, v, layer_cache if past else None, offset, same)
+        o = self.hook_head_out(o)
+        out = self.o_proj(o.reshape(B, T, -1))
+        if not self.keep_final_state:
+            return out, LayerCache("attention")
+        if past:
+            k = torch.cat([layer_cache.keys, k], dim=1)
+            v = torch.cat([layer_cache.values, v], dim=1)
+        return out, LayerCache("attention", keys=k, values=v)
+
+    def _attend(self, h, q, k, v, layer_cache: Optional[LayerCache], offset, same=None) -> torch.Tensor:
+        """Softmax attention of q (B, T, H, D) over the cached keys (layer_cache, or None) and k, v (B, T, Hkv, D)
+        -> (B, T, H, D) in h's dtype, the pattern through hook_pattern. same (T, T): which packed positions share
+        a sequence (block-diagonal); a tensor offset with a cache: rows' lengths, their padded slots masked."""
+        B, T = q.shape[:2]
+        past = layer_cache is not None
         P = layer_cache.keys.shape[1] if past else 0
         Tk, H, Hkv, D = P + T, self.num_heads, self.num_kv_heads, self.head_dim
         G = H // Hkv
@@ -661,8 +684,8 @@ class AttentionMixer(nn.Module):
         allowed = kpos <= qpos
         if self.window_size is not None:
             allowed = allowed & (kpos > qpos - self.window_size)
-        if cu is not None:                      # block-diagonal: each packed sequence attends within itself
-            allowed = allowed & (start[None, :] == start[:, None])
+        if same is not None:                    # block-diagonal: each packed sequence attends within itself
+            allowed = allowed & same
         elif isinstance(offset, torch.Tensor) and past:
             # rows whose caches are shorter than P: their first P - length slots are padding, never attended
             pad = P - offset.to(h.device).reshape(-1)                      # (B,)
@@ -670,13 +693,4 @@ class AttentionMixer(nn.Module):
         scores = scores.masked_fill(~allowed, float("-inf"))
         pattern = self.hook_pattern(torch.softmax(scores, dim=-1))
         o = grouped_values(pattern.reshape(B, Hkv, G * T, Tk), v.to(acc).transpose(1, 2), pv, shared)
-        o = o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(h.dtype)
-        o = self.hook_head_out(o)
-        out = self.o_proj(o.reshape(B, T, -1))
-        if not self.keep_final_state:
-            return out, LayerCache("attention")
-        if past:
-            k = torch.cat([layer_cache.keys, k], dim=1)
-            v = torch.cat([layer_cache.values, v], dim=1)
-        return out, LayerCache("attention", keys=k, values=v)
-
+        return o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(h.dtype)
