@@ -147,6 +147,10 @@ def test_packed_rows_on_the_bridged_qwen35(word_tok, tmp_path):
     m = load_model(tmp_path).double()
     # transformers' rotary tables and our attention's softmax are float32 in a float64 model
     _check_packed_forward(m, len(word_tok), 1e-5)
+    # a hook on the attention pattern sees the block-diagonal row; without one each sequence is attended apart
+    tokens, cu = pack_rows(_rows(len(word_tok)))
+    hooked = m.run_with_hooks(tokens, fwd_hooks=[("blocks.3.mixer.hook_pattern", lambda p, hook: p)], cu_seqlens=cu)
+    torch.testing.assert_close(hooked, m(tokens, cu_seqlens=cu), atol=1e-5, rtol=0)
     _check_scan_and_confirm(m, ragged_pairs(word_tok), 1e-5, ("state_swap", "write_block"))
 
 

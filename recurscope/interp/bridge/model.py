@@ -376,8 +376,11 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         else:
             positions = torch.arange(offset, offset + T, device=tokens.device)[None].expand(B, T)
         mixers = [b.mixer for b in self.blocks if b.is_recurrent]
+        attentions = [b.mixer for b in self.blocks if b.is_attention and hasattr(b.mixer, "cu_seqlens")]
         for m in mixers:
             m.state_positions = state_positions
+            m.cu_seqlens = cu
+        for m in attentions:
             m.cu_seqlens = cu
         try:
             out = self.text_model[0](input_ids=tokens, position_ids=positions, cache=hf_cache,
@@ -385,6 +388,8 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         finally:
             for m in mixers:
                 m.state_positions = None
+                m.cu_seqlens = None
+            for m in attentions:
                 m.cu_seqlens = None
         hidden = out.last_hidden_state
         if logit_positions is not None:
