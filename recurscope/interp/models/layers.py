@@ -102,16 +102,17 @@ def packed_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     SiLU after it when `activation`. Returns (y (1, T, D), each sequence's last `tail_len` inputs (n, tail_len, D))."""
     _, T, D = x.shape
     W = weight.shape[-1]
-    start = sequence_starts(cu_seqlens, T, x.device)
+    n = len(cu_seqlens) - 1
+    bounds = torch.as_tensor(cu_seqlens, dtype=torch.long, device=x.device)
     t = torch.arange(T, device=x.device)
-    y = torch.zeros_like(x) if bias is None else bias.to(x.dtype).expand(1, T, D).clone()
-    w = weight.to(x.dtype)
-    for j in range(W):                               # tap j reads x[t - (W - 1 - j)]
-        lag = W - 1 - j
-        src = t - lag
-        keep = (src >= start)[None, :, None]
-        shifted = x[:, src.clamp(min=0)]
-        y = y + torch.where(keep, shifted, torch.zeros((), dtype=x.dtype, device=x.device)) * w[:, j]
+    # each sequence preceded by W - 1 zeros in one buffer, then one conv over it: a window never reaches the
+    # sequence before, and token t's output is the window that ends at its place in the buffer
+    dest = t + (W - 1) * torch.searchsorted(bounds, t, right=True)
+    buf = x.new_zeros(1, T + n * (W - 1), D)
+    buf[0, dest] = x[0]
+    y = F.conv1d(buf.transpose(1, 2), weight.to(x.dtype)[:, None], None if bias is None else bias.to(x.dtype),
+                 groups=D).transpose(1, 2)
+    y = y[:, dest - (W - 1)]
     return (F.silu(y) if activation else y), packed_tails(x, cu_seqlens, tail_len)
 
 
