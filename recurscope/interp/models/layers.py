@@ -102,17 +102,22 @@ def packed_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     SiLU after it when `activation`. Returns (y (1, T, D), each sequence's last `tail_len` inputs (n, tail_len, D))."""
     _, T, D = x.shape
     W = weight.shape[-1]
-    n = len(cu_seqlens) - 1
-    bounds = torch.as_tensor(cu_seqlens, dtype=torch.long, device=x.device)
-    t = torch.arange(T, device=x.device)
-    # each sequence preceded by W - 1 zeros in one buffer, then one conv over it: a window never reaches the
-    # sequence before, and token t's output is the window that ends at its place in the buffer
-    dest = t + (W - 1) * torch.searchsorted(bounds, t, right=True)
-    buf = x.new_zeros(1, T + n * (W - 1), D)
-    buf[0, dest] = x[0]
-    y = F.conv1d(buf.transpose(1, 2), weight.to(x.dtype)[:, None], None if bias is None else bias.to(x.dtype),
-                 groups=D).transpose(1, 2)
-    y = y[:, dest - (W - 1)]
+    # each sequence preceded by W - 1 zeros in one channels-first buffer (the fast layout of a depthwise conv), then
+    # one conv over it: a window never reaches the sequence before; each sequence's outputs are copied back
+    spans = [(lo, hi) for lo, hi in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    buf = x.new_zeros(1, D, T + len(spans) * (W - 1))
+    xt = x[0].transpose(0, 1)
+    starts, pos = [], 0
+    for lo, hi in spans:
+        pos += W - 1
+        buf[0, :, pos:pos + hi - lo] = xt[:, lo:hi]
+        starts.append(pos)
+        pos += hi - lo
+    conv = F.conv1d(buf, weight.to(x.dtype)[:, None], None if bias is None else bias.to(x.dtype), groups=D)
+    y = x.new_empty(1, D, T)
+    for (lo, hi), at in zip(spans, starts):
+        y[0, :, lo:hi] = conv[0, :, at - (W - 1):at - (W - 1) + hi - lo]
+    y = y.transpose(1, 2)
     return (F.silu(y) if activation else y), packed_tails(x, cu_seqlens, tail_len)
 
 
