@@ -43,6 +43,10 @@ class BridgeFamily:
     # the MLP as a function of the block and its normed input, when it is not one module (Granite-4.0-H: the MoE plus
     # the shared MLP)
     mlp_fn: Optional[Callable] = None
+    # layer_types of decoder layers that run the recurrent mixer (linear_attr) and attention (attention_attr) side by
+    # side on the same normed input, then the MLP (Falcon-H1's "hybrid"): each is both a recurrent and an attention
+    # layer, its attention hooks are blocks.{l}.attn.hook_*, and its cache layer holds state, conv tail and K/V
+    parallel_block_types: tuple = ()
 
 
 def _gdn_state_shape(cfg):
@@ -170,6 +174,28 @@ GRANITE_MOE_HYBRID = FamilySpec(
     readout_norm=lambda mixer: mixer.norm, readout_gate=None,
 )
 
+FALCON_H1 = FamilySpec(
+    name="falcon_h1",
+    title="Falcon-H1: Mamba-2 SSD and attention side by side in every decoder layer, muP multipliers (transformers)",
+    weights=TRANSFORMERS_WEIGHTS,
+    config_keys=frozenset({"layers_block_type", "mamba_d_ssm", "mamba_n_heads", "mamba_d_head", "mamba_n_groups",
+                           "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_chunk_size", "mamba_conv_bias",
+                           "mamba_proj_bias", "mamba_norm_before_gate", "mamba_rms_norm", "time_step_limit",
+                           "ssm_multipliers", "ssm_in_multiplier", "ssm_out_multiplier", "attention_in_multiplier",
+                           "attention_out_multiplier", "key_multiplier", "mlp_multipliers", "embedding_multiplier",
+                           "lm_head_multiplier"}),
+    kernel_inputs=dict(MAMBA2_SSD.kernel_inputs,
+                       q="C = silu(conv1d(in_proj(ssm_in_multiplier h) * mup_vector))[C part], repeated over the "
+                         "heads of its group (contiguous)",
+                       k="B from the same split, repeated over the heads of its group (contiguous)",
+                       g="dt A, A = -exp(A_log), per head (scale 1; D skip, then gated norm or silu(z) gate, after "
+                         "the readout)"),
+    mixer="BridgedFalconH1Mamba2", mixer_module=_MIXERS,
+    state_shape=lambda cfg: (cfg.mamba_d_state, cfg.mamba_d_head), state_heads=lambda cfg: cfg.mamba_n_heads,
+    absent_hooks=frozenset({"hook_erase", "hook_erase_gate"}),
+    readout_norm=lambda mixer: mixer.norm, readout_gate=None,
+)
+
 BRIDGE_FAMILIES: tuple[BridgeFamily, ...] = (
     BridgeFamily(QWEN35_GDN, ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), "linear_attn", "self_attn"),
     BridgeFamily(QWEN3_NEXT_GDN, ("qwen3_next",), "linear_attn", "self_attn"),
@@ -185,6 +211,9 @@ BRIDGE_FAMILIES: tuple[BridgeFamily, ...] = (
                  mlp_norm_attr="pre_ff_layernorm", layer_returns_tuple=True),
     BridgeFamily(GRANITE_MOE_HYBRID, ("granitemoehybrid",), "mamba", "self_attn", conv_kernel_key="mamba_d_conv",
                  state_transposed=True, mlp_attr="shared_mlp", mlp_fn=_granite_mlp),
+    BridgeFamily(FALCON_H1, ("falcon_h1",), "mamba", "self_attn", final_norm_attr="final_layernorm",
+                 conv_kernel_key="mamba_d_conv", state_transposed=True, mlp_attr="feed_forward",
+                 mlp_norm_attr="pre_ff_layernorm", layer_returns_tuple=True, parallel_block_types=("hybrid",)),
 )
 
 

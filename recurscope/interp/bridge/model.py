@@ -62,11 +62,16 @@ class BridgeBlock(nn.Module):
     submodules under their own names. `norm="pre"`: input_layernorm before the mixer and post_attention_layernorm
     before the MLP (Qwen3.5, Qwen3-Next, Kimi-Linear, OLMo-hybrid's linear layers); `norm="post"`:
     post_attention_layernorm on the mixer's output and post_feedforward_layernorm on the MLP's (OLMo-hybrid's
-    attention layers). hook_mixer_out and hook_mlp_out are what the layer adds to the residual stream."""
+    attention layers). hook_mixer_out and hook_mlp_out are what the layer adds to the residual stream.
+
+    `parallel_attr`: the layer also runs an attention module (that attribute) side by side with its recurrent mixer,
+    on the same normed input (Falcon-H1): the block is then both a recurrent and an attention layer, the attention's
+    hook points are `blocks.{l}.attn.hook_*` (`attn` is that module) and what it adds to the residual stream is
+    `hook_attn_out`, beside the recurrent mixer's `hook_mixer_out`; hook_resid_mid is the residual plus both."""
 
     def __init__(self, hf_layer: nn.Module, mixer_attr: str, recurrent: bool, norm: str = "pre",
                  mixer_norm_attr: str = "input_layernorm", mlp_only: bool = False, mlp_attr: str = "mlp",
-                 mlp_norm_attr: str = "post_attention_layernorm", mlp_fn=None):
+                 mlp_norm_attr: str = "post_attention_layernorm", mlp_fn=None, parallel_attr: Optional[str] = None):
         super().__init__()
         if norm not in ("pre", "post"):
             raise ValueError(f"norm must be 'pre' or 'post', got {norm!r}")
@@ -80,7 +85,8 @@ class BridgeBlock(nn.Module):
         # mlp_only: the layer holds an MLP or MoE in place of a mixer (Nemotron-H's "mlp" / "moe" blocks): norm, MLP,
         # residual; hook_resid_mid is its input (no mixer, no hook_mixer_out)
         self.mlp_only = mlp_only
-        self.is_attention = not recurrent and not mlp_only
+        self.parallel_attr = parallel_attr
+        self.is_attention = (not recurrent and not mlp_only) or parallel_attr is not None
         # Mamba-2's blocks are norm, mixer, residual only; their residual stream is kept in at least float32
         # (transformers' residual_in_fp32), never narrowed
         self.mlp_attr, self.mlp_norm_attr = mlp_attr, mlp_norm_attr   # Bamba: feed_forward, pre_ff_layernorm
@@ -90,12 +96,19 @@ class BridgeBlock(nn.Module):
         # hold the scaled outputs: what the layer adds)
         self.residual_multiplier = float(getattr(hf_layer, "residual_multiplier", 1.0))
         self.residual_in_fp32 = bool(getattr(getattr(hf_layer, "config", None), "residual_in_fp32", False))
+        # Falcon-H1's muP multipliers around its two mixers: the recurrent mixer's output times ssm_out_multiplier,
+        # the attention's input times attention_in_multiplier and its output times attn_out_multiplier
+        self.mixer_out_multiplier = float(getattr(hf_layer, "ssm_out_multiplier", 1.0))
+        self.attention_in_multiplier = float(getattr(hf_layer, "attention_in_multiplier", 1.0))
+        self.attention_out_multiplier = float(getattr(hf_layer, "attn_out_multiplier", 1.0))
         # A list while BridgedLM.embed_suffix records the arguments transformers' model passes to each
         # layer (masks, rotary tables, positions); the layer then computes nothing.
         self.recorded: Optional[list] = None
         self.hook_resid_pre = HookPoint()
         if not mlp_only:
             self.hook_mixer_out = HookPoint()
+        if parallel_attr is not None:
+            self.hook_attn_out = HookPoint()
         self.hook_resid_mid = HookPoint()
         if self.has_mlp or mlp_only:
             self.hook_mlp_out = HookPoint()
@@ -104,6 +117,16 @@ class BridgeBlock(nn.Module):
     @property
     def mixer(self) -> nn.Module:
         return self._modules[self.mixer_attr]   # not getattr: Mamba-2's layer names its mixer `mixer` itself
+
+    @property
+    def attn(self) -> Optional[nn.Module]:
+        """The attention module a parallel block runs beside its recurrent mixer (None in any other block)."""
+        return None if self.parallel_attr is None else self._modules[self.parallel_attr]
+
+    @property
+    def attention(self) -> Optional[nn.Module]:
+        """The module that attends over cached K/V: `mixer` in an attention block, `attn` in a parallel block."""
+        return self.attn if self.parallel_attr is not None else self.mixer if self.is_attention else None
 
     def forward(self, *args, **kwargs):
         out = self.block_forward(*args, **kwargs)
@@ -125,6 +148,8 @@ class BridgeBlock(nn.Module):
         if self.mlp_only:
             resid = self.hook_resid_mid(resid)
             return self.hook_resid_post(resid + self.hook_mlp_out(self.mixer(h)))
+        if self.parallel_attr is not None:
+            return self._parallel_forward(resid, h, attention_mask, position_ids, cache, position_embeddings, kwargs)
         if self.is_recurrent:
             mixed = self.mixer(h, cache=cache, attention_mask=attention_mask)
         else:
@@ -135,6 +160,23 @@ class BridgeBlock(nn.Module):
         if self.residual_multiplier != 1.0:
             mixed = mixed * self.residual_multiplier
         resid = self.hook_resid_mid(resid + self.hook_mixer_out(mixed))
+        return self._mlp_forward(resid, pre)
+
+    def _parallel_forward(self, resid, h, attention_mask, position_ids, cache, position_embeddings, kwargs):
+        """Falcon-H1's layer: the recurrent mixer and the attention on the same normed input h, both outputs added to
+        the residual stream (as transformers adds them: residual + (mixer + attention)), then the MLP."""
+        mixed = self.mixer(h, cache=cache, attention_mask=kwargs.get("mamba_attention_mask"))
+        if self.mixer_out_multiplier != 1.0:
+            mixed = mixed * self.mixer_out_multiplier
+        attended, _ = self.attn(hidden_states=h * self.attention_in_multiplier if self.attention_in_multiplier != 1.0
+                                else h, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                                position_embeddings=position_embeddings)
+        if self.attention_out_multiplier != 1.0:
+            attended = attended * self.attention_out_multiplier
+        resid = self.hook_resid_mid(resid + (self.hook_mixer_out(mixed) + self.hook_attn_out(attended)))
+        return self._mlp_forward(resid, True)
+
+    def _mlp_forward(self, resid, pre: bool):
         if not self.has_mlp:
             return self.hook_resid_post(resid)
         h = getattr(self, self.mlp_norm_attr)(resid) if pre else resid
@@ -226,15 +268,17 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         mixer_cls = family.spec.mixer_class
         blocks = []
         for i, layer in enumerate(text.layers):
-            recurrent = self.text_layer_types[i] == "linear_attention"
+            parallel = self.text_layer_types[i] in family.parallel_block_types   # Falcon-H1: mixer and attention
+            recurrent = self.text_layer_types[i] == "linear_attention" or parallel
             mlp_only = self.text_layer_types[i] in family.mlp_block_types
             if recurrent:
                 setattr(layer, family.linear_attr, mixer_cls(getattr(layer, family.linear_attr)))
-            elif not mlp_only:
+            if parallel or not (recurrent or mlp_only):
                 add_attention_hooks(getattr(layer, family.attention_attr))
             block = BridgeBlock(layer, family.linear_attr if recurrent else family.attention_attr, recurrent,
                                 "pre" if recurrent else family.attention_norm, family.mixer_norm_attr, mlp_only,
-                                family.mlp_attr, family.mlp_norm_attr, family.mlp_fn)
+                                family.mlp_attr, family.mlp_norm_attr, family.mlp_fn,
+                                family.attention_attr if parallel else None)
             block.returns_tuple = family.layer_returns_tuple
             text.layers[i] = block
             blocks.append(block)
@@ -266,7 +310,9 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
                 raise RuntimeError(f"bridge: hook point {path} has no recurscope name")
             else:
                 layer, inner, point = m.groups()
-                name = f"blocks.{layer}.{point}" if inner is None else f"blocks.{layer}.mixer.{point}"
+                block = self.blocks[int(layer)]
+                sub = "attn" if inner is not None and inner == block.parallel_attr else "mixer"
+                name = f"blocks.{layer}.{point}" if inner is None else f"blocks.{layer}.{sub}.{point}"
             hp.name = name
             renamed[name] = hp
             self.mod_dict[name] = hp
@@ -290,7 +336,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
             layer = hf_cache.layers[i]
             if lc.kind == "none":   # an MLP-only block: transformers keeps no cache layer content for it
                 continue
-            if lc.kind == "recurrent":
+            if lc.kind in ("recurrent", "hybrid"):   # "hybrid": a parallel block's state, conv tail and K/V
                 for key, conv in lc.conv.items():
                     idx = int(key)
                     layer.conv_states[idx] = conv.clone()   # transformers updates its cache in place
@@ -303,7 +349,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
                     layer.is_recurrent_states_initialized[0] = True
                     layer.has_previous_state[0] = True
                 layer.device, layer.dtype = lc.state.device, lc.state.dtype
-            elif lc.keys is not None:
+            if lc.kind != "recurrent" and lc.keys is not None:
                 layer.update(lc.keys.transpose(1, 2).contiguous(), lc.values.transpose(1, 2).contiguous())
         return hf_cache
 
@@ -316,7 +362,10 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
                 state = layer.recurrent_states[0]
                 if self.bridge_family.state_transposed and state is not None:
                     state = state.transpose(-1, -2)
-                layers.append(LayerCache("recurrent", state=state, conv=conv))
+                kv = {} if block.parallel_attr is None or layer.keys is None else \
+                    dict(keys=layer.keys.transpose(1, 2), values=layer.values.transpose(1, 2))
+                layers.append(LayerCache("hybrid" if block.parallel_attr else "recurrent", state=state, conv=conv,
+                                         **kv))
             elif block.mlp_only:
                 layers.append(LayerCache("none"))
             else:
@@ -387,17 +436,19 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         keys = layer_cache.keys
         # Rows continuing one cached row as a batch-expanded view (the head scan's growing batch): the attention
         # function reads that row's K/V once for all rows instead of a per-row concatenation (hooked_attention).
-        shared = (not block.is_recurrent and self.bridge_family.cached_kv_to_attention and keys is not None
+        shared = (block.is_attention and self.bridge_family.cached_kv_to_attention and keys is not None
                   and keys.shape[0] > 1 and keys.stride(0) == 0 and layer_cache.values.stride(0) == 0)
+        transposed = self.bridge_family.state_transposed
         if not shared:
-            return block.block_forward(resid, cache=_LayerView(layer_cache, seen,
-                                                 state_transposed=self.bridge_family.state_transposed),
-                         **kwargs[layer])
-        block.mixer.shared_kv = (keys[:1].transpose(1, 2), layer_cache.values[:1].transpose(1, 2))
+            return block.block_forward(resid, cache=_LayerView(layer_cache, seen, state_transposed=transposed),
+                                       **kwargs[layer])
+        attention = block.attention   # the block's mixer, or the attention beside a parallel block's mixer
+        attention.shared_kv = (keys[:1].transpose(1, 2), layer_cache.values[:1].transpose(1, 2))
         try:
-            return block.block_forward(resid, cache=_LayerView(layer_cache, seen, new_kv_only=True), **kwargs[layer])
+            return block.block_forward(resid, cache=_LayerView(layer_cache, seen, new_kv_only=True,
+                                                                state_transposed=transposed), **kwargs[layer])
         finally:
-            block.mixer.shared_kv = None
+            attention.shared_kv = None
 
     def unembed(self, resid: torch.Tensor) -> torch.Tensor:
         """Logits of residual-stream vectors (..., D): the text model's final norm, then the LM head. (forward
@@ -405,10 +456,13 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         return self._logits(getattr(self.text_model[0], self.bridge_family.final_norm_attr)(resid))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head, divided by Granite-4.0-H's logits_scaling (1 for every other family)."""
+        """The LM head, divided by Granite-4.0-H's logits_scaling and multiplied by Falcon-H1's lm_head_multiplier
+        (1 for every other family)."""
         logits = self.hf.lm_head(hidden)
         scaling = float(getattr(self.hf, "logits_scaling", 1.0))
-        return logits if scaling == 1.0 else logits / scaling
+        multiplier = float(getattr(self.text_model[0], "lm_head_multiplier", 1.0))
+        logits = logits if scaling == 1.0 else logits / scaling
+        return logits if multiplier == 1.0 else logits * multiplier
 
     @property
     def unembed_weight(self) -> torch.Tensor:
