@@ -495,9 +495,10 @@ def _documented_hooks(layout: str) -> set:
     """{(kind, name)} of the bridge's tables in docs/hooks.md, kind "model", "block" (every layer), "recurrent" or
     "attention" (a row marked "(attention)"); names as blocks.{l}.[mixer.]hook_x. The Qwen3.5 table serves every
     layout, the second table adds the rows of Qwen3-Next, OLMo-hybrid and Kimi-Linear (their other rows read as in
-    the first); Mamba-2, Nemotron-H, Bamba, Granite-4.0-H and Falcon-H1 have tables of their own ("mlp block": a row
-    marked "(MLP blocks)", Nemotron-H's blocks that hold only an MLP or MoE; `attn.` names are the attention beside
-    Falcon-H1's recurrent mixer, kind "attention")."""
+    the first); Mamba-2, Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1 and Zamba2 have tables of their own ("mlp
+    block": a row marked "(MLP blocks)", Nemotron-H's blocks that hold only an MLP or MoE; `attn.` names are the
+    attention beside Falcon-H1's recurrent mixer or in a use of Zamba2's shared block, kind "attention", as is
+    `hook_attn_out`, what that attention adds)."""
     text = (ROOT / "docs" / "hooks.md").read_text().split("## On transformers checkpoints (the bridge)", 1)[1]
     qwen, others = text.split("### Qwen3-Next, OLMo-hybrid and Kimi-Linear", 1)
     others, mamba = others.split("### Mamba-2", 1)
@@ -505,7 +506,9 @@ def _documented_hooks(layout: str) -> set:
     nemotron, bamba = nemotron.split("### Bamba", 1)
     bamba, granite = bamba.split("### Granite-4.0-H", 1)
     granite, falcon = granite.split("### Falcon-H1", 1)
-    own = {"mamba2": mamba, "nemotron_h": nemotron, "bamba": bamba, "granitemoehybrid": granite, "falcon_h1": falcon}
+    falcon, zamba = falcon.split("### Zamba2", 1)
+    own = {"mamba2": mamba, "nemotron_h": nemotron, "bamba": bamba, "granitemoehybrid": granite, "falcon_h1": falcon,
+           "zamba2": zamba}
     tables = [qwen] if layout.startswith("qwen3_5") else [own[layout]] if layout in own else [qwen, others]
     found = set()
     for table in tables:
@@ -524,7 +527,8 @@ def _documented_hooks(layout: str) -> set:
                     token = f"{context}.{token}"
                 context = token.rsplit(".", 1)[0]
                 kind = ("attention" if "(attention)" in cell else "recurrent") if ".mixer." in token \
-                    else "attention" if ".attn." in token else "mlp block" if "(MLP blocks)" in cell else "block"
+                    else "attention" if ".attn." in token or token.endswith(".hook_attn_out") \
+                    else "mlp block" if "(MLP blocks)" in cell else "block"
                 found.add((kind, token))
     return found
 
@@ -542,7 +546,8 @@ def test_the_bridge_hook_tables_of_the_docs_are_the_models_hook_points(checkpoin
             continue
         layer, rest = int(m.group(1)), m.group(2)
         kind = ("recurrent" if layer in model.recurrent_layers else "attention") if rest.startswith("mixer.") \
-            else "attention" if rest.startswith("attn.") else "block" if layer in mixer_layers else "mlp block"
+            else "attention" if rest.startswith("attn.") or rest == "hook_attn_out" \
+            else "block" if layer in mixer_layers else "mlp block"
         actual.add((kind, "blocks.{l}." + rest))
     assert len(documented) >= (20 if model.attention_layers else 14)   # Mamba-2: no attention or MLP hooks
     assert documented - actual == set(), "docs/hooks.md names hooks this model lacks"

@@ -1,8 +1,8 @@
 """The hybrid cache factorial (`recurscope hybrid`, Sec. 4.1): the full swap is the donor's own run, chunks of sources
 compute as the whole batch does, the shares are ratios of source means, the Reading judges them against the paper's
 bounds on both sides, a non-hybrid is refused in one line, and the verb runs on every hybrid layout the project
-loads: tiny-gdn-hybrid, tiny-qwen35 and tiny random checkpoints of seven bridged layouts (among them Falcon-H1, whose
-layers each hold a recurrent state and a KV cache, swapped separately)."""
+loads: tiny-gdn-hybrid, tiny-qwen35 and tiny random checkpoints of eight bridged layouts (among them Falcon-H1 and
+Zamba2, whose layers hold a recurrent state and a KV cache in one cache layer, swapped separately)."""
 import json
 
 import numpy as np
@@ -124,7 +124,7 @@ def _bridged(layout, tmp_path_factory):
 
 
 BRIDGED = ("qwen3_5_dense", "qwen3_5_moe", "qwen3_5_multimodal", "qwen3_next", "olmo_hybrid", "kimi_linear",
-           "falcon_h1")
+           "falcon_h1", "zamba2")
 
 
 @pytest.mark.slow

@@ -64,14 +64,21 @@ class BridgeBlock(nn.Module):
     post_attention_layernorm on the mixer's output and post_feedforward_layernorm on the MLP's (OLMo-hybrid's
     attention layers). hook_mixer_out and hook_mlp_out are what the layer adds to the residual stream.
 
-    `parallel_attr`: the layer also runs an attention module (that attribute) side by side with its recurrent mixer,
-    on the same normed input (Falcon-H1): the block is then both a recurrent and an attention layer, the attention's
-    hook points are `blocks.{l}.attn.hook_*` (`attn` is that module) and what it adds to the residual stream is
-    `hook_attn_out`, beside the recurrent mixer's `hook_mixer_out`; hook_resid_mid is the residual plus both."""
+    `attn_attr` (a module path in the layer): the layer also runs that attention module beside its recurrent mixer,
+    and the block is both a recurrent and an attention layer, with the attention's hook points at `blocks.{l}.attn.*`
+    (`attn` is that module) and its output at `hook_attn_out`. `attn_mode="parallel"` (Falcon-H1): the attention
+    runs side by side with the mixer on the same normed input, and both outputs are added to the residual stream
+    (hook_resid_mid is the residual plus both). `attn_mode="shared"` (Zamba2's hybrid layers): the layer first runs
+    its shared transformer block (`shared_transformer`: attention and MLP over the residual concatenated with the
+    token embeddings, `original_hidden_states`), projects it by `linear` (hook_attn_out) and adds that to the mixer's
+    input only, not to the residual stream; its mixer (`mixer_attr`) and mixer norm are module paths inside the
+    layer. `arg_names`: the names of the positional arguments after the hidden states with which the family's model
+    calls each layer (Zamba2's)."""
 
     def __init__(self, hf_layer: nn.Module, mixer_attr: str, recurrent: bool, norm: str = "pre",
                  mixer_norm_attr: str = "input_layernorm", mlp_only: bool = False, mlp_attr: str = "mlp",
-                 mlp_norm_attr: str = "post_attention_layernorm", mlp_fn=None, parallel_attr: Optional[str] = None):
+                 mlp_norm_attr: str = "post_attention_layernorm", mlp_fn=None, attn_attr: Optional[str] = None,
+                 attn_mode: str = "parallel", arg_names: tuple = ()):
         super().__init__()
         if norm not in ("pre", "post"):
             raise ValueError(f"norm must be 'pre' or 'post', got {norm!r}")
@@ -85,8 +92,10 @@ class BridgeBlock(nn.Module):
         # mlp_only: the layer holds an MLP or MoE in place of a mixer (Nemotron-H's "mlp" / "moe" blocks): norm, MLP,
         # residual; hook_resid_mid is its input (no mixer, no hook_mixer_out)
         self.mlp_only = mlp_only
-        self.parallel_attr = parallel_attr
-        self.is_attention = (not recurrent and not mlp_only) or parallel_attr is not None
+        if attn_mode not in ("parallel", "shared"):
+            raise ValueError(f"attn_mode must be 'parallel' or 'shared', got {attn_mode!r}")
+        self.attn_attr, self.attn_mode, self.arg_names = attn_attr, attn_mode, tuple(arg_names)
+        self.is_attention = (not recurrent and not mlp_only) or attn_attr is not None
         # Mamba-2's blocks are norm, mixer, residual only; their residual stream is kept in at least float32
         # (transformers' residual_in_fp32), never narrowed
         self.mlp_attr, self.mlp_norm_attr = mlp_attr, mlp_norm_attr   # Bamba: feed_forward, pre_ff_layernorm
@@ -107,7 +116,7 @@ class BridgeBlock(nn.Module):
         self.hook_resid_pre = HookPoint()
         if not mlp_only:
             self.hook_mixer_out = HookPoint()
-        if parallel_attr is not None:
+        if attn_attr is not None:
             self.hook_attn_out = HookPoint()
         self.hook_resid_mid = HookPoint()
         if self.has_mlp or mlp_only:
@@ -116,20 +125,31 @@ class BridgeBlock(nn.Module):
 
     @property
     def mixer(self) -> nn.Module:
-        return self._modules[self.mixer_attr]   # not getattr: Mamba-2's layer names its mixer `mixer` itself
+        # not getattr: Mamba-2's layer names its mixer `mixer` itself (Zamba2's hybrid layers: a path inside the layer)
+        return self._sub(self.mixer_attr)
 
     @property
     def attn(self) -> Optional[nn.Module]:
-        """The attention module a parallel block runs beside its recurrent mixer (None in any other block)."""
-        return None if self.parallel_attr is None else self._modules[self.parallel_attr]
+        """The attention module a parallel or shared block runs beside its recurrent mixer (None in any other)."""
+        return None if self.attn_attr is None else self._sub(self.attn_attr)
 
     @property
     def attention(self) -> Optional[nn.Module]:
         """The module that attends over cached K/V: `mixer` in an attention block, `attn` in a parallel block."""
-        return self.attn if self.parallel_attr is not None else self.mixer if self.is_attention else None
+        return self.attn if self.attn_attr is not None else self.mixer if self.is_attention else None
 
-    def forward(self, *args, **kwargs):
-        out = self.block_forward(*args, **kwargs)
+    def _sub(self, path: str) -> nn.Module:
+        module = self
+        for part in path.split("."):
+            module = module._modules[part]
+        return module
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if len(args) > len(self.arg_names):
+            raise TypeError(f"{type(self).__name__} takes {len(self.arg_names)} positional arguments after the hidden "
+                            f"states ({', '.join(self.arg_names) or 'none'}), got {len(args)}")
+        kwargs.update(zip(self.arg_names, args))
+        out = self.block_forward(hidden_states, **kwargs)
         return (out, None) if self.returns_tuple else out
 
     def block_forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
@@ -142,13 +162,15 @@ class BridgeBlock(nn.Module):
             return hidden_states
         resid = self.hook_resid_pre(hidden_states)
         pre = self.norm_layout == "pre"
-        h = getattr(self, self.mixer_norm_attr)(resid) if pre else resid
+        if self.attn_mode == "shared" and self.attn_attr is not None:
+            return self._shared_forward(resid, attention_mask, position_ids, cache, position_embeddings, kwargs)
+        h = self._sub(self.mixer_norm_attr)(resid) if pre else resid
         if self.residual_in_fp32:
             resid = resid.to(torch.promote_types(resid.dtype, torch.float32))
         if self.mlp_only:
             resid = self.hook_resid_mid(resid)
             return self.hook_resid_post(resid + self.hook_mlp_out(self.mixer(h)))
-        if self.parallel_attr is not None:
+        if self.attn_attr is not None:
             return self._parallel_forward(resid, h, attention_mask, position_ids, cache, position_embeddings, kwargs)
         if self.is_recurrent:
             mixed = self.mixer(h, cache=cache, attention_mask=attention_mask)
@@ -174,6 +196,20 @@ class BridgeBlock(nn.Module):
         if self.attention_out_multiplier != 1.0:
             attended = attended * self.attention_out_multiplier
         resid = self.hook_resid_mid(resid + (self.hook_mixer_out(mixed) + self.hook_attn_out(attended)))
+        return self._mlp_forward(resid, True)
+
+    def _shared_forward(self, resid, attention_mask, position_ids, cache, position_embeddings, kwargs):
+        """Zamba2's hybrid layer: its shared transformer block reads the residual and the token embeddings; its
+        output, projected by `linear`, is added to the mixer's input (before the mixer norm), not to the residual
+        stream; then the mixer, whose output is added to the residual (attention_mask is the mixer's mask,
+        causal_mask the shared attention's)."""
+        shared = self.shared_transformer(resid, original_hidden_states=kwargs["original_hidden_states"],
+                                         layer_idx=kwargs["layer_idx"], attention_mask=kwargs.get("causal_mask"),
+                                         cache=cache, position_embeddings=position_embeddings,
+                                         position_ids=position_ids)
+        fed = self.hook_attn_out(self.linear(shared))
+        mixed = self.mixer(self._sub(self.mixer_norm_attr)(resid + fed), cache=cache, attention_mask=attention_mask)
+        resid = self.hook_resid_mid(resid + self.hook_mixer_out(mixed))
         return self._mlp_forward(resid, True)
 
     def _mlp_forward(self, resid, pre: bool):
@@ -226,7 +262,6 @@ class _LayerView:
                 torch.cat([self.lc.values.transpose(1, 2), value_states], dim=-2))
 
 
-_HOOK_PATH = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:(\w+)\.)?(hook_\w+)$")
 _BLOCKS_KEY = re.compile(r"(?:^|\.)blocks\.\d+\.")
 
 
@@ -269,16 +304,22 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         blocks = []
         for i, layer in enumerate(text.layers):
             parallel = self.text_layer_types[i] in family.parallel_block_types   # Falcon-H1: mixer and attention
-            recurrent = self.text_layer_types[i] == "linear_attention" or parallel
+            shared = self.text_layer_types[i] in family.shared_block_types       # Zamba2: shared block, then mixer
+            recurrent = self.text_layer_types[i] == "linear_attention" or parallel or shared
             mlp_only = self.text_layer_types[i] in family.mlp_block_types
+            mixer_path, norm_path, attn_path = (family.shared_block_paths if shared else
+                                                (family.linear_attr if recurrent else family.attention_attr,
+                                                 family.mixer_norm_attr, family.attention_attr))
             if recurrent:
-                setattr(layer, family.linear_attr, mixer_cls(getattr(layer, family.linear_attr)))
-            if parallel or not (recurrent or mlp_only):
-                add_attention_hooks(getattr(layer, family.attention_attr))
-            block = BridgeBlock(layer, family.linear_attr if recurrent else family.attention_attr, recurrent,
-                                "pre" if recurrent else family.attention_norm, family.mixer_norm_attr, mlp_only,
-                                family.mlp_attr, family.mlp_norm_attr, family.mlp_fn,
-                                family.attention_attr if parallel else None)
+                owner, _, name = mixer_path.rpartition(".")
+                owner = layer.get_submodule(owner) if owner else layer
+                setattr(owner, name, mixer_cls(getattr(owner, name)))
+            if parallel or shared or not (recurrent or mlp_only):
+                add_attention_hooks(layer.get_submodule(attn_path))
+            block = BridgeBlock(layer, mixer_path, recurrent, "pre" if recurrent else family.attention_norm,
+                                norm_path, mlp_only, family.mlp_attr, family.mlp_norm_attr, family.mlp_fn,
+                                attn_path if parallel or shared else None, "shared" if shared else "parallel",
+                                family.layer_args)
             block.returns_tuple = family.layer_returns_tuple
             text.layers[i] = block
             blocks.append(block)
@@ -301,18 +342,22 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
     def setup(self):
         """TransformerLens's setup, then the hook points renamed to recurscope's names (blocks.{l}.mixer.hook_x)."""
         super().setup()
+        # each hook point's name from the block and the module that hold it: the block's own, its mixer's (the
+        # recurrent mixer, or an attention block's attention) or the attention beside the mixer (`attn`)
+        names = {}
+        for layer, block in enumerate(self.blocks):
+            attn = block.attn
+            in_attn = set() if attn is None else {id(m) for m in attn.modules()}
+            for path, module in block.named_modules():
+                if isinstance(module, HookPoint):
+                    point = path.rsplit(".", 1)[-1]
+                    sub = "" if "." not in path else "attn." if id(module) in in_attn else "mixer."
+                    names[id(module)] = f"blocks.{layer}.{sub}{point}"
         renamed = {}
         for path, hp in self.hook_dict.items():
-            m = _HOOK_PATH.search(path)
-            if path == "hook_embed":
-                name = path
-            elif m is None:
+            name = path if path == "hook_embed" else names.get(id(hp))
+            if name is None:
                 raise RuntimeError(f"bridge: hook point {path} has no recurscope name")
-            else:
-                layer, inner, point = m.groups()
-                block = self.blocks[int(layer)]
-                sub = "attn" if inner is not None and inner == block.parallel_attr else "mixer"
-                name = f"blocks.{layer}.{point}" if inner is None else f"blocks.{layer}.{sub}.{point}"
             hp.name = name
             renamed[name] = hp
             self.mod_dict[name] = hp
@@ -362,10 +407,10 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
                 state = layer.recurrent_states[0]
                 if self.bridge_family.state_transposed and state is not None:
                     state = state.transpose(-1, -2)
-                kv = {} if block.parallel_attr is None or layer.keys is None else \
+                hybrid = block.attn_attr is not None   # Falcon-H1's and Zamba2's: the state and the attention's K/V
+                kv = {} if not hybrid or layer.keys is None else \
                     dict(keys=layer.keys.transpose(1, 2), values=layer.values.transpose(1, 2))
-                layers.append(LayerCache("hybrid" if block.parallel_attr else "recurrent", state=state, conv=conv,
-                                         **kv))
+                layers.append(LayerCache("hybrid" if hybrid else "recurrent", state=state, conv=conv, **kv))
             elif block.mlp_only:
                 layers.append(LayerCache("none"))
             else:
@@ -426,11 +471,25 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         finally:
             for block in self.blocks:
                 block.recorded = None
-        # Granite-4.0-H's model scales its embeddings before the first layer
+        # Granite-4.0-H's and Falcon-H1's models scale their embeddings before the first layer
         scale = float(getattr(text, "embedding_multiplier", 1.0))
         return self._embedding()(tokens) * scale, (context, cache.seen_tokens)
 
     def run_layer(self, layer: int, resid: torch.Tensor, layer_cache: LayerCache, context) -> torch.Tensor:
+        kwargs, seen = context
+        if self.bridge_family.shared_block_types:
+            # Zamba2's shared blocks read the token embeddings at every use: the residual between layers carries them
+            # in its trailing channels (layer 0 takes the bare embeddings and appends them), so that rows regrouped
+            # between layers (the head scan's growing batch) keep their own
+            d = self.cfg.hidden_size
+            embeds = resid if layer == 0 else resid[..., d:]
+            per_layer = list(kwargs)
+            per_layer[layer] = dict(kwargs[layer], original_hidden_states=embeds)
+            out = self._run_block(layer, resid[..., :d], layer_cache, (per_layer, seen))
+            return torch.cat([out, embeds], dim=-1)
+        return self._run_block(layer, resid, layer_cache, context)
+
+    def _run_block(self, layer: int, resid: torch.Tensor, layer_cache: LayerCache, context) -> torch.Tensor:
         kwargs, seen = context
         block = self.blocks[layer]
         keys = layer_cache.keys
@@ -453,6 +512,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
     def unembed(self, resid: torch.Tensor) -> torch.Tensor:
         """Logits of residual-stream vectors (..., D): the text model's final norm, then the LM head. (forward
         applies only the LM head: transformers' text model returns its hidden states already normed.)"""
+        resid = resid[..., :self.cfg.hidden_size]   # channels beyond D: what run_layer carries (Zamba2's embeddings)
         return self._logits(getattr(self.text_model[0], self.bridge_family.final_norm_attr)(resid))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
