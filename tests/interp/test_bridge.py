@@ -57,16 +57,23 @@ def _randomise(model, seed):
                 p.copy_(torch.empty(p.shape).uniform_(0.01, 0.1, generator=g).log())
 
 
-@pytest.fixture(scope="module", params=LAYOUTS)
-def checkpoint(request, tmp_path_factory):
+def tiny_checkpoint(layout: str, build, tmp_path_factory):
+    """(layout, directory, transformers class) of a tiny random checkpoint: `build(layout, vocab)` gives transformers'
+    own model (and its class), randomised by `_randomise`, saved with save_pretrained beside the word tokenizer. Every
+    bridge test module's parametrised `checkpoint` fixture (and test_hybrid's bridged layouts) build theirs with it."""
     tok = build_word_tokenizer()
     torch.manual_seed(0)
-    hf, cls = _build(request.param, len(tok))
+    hf, cls = build(layout, len(tok))
     _randomise(hf, 0)
-    path = tmp_path_factory.mktemp(request.param)
+    path = tmp_path_factory.mktemp(layout)
     hf.save_pretrained(path)
     save_word_tokenizer(tok, path)
-    return request.param, path, cls
+    return layout, path, cls
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def checkpoint(request, tmp_path_factory):
+    return tiny_checkpoint(request.param, _build, tmp_path_factory)
 
 
 def _in_transformers_layout(model, state):
@@ -207,7 +214,9 @@ def _hand_swapped_suffix(ref, recipient, donor, b, parts):
                 mine.recurrent_states[0] = theirs.recurrent_states[0].clone()
             if "conv" in parts:
                 mine.conv_states[0] = theirs.conv_states[0].clone()
-        elif "kv" in parts and getattr(mine, "keys", None) is not None:   # not Nemotron-H's MLP blocks
+        # attention layers and Falcon-H1's parallel layers (state, conv and K/V in one cache layer); not Nemotron-H's
+        # MLP blocks
+        if "kv" in parts and getattr(mine, "keys", None) is not None:
             mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
     return ref(input_ids=recipient[:, b:], cache=rec, use_cache=True, position_ids=_after(recipient, b)).logits
 
@@ -479,22 +488,27 @@ def test_conv_tail_spans_reach_as_far_as_the_conv_transformers_runs(checkpoint):
 
 
 # ---- the bridge's hook tables in docs/hooks.md --------------------------------------------------------------------
-_HOOK_TOKEN = re.compile(r"`((?:blocks\.\{l\}\.)?(?:mixer\.)?hook_\w+)`")
+_HOOK_TOKEN = re.compile(r"`((?:blocks\.\{l\}\.)?(?:mixer\.|attn\.)?hook_\w+)`")
 
 
 def _documented_hooks(layout: str) -> set:
     """{(kind, name)} of the bridge's tables in docs/hooks.md, kind "model", "block" (every layer), "recurrent" or
     "attention" (a row marked "(attention)"); names as blocks.{l}.[mixer.]hook_x. The Qwen3.5 table serves every
     layout, the second table adds the rows of Qwen3-Next, OLMo-hybrid and Kimi-Linear (their other rows read as in
-    the first); Mamba-2, Nemotron-H, Bamba and Granite-4.0-H have tables of their own ("mlp block": a row marked
-    "(MLP blocks)", Nemotron-H's blocks that hold only an MLP or MoE)."""
+    the first); Mamba-2, Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1 and Zamba2 have tables of their own ("mlp
+    block": a row marked "(MLP blocks)", Nemotron-H's blocks that hold only an MLP or MoE; `attn.` names are the
+    attention beside Falcon-H1's recurrent mixer or in a use of Zamba2's shared block, kind "attention", as is
+    `hook_attn_out`, what that attention adds)."""
     text = (ROOT / "docs" / "hooks.md").read_text().split("## On transformers checkpoints (the bridge)", 1)[1]
     qwen, others = text.split("### Qwen3-Next, OLMo-hybrid and Kimi-Linear", 1)
     others, mamba = others.split("### Mamba-2", 1)
     mamba, nemotron = mamba.split("### Nemotron-H", 1)
     nemotron, bamba = nemotron.split("### Bamba", 1)
     bamba, granite = bamba.split("### Granite-4.0-H", 1)
-    own = {"mamba2": mamba, "nemotron_h": nemotron, "bamba": bamba, "granitemoehybrid": granite}
+    granite, falcon = granite.split("### Falcon-H1", 1)
+    falcon, zamba = falcon.split("### Zamba2", 1)
+    own = {"mamba2": mamba, "nemotron_h": nemotron, "bamba": bamba, "granitemoehybrid": granite, "falcon_h1": falcon,
+           "zamba2": zamba}
     tables = [qwen] if layout.startswith("qwen3_5") else [own[layout]] if layout in own else [qwen, others]
     found = set()
     for table in tables:
@@ -507,12 +521,13 @@ def _documented_hooks(layout: str) -> set:
                 if token == "hook_embed":
                     found.add(("model", token))
                     continue
-                if token.startswith("mixer."):
+                if token.startswith(("mixer.", "attn.")):
                     token = "blocks.{l}." + token
                 elif not token.startswith("blocks."):   # a bare hook_x continues the cell's first name
                     token = f"{context}.{token}"
                 context = token.rsplit(".", 1)[0]
                 kind = ("attention" if "(attention)" in cell else "recurrent") if ".mixer." in token \
+                    else "attention" if ".attn." in token or token.endswith(".hook_attn_out") \
                     else "mlp block" if "(MLP blocks)" in cell else "block"
                 found.add((kind, token))
     return found
@@ -531,6 +546,7 @@ def test_the_bridge_hook_tables_of_the_docs_are_the_models_hook_points(checkpoin
             continue
         layer, rest = int(m.group(1)), m.group(2)
         kind = ("recurrent" if layer in model.recurrent_layers else "attention") if rest.startswith("mixer.") \
+            else "attention" if rest.startswith("attn.") or rest == "hook_attn_out" \
             else "block" if layer in mixer_layers else "mlp block"
         actual.add((kind, "blocks.{l}." + rest))
     assert len(documented) >= (20 if model.attention_layers else 14)   # Mamba-2: no attention or MLP hooks

@@ -11,7 +11,7 @@ the refusal of a transformers hybrid the bridge does not know, and one CLI smoke
 import pytest
 import torch
 from test_bridge import (  # noqa: F401  (collected here with this module's checkpoint fixture)
-    _randomise, test_a_state_patch_through_nnsight_equals_run_with_patches,
+    _randomise, tiny_checkpoint, test_a_state_patch_through_nnsight_equals_run_with_patches,
     test_component_swaps_equal_the_same_swaps_in_transformers_cache,
     test_every_hook_name_is_a_module_path_and_an_nnsight_envoy, test_greedy_generate_equals_transformers_generate,
     test_conv_tail_spans_reach_as_far_as_the_conv_transformers_runs,
@@ -62,14 +62,7 @@ def _build(layout: str, vocab: int):
 
 @pytest.fixture(scope="module", params=LAYOUTS)
 def checkpoint(request, tmp_path_factory):
-    tok = build_word_tokenizer()
-    torch.manual_seed(0)
-    hf, cls = _build(request.param, len(tok))
-    _randomise(hf, 0)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
-    save_word_tokenizer(tok, path)
-    return request.param, path, cls
+    return tiny_checkpoint(request.param, _build, tmp_path_factory)
 
 
 def test_loads_the_family_of_config_json(checkpoint):
