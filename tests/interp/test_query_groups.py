@@ -114,3 +114,36 @@ def test_readout_analyses_refuse_query_groups(model, pairs):
         attribute_readout(model, pairs.recipient_ids[0], 0, 0, 5)
     with pytest.raises(ValueError, match="read by 2 query heads"):
         edit_deltas(model, pairs, (0, 0))
+
+
+def test_the_scan_ranks_state_groups_and_matches_the_naive_scan(model, pairs):
+    """The growing-batch scan against one full patched forward per group (scan.naive_head_shifts, whose readout
+    restore now covers the group's query heads): one row per (example, state group)."""
+    import numpy as np
+
+    from recurscope.interp import scan
+
+    fast = scan.run_scan(model, pairs, batch_size=3).rows.set_index(["row", "layer", "head"]).sort_index()
+    slow = scan.naive_head_shifts(model, pairs).set_index(["row", "layer", "head"]).sort_index()
+    assert fast.index.equals(slow.index) and sorted(set(h for _, _, h in fast.index)) == [0, 1]
+    np.testing.assert_allclose(fast["shift"], slow["shift"], atol=2e-5, rtol=0)
+    assert fast["shift"].abs().max() > 1e-4
+
+
+def test_the_report_says_a_head_is_a_group_of_query_heads(tmp_path):
+    import json
+
+    from recurscope.interp.report import query_group_of
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gla", vocab_size=61, hidden_size=32,
+                                                          num_hidden_layers=1, num_heads=8, num_kv_heads=2)))
+    assert query_group_of(tmp_path) == 4
+    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gla", vocab_size=61, hidden_size=32,
+                                                          num_hidden_layers=1, num_heads=8)))
+    assert query_group_of(tmp_path) == 1 and query_group_of(None) == 1
+
+
+def test_readout_labels_name_the_group_and_the_query(model, pairs):
+    _, cache = model.run_with_cache(pairs.recipient_ids[:1])
+    per_head, labels = cache.stack_head_readouts(return_labels=True)
+    assert labels[:4] == ["L0H0q0", "L0H0q1", "L0H1q0", "L0H1q1"] and per_head.shape[0] == 8

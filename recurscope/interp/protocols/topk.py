@@ -166,6 +166,8 @@ def topk_section(result: ProtocolResult, model_name: str) -> Section:
         for k in top_k_sizes(len(info["rankings"][f])):
             w = {"analysis": "recovery", "format": f, "k": k}
             curve.append(f"| {f} | {k} | {ci_text(s, w, 'shift')} | {ci_text(s, w, 'recovery', pct=True)} |")
+    if not info["reported"]:
+        curve = ["No format passed the capability gate: no top-k recovery is reported."]
     ranks = "; ".join(f"{f}: " + ", ".join(head_label(h) for h in info["rankings"][f][:4])
                       + (" ..." if len(info["rankings"][f]) > 4 else "") for f in info["formats"])
     intro = (f"{info['n_components']} components, each {_component(info)}. Rankings frozen on {info['n_dev']} dev "
