@@ -137,7 +137,7 @@ def run_topk(model, *, formats: Sequence[str] = tuple(FORMATS), ranking: Optiona
     if len(curve):
         figure = FigureSpec("topk", curve, dict(
             row_col="k", hue_col="format", panels=["recovery"], kind="lines", percent=["recovery"],
-            reference={"recovery": 1.0}, panel_labels={"recovery": "recovery(k) of the all-component shift"},
+            reference={"recovery": 1.0}, panel_labels={"recovery": "recovery(k)"},
             title=f"{model_name}: joint top-k state swap ({', '.join(reported)})"))
     else:                  # every format refused by the gate: the figure shows why
         figure = FigureSpec("topk", summary, dict(
