@@ -104,3 +104,9 @@ def test_heads_that_fit_neither_grouping_are_refused():
         kernels.recurrence(q[:, :, :5], inp.k, inp.x, inp.g, backend="reference")
     with pytest.raises(ValueError, match="query groups"):   # q with more heads than k, and k fewer than x
         kernels.recurrence(q, inp.k[:, :, :1], inp.x, inp.g, backend="reference")
+
+
+def test_the_low_rank_entry_refuses_query_groups():
+    q, inp, _ = grouped_inputs("gdn")
+    with pytest.raises(ValueError, match="recurrence_low_rank takes q with k's heads"):
+        kernels.recurrence_low_rank(q, inp.k, inp.x, inp.g, inp.a, inp.a, backend="reference")
