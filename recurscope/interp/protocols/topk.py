@@ -189,9 +189,9 @@ def reading(s: pd.DataFrame, info: dict) -> list[str]:
         top1 = measure_from(s, {"analysis": "recovery", "format": f, "k": 1}, "recovery", "pct")
         rec = measure_from(s, {"analysis": "gate", "format": f, "unit": "recipient"}, "clean_recall", "pct")
         at_chance = rec is not None and rec.defined and rec.low <= chance <= rec.high
-        plainly = (f" That is chance ({100 * chance:.0f}% among {round(1 / chance)} candidates): this model cannot "
-                   "do the task (a random or untrained model reads so), so its top-k numbers say nothing about the "
-                   "paper's." if at_chance else "")
+        plainly = (f" That is chance ({100 * chance:.0f}% among {round(1 / chance)} candidates): the model does not "
+                   "do the task in this format (a random or untrained model reads the same), so top-k numbers here "
+                   "would say nothing about the paper's." if at_chance else "")
         if info["gate"] is None:
             text = top1.text() if top1 is not None else "–"
             out.append(f"{f.capitalize()} format, ungated: the top-1 component recovers {text}; not compared with "
