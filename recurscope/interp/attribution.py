@@ -310,6 +310,10 @@ def attribute_readout(
         raise ValueError(f"tokens must have shape (T,) or (B, T), got {_shape(tokens)}")
     B, T = tokens.shape
     model.check_head(int(layer), int(head))
+    if getattr(model, "query_group", 1) > 1:
+        raise ValueError(f"attribute_readout decomposes one query head's readout of its own state, but each state of "
+                         f"this model is read by {model.query_group} query heads (num_kv_heads < num_heads); run it "
+                         "on a model with one query head per state")
     layer, head = int(layer), int(head)
     if batch is None:
         if B != 1:

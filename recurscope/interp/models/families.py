@@ -106,6 +106,8 @@ class FamilySpec:
     mixer: the mixer class's name in `recurscope.interp.models.mixers` (resolved lazily: mixers import the config).
     absent_hooks: hook points of the recurrent vocabulary that this family lacks (GLA has no erase).
     state_shape / state_heads: per-head state (K, V) and the number of state-carrying heads, from a config.
+    query_group: how many consecutive query heads read each state (GLA-7B's num_kv_heads grouping: 4); 1 elsewhere.
+    A "head" of the interventions and the scan is a state group; hook_q, hook_head_out and hook_z index query heads.
     validate: messages for options the family does not implement. label: the family as `recurscope models` shows it.
     readout_norm / readout_gate: the mixer's output path o -> norm(o) * act(gate), which attribution freezes.
     mlp: whether each block carries the SwiGLU MLP after its mixer (Mamba-2's blocks are norm, mixer, residual only;
@@ -124,6 +126,7 @@ class FamilySpec:
     mixer: str
     state_shape: Callable
     state_heads: Callable
+    query_group: Callable = lambda cfg: 1
     absent_hooks: frozenset = frozenset()
     validate: Callable = lambda cfg: []
     label: Optional[Callable] = None
@@ -201,10 +204,11 @@ GLA = FamilySpec(
     name="gla", title="Gated Linear Attention (fla)", weights=FLA_WEIGHTS,
     config_keys=frozenset({"expand_k", "expand_v", "num_kv_heads", "feature_map", "use_output_gate", "clamp_min",
                            "elementwise_affine", "gate_logit_normalizer", "gate_low_rank_dim"}),
-    kernel_inputs={"q": "q_proj (short conv), per head", "k": "k_proj (short conv), shared by num_kv_heads groups",
+    kernel_inputs={"q": "q_proj (short conv), per head", "k": "k_proj (short conv), num_kv_heads state groups, each read by num_heads / num_kv_heads query heads",
                    "x": "v = v_proj (short conv)", "g": "logsigmoid(gk_proj x) / gate_logit_normalizer, per channel",
                    "a": "none (no erase)"},
-    mixer="GLAMixer", state_shape=_gla_state_shape, state_heads=lambda cfg: cfg.num_heads,
+    mixer="GLAMixer", state_shape=_gla_state_shape, state_heads=lambda cfg: cfg.num_kv_heads or cfg.num_heads,
+    query_group=lambda cfg: cfg.num_heads // (cfg.num_kv_heads or cfg.num_heads),
     absent_hooks=frozenset({"hook_erase", "hook_erase_gate"}), validate=_gla_validate,
     readout_norm=_gla_norm, readout_gate=_gla_gate,
 )

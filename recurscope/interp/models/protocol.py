@@ -113,7 +113,19 @@ class ProtocolMethods(TransformerLensMethods):
 
     @property
     def n_state_heads(self) -> int:
+        """Heads that carry a state: the unit every intervention and the scan name as a "head" (a state group read
+        by `query_group` query heads where the family groups its queries, GLA-7B)."""
         return self.cfg.state_heads
+
+    @property
+    def query_group(self) -> int:
+        """Query heads that read each state (hook_q, hook_head_out and hook_z have n_state_heads * query_group)."""
+        return int(getattr(self.cfg, "query_group", 1))
+
+    def query_heads(self, head: int) -> list[int]:
+        """The query heads (indices into hook_head_out / hook_z) that read state group `head`."""
+        m = self.query_group
+        return list(range(head * m, (head + 1) * m))
 
     def _recurrent_mixers(self) -> list:
         return [b.mixer for b in self.blocks if b.is_recurrent]
