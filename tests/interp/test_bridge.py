@@ -406,7 +406,8 @@ def test_interventions_run_through_the_protocol(checkpoint):
 # ---- the final norm and unembedding (the logit lens, the corrector) -----------------------------------------------
 def test_unembed_of_the_last_residual_is_transformers_own_logits(checkpoint):
     """unembed (the final norm, then the LM head) of the residual leaving the last block == transformers' own logits:
-    the norm is applied once, to what the last block returns."""
+    the norm is applied once, to what the last block returns. So is final_norm(resid) @ unembed_weight.T, the linear
+    map that attribution and the corrector read (Granite-4.0-H's logits_scaling included)."""
     _, path, cls = checkpoint
     model, ref = load_model(path), _reference(path, cls)
     tokens = _tokens(model.cfg.vocab_size, seed=9)
@@ -415,8 +416,10 @@ def test_unembed_of_the_last_residual_is_transformers_own_logits(checkpoint):
         expected = ref(input_ids=tokens).logits
         _, cache = model.run_with_cache(tokens, names_filter=last)
         got = model.unembed(cache[last])
+        linear = model.final_norm(cache[last]) @ model.unembed_weight.T
         head_only = model.hf.lm_head(cache[last])
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(linear, expected, rtol=0, atol=1e-5)
     assert float((head_only - expected).abs().max()) > 1e-3   # the final norm matters in this comparison
     assert model.unembed_weight.shape == (model.cfg.vocab_size, cache[last].shape[-1])
 

@@ -402,18 +402,32 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
     def unembed(self, resid: torch.Tensor) -> torch.Tensor:
         """Logits of residual-stream vectors (..., D): the text model's final norm, then the LM head. (forward
         applies only the LM head: transformers' text model returns its hidden states already normed.)"""
-        return self._logits(getattr(self.text_model[0], self.bridge_family.final_norm_attr)(resid))
+        return self._logits(self.final_norm(resid))
+
+    @property
+    def final_norm(self) -> nn.Module:
+        """The text model's final norm, which `unembed` applies before the LM head."""
+        return getattr(self.text_model[0], self.bridge_family.final_norm_attr)
+
+    @property
+    def logit_multiplier(self) -> float:
+        """The factor transformers' causal LM applies to the LM head's output: 1 / logits_scaling (Granite-4.0-H),
+        lm_head_multiplier (Falcon-H1's config names it so), 1 for every other family."""
+        config = self.hf.config
+        return float(getattr(config, "lm_head_multiplier", 1.0)) / float(getattr(config, "logits_scaling", 1.0))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head, divided by Granite-4.0-H's logits_scaling (1 for every other family)."""
+        """The LM head times logit_multiplier, as transformers' forward computes the logits."""
         logits = self.hf.lm_head(hidden)
-        scaling = float(getattr(self.hf, "logits_scaling", 1.0))
-        return logits if scaling == 1.0 else logits / scaling
+        scale = self.logit_multiplier
+        return logits if scale == 1.0 else logits * scale
 
     @property
     def unembed_weight(self) -> torch.Tensor:
-        """(vocab, D): the LM head's weight, which `unembed` applies after the final norm."""
-        return self.hf.lm_head.weight
+        """(vocab, D): the unembedding that `unembed` applies after the final norm, the LM head's weight times
+        logit_multiplier, so that final_norm(resid) @ unembed_weight.T are the model's own logits."""
+        scale = self.logit_multiplier
+        return self.hf.lm_head.weight if scale == 1.0 else self.hf.lm_head.weight * scale
 
 
 #: the earlier name (TransformerLens 4 has a `TransformerBridge` of its own)
