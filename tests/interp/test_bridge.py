@@ -57,16 +57,23 @@ def _randomise(model, seed):
                 p.copy_(torch.empty(p.shape).uniform_(0.01, 0.1, generator=g).log())
 
 
-@pytest.fixture(scope="module", params=LAYOUTS)
-def checkpoint(request, tmp_path_factory):
+def _save_checkpoint(path, build, layout: str, randomise: bool = True):
+    """A tiny random transformers checkpoint at `path`, as every bridge test module builds one: build(layout, vocab)
+    -> (transformers model, its class), after torch.manual_seed(0), its weights moved off their init (_randomise,
+    unless randomise=False), saved with the word tokenizer. -> (layout, path, class)."""
     tok = build_word_tokenizer()
     torch.manual_seed(0)
-    hf, cls = _build(request.param, len(tok))
-    _randomise(hf, 0)
-    path = tmp_path_factory.mktemp(request.param)
+    hf, cls = build(layout, len(tok))
+    if randomise:
+        _randomise(hf, 0)
     hf.save_pretrained(path)
     save_word_tokenizer(tok, path)
-    return request.param, path, cls
+    return layout, path, cls
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def checkpoint(request, tmp_path_factory):
+    return _save_checkpoint(tmp_path_factory.mktemp(request.param), _build, request.param)
 
 
 def _in_transformers_layout(model, state):
@@ -575,13 +582,9 @@ def test_scan_with_attention_below_recurrent_layers(tmp_path):
     transformers' own model, then reaches the query through the recurrent layers above it."""
     import transformers as tf
 
-    tok = build_word_tokenizer()
-    torch.manual_seed(0)
     text = dict(TEXT, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
-    hf = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(vocab_size=len(tok), intermediate_size=64, **text))
-    _randomise(hf, 0)
-    hf.save_pretrained(tmp_path)
-    save_word_tokenizer(tok, tmp_path)
+    _save_checkpoint(tmp_path, lambda _, vocab: (tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(
+        vocab_size=vocab, intermediate_size=64, **text)), None), "qwen3_5_dense")
     model = load_model(tmp_path)
     assert model.attention_layers == [1]
     _scan_against_naive(model)
@@ -590,13 +593,7 @@ def test_scan_with_attention_below_recurrent_layers(tmp_path):
 # ---- bad input ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
-    tok = build_word_tokenizer()
-    torch.manual_seed(0)
-    hf, _ = _build("qwen3_5_dense", len(tok))
-    path = tmp_path_factory.mktemp("dense")
-    hf.save_pretrained(path)
-    save_word_tokenizer(tok, path)
-    return path
+    return _save_checkpoint(tmp_path_factory.mktemp("dense"), _build, "qwen3_5_dense", randomise=False)[1]
 
 
 def test_scan_under_a_hook_on_the_attention_keys(dense):
@@ -719,13 +716,18 @@ def test_recurscope_scan_then_confirm_from_the_scan_on_a_tiny_qwen35(dense, tmp_
     assert (scan_dir / "figures" / "scan_heatmap.png").is_file() and (confirm_dir / "figures" / "effects.png").is_file()
 
 
-@pytest.mark.slow  # end to end
-def test_recurscope_patch_runs_the_five_interventions_on_a_tiny_qwen35(dense, capsys):
+def _patch_cli_runs_the_five_interventions(path, capsys):
+    """`recurscope patch` on the checkpoint at `path` (layer 1, head 0) exits 0 and reports the five arms."""
     from recurscope.interp.cli import main
 
-    args = ["patch", str(dense), "--layer", "1", "--head", "0", "--n-facts", "2", "--presentations", "2",
+    args = ["patch", str(path), "--layer", "1", "--head", "0", "--n-facts", "2", "--presentations", "2",
             "--filler", "12"]
     assert main(args) == 0
     out = capsys.readouterr().out
     for name in ("write_block", "donor_write", "state_swap", "output_patch", "output_restore"):
         assert name in out
+
+
+@pytest.mark.slow  # end to end
+def test_recurscope_patch_runs_the_five_interventions_on_a_tiny_qwen35(dense, capsys):
+    _patch_cli_runs_the_five_interventions(dense, capsys)

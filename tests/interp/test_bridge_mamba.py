@@ -11,7 +11,7 @@ single-token steps against transformers' own decode, and the CLI's scan and patc
 import pytest
 import torch
 from test_bridge import (  # noqa: F401  (collected here with this module's checkpoint fixture)
-    _randomise, test_a_state_patch_through_nnsight_equals_run_with_patches,
+    _save_checkpoint, _tokens, test_a_state_patch_through_nnsight_equals_run_with_patches,
     test_component_swaps_equal_the_same_swaps_in_transformers_cache,
     test_every_hook_name_is_a_module_path_and_an_nnsight_envoy, test_greedy_generate_equals_transformers_generate,
     test_conv_tail_spans_reach_as_far_as_the_conv_transformers_runs,
@@ -26,7 +26,6 @@ from test_bridge_hybrids import test_single_token_steps_equal_transformers_own_d
 
 from recurscope import kernels
 from recurscope.hooks.patches import StateReplace, WriteReplace, WriteScale, run_with_patches
-from recurscope.interp.data import build_word_tokenizer, save_word_tokenizer
 from recurscope.interp.loading import load_model
 
 LAYOUTS = ("mamba2", "nemotron_h", "bamba", "granitemoehybrid")
@@ -73,14 +72,7 @@ def _build(layout: str, vocab: int):
 
 @pytest.fixture(scope="module", params=LAYOUTS)
 def checkpoint(request, tmp_path_factory):
-    tok = build_word_tokenizer()
-    torch.manual_seed(0)
-    hf, cls = _build(request.param, len(tok))
-    _randomise(hf, 0)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
-    save_word_tokenizer(tok, path)
-    return request.param, path, cls
+    return _save_checkpoint(tmp_path_factory.mktemp(request.param), _build, request.param)
 
 
 def _float64(path):
@@ -88,10 +80,6 @@ def _float64(path):
     if any("experts" in n for n, _ in model.named_modules()):
         model.hf.set_experts_implementation("eager")   # MoE layers: grouped_mm has no float64
     return model
-
-
-def _tokens(vocab, B=2, T=19, seed=1):
-    return torch.randint(4, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 def test_loads_as_transformers_own_model_even_with_fla_registered(checkpoint):

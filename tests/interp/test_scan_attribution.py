@@ -43,19 +43,12 @@ def _margin_along_swap(model, pairs, i, layer, head, alpha):
     return float(z[d] - z[r])
 
 
-def _granite(word_tok, path):
+def _granite(path):
     """test_bridge_mamba's random Granite-4.0-H (logits_scaling 2, every multiplier away from 1), in float64."""
-    from test_bridge import _randomise
+    from test_bridge import _save_checkpoint
     from test_bridge_mamba import _build, _float64
 
-    from recurscope.interp.data import save_word_tokenizer
-
-    torch.manual_seed(0)
-    hf, _ = _build("granitemoehybrid", len(word_tok))
-    _randomise(hf, 0)
-    hf.save_pretrained(path)
-    save_word_tokenizer(word_tok, path)
-    return _float64(path)
+    return _float64(_save_checkpoint(path, _build, "granitemoehybrid")[1])
 
 
 @pytest.mark.parametrize("family", ["gla", "gdn", "qed", "gdn_hybrid", "qwen35", "granitemoehybrid"])
@@ -64,7 +57,7 @@ def test_estimate_is_the_derivative_of_the_exact_swap_along_its_direction(word_t
         from recurscope.interp.loading import load_model
 
         model = (load_model("tiny-qwen35", dtype=torch.float64) if family == "qwen35"
-                 else _granite(word_tok, tmp_path))
+                 else _granite(tmp_path))
         bridged = build_pairs(model.tokenizer, split="dev", n_sources=2, pairs_per_source=1, n_facts=2,
                               filler_tokens=16, gap_tokens=4)
         use, step, rel = bridged, 5e-2, 1e-3   # transformers' norms and softmax are float32 inside (see gradients)
