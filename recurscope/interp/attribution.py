@@ -15,7 +15,8 @@ Unrolling, S_t = M_t...M_1 S_0 + sum_{i<=t} C_i^(t) with C_i^(t) = M_t...M_{i+1}
 
 Every M_i acts on the key dimension only, so the adjoint covector lam_i lives in R^K and the sweep costs O(t K) per
 head; nothing is rerun per token. The "decay plus low-rank" form (kernels.recurrence_low_rank, RWKV-7), with
-M_t = Diag(exp g_t) - b_t a_t^T, has lam_{i-1} = Diag(exp g_i) lam_i - a_i (b_i^T lam_i) instead. (Positions are 0-based here; S_0 above is the state before position 0.)
+M_t = Diag(exp g_t) - b_t a_t^T, has lam_{i-1} = Diag(exp g_i) lam_i - a_i (b_i^T lam_i) instead. (Positions are
+0-based here; S_0 above is the state before position 0.)
 
 Caveat (read before using the numbers). The decomposition is exact along ONE fixed forward trajectory: the M_i are
 those of this run. It is not identifiable from the state: adding a matrix E to C_i^(t) and subtracting it from C_j^(t)

@@ -149,6 +149,11 @@ def test_bad_inputs_raise_named_value_errors():
     with pytest.raises(ValueError, match=r"initial_state must have shape \(K, V\)"):
         one = {n: (None if v is None else v[0, :, 0]) for n, v in inp.items()}
         readout_contributions(**one, t=0, initial_state=torch.zeros(V, K, dtype=F64))
+    with pytest.raises(ValueError, match=r"b \(the low-rank transition's erase direction\) needs a"):
+        readout_contributions(**inp, t=0, head=0, batch=0, b=inp["q"])
+    low = low_rank_inputs()
+    with pytest.raises(ValueError, match=r"b must have a's shape \(2, 10, 3, 5\), got \(2, 10, 3, 4\)"):
+        readout_contributions(**{**low, "b": low["b"][..., :4]}, t=0, head=0, batch=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
