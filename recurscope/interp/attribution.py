@@ -279,6 +279,25 @@ def _norm_gate_map(model, cache, layer: int, head: int, position: int, batch: in
     return s, torch.zeros_like(s), False
 
 
+def _bridged_map(model, cache, layer: int, head: int, position: int, batch: int):
+    """A bridged transformers mixer: hook_z = c * (o + D x), c per channel once the gated norm's rms is frozen
+    (weight * act(gate) / rms over the head, or over the group of heads that Mamba-2's norm spans), D x Mamba-2's
+    skip (none in the other families). c is read off this run as hook_z / (o + D x), which the gated norms' diagonal
+    form makes exact; tests/interp/test_bridge*.py check it against hand computations from the models' own gates."""
+    mixer = model.blocks[layer].mixer
+    o = cache[hook_name("hook_head_out", layer)][batch, position, head].double()
+    skip = torch.zeros_like(o)
+    if getattr(mixer, "D", None) is not None:
+        skip = mixer.D.double().reshape(mixer.num_heads, -1)[head] * \
+            cache[hook_name("hook_v", layer)][batch, position, head].double()
+    y = o + skip
+    if bool((y == 0).any()):
+        raise ValueError(f"layer {layer} head {head}: the readout is exactly 0 in a channel at position {position}, so "
+                         f"its frozen output scale cannot be read off hook_z; pass an explicit direction")
+    s = cache[hook_name("hook_z", layer)][batch, position, head].double() / y
+    return s, s * skip, False
+
+
 def _frozen_final_norm(norm, resid: torch.Tensor):
     """(scale (D,), centred): the final norm as the linear map delta -> scale * (delta - centred * mean(delta)) with
     its statistics frozen at `resid`. A LayerNorm centres; any other norm is taken as an RMS norm x -> x * r(x) * w
@@ -303,24 +322,24 @@ def candidate_direction(model, cache, layer: int, head: int, position: int, batc
 
     o -> z = s * o + c (centred first where the head's norm centres: RWKV-7's group norm) -> o_proj (this head's
     columns) -> the final norm with its statistics frozen -> unembedding rows a minus b (unembed_weight, output
-    multipliers included). The family's spec gives the frozen map o -> z (readout_map, or readout_norm and
-    readout_gate for norm(o) * act(gate)); the terms c that do not depend on o (Mamba-2's D skip, RWKV-7's bonus and
+    multipliers included). A native family's spec gives the frozen map o -> z (readout_map, or readout_norm and
+    readout_gate for norm(o) * act(gate)); a bridged mixer's is read off the run (_bridged_map), and its block's
+    residual_multiplier scales the path. The terms c that do not depend on o (Mamba-2's D skip, RWKV-7's bonus and
     norm bias) drop out of d. Later layers are not on this path (direct effect only), as in direct logit attribution;
     the frozen map reproduces hook_z exactly, which is checked.
     """
     spec = model.family
     if getattr(model, "bridge_family", None) is not None:
-        raise ValueError(f"candidate_direction reads the output path of recurscope's own (fla-format) models; a "
-                         f"bridged transformers model ({spec.name}) has no frozen map of its own yet: pass an explicit "
-                         f"direction to attribute_readout")
-    if spec.readout_map is not None:
+        s, offset, centred = _bridged_map(model, cache, layer, head, position, batch)
+    elif spec.readout_map is not None:
         s, offset, centred = spec.readout_map(model, cache, layer, head, position, batch)
     elif spec.readout_norm is not None:
         s, offset, centred = _norm_gate_map(model, cache, layer, head, position, batch)
     else:
         raise ValueError(f"family {spec.name!r} declares no output path (readout_map or readout_norm in its spec), so "
                          f"candidate_direction cannot freeze it; pass an explicit direction to attribute_readout")
-    mixer = model.blocks[layer].mixer
+    block = model.blocks[layer]
+    mixer = block.mixer
     V = mixer.head_v
     o_t = cache[hook_name("hook_head_out", layer)][batch, position, head].double()
     z_t = cache[hook_name("hook_z", layer)][batch, position, head].double()
@@ -340,7 +359,13 @@ def candidate_direction(model, cache, layer: int, head: int, position: int, batc
     w = final_scale * (W_U[good] - W_U[bad])
     if final_centred:          # the centring projector is symmetric: (P r) . w = r . (P w)
         w = w - w.mean()
-    W_O = mixer.o_proj.weight.double()[:, head * V:(head + 1) * V]   # (D, V): head h's slice of o_proj's input
+    if getattr(block, "norm_layout", "pre") != "pre":
+        raise ValueError(f"layer {layer} norms its mixer's output after o_proj (a post-norm block); "
+                         f"candidate_direction follows pre-norm blocks only: pass an explicit direction")
+    out_proj = getattr(mixer, getattr(mixer, "out_attr", "o_proj"))   # a bridged mixer names its own
+    # (D, V): head h's slice of the output projection's input, times what the block scales the mixer's output by
+    # (Granite-4.0-H's residual_multiplier)
+    W_O = out_proj.weight.double()[:, head * V:(head + 1) * V] * getattr(block, "residual_multiplier", 1.0)
     d = s * (W_O.T @ w)
     return d - d.mean() if centred else d
 

@@ -291,14 +291,6 @@ def test_rwkv7_candidate_projections_follow_its_group_norm_and_gate():
     assert df.projection.sum() == pytest.approx(expected, rel=1e-6, abs=1e-12)
 
 
-def test_candidate_direction_refuses_a_bridged_model_by_name():
-    from recurscope.interp.loading import load_model
-
-    model = load_model("tiny-qwen35")
-    with pytest.raises(ValueError, match=r"bridged transformers model \(qwen3_5\).*pass an explicit direction"):
-        attribute_readout(model, TOKENS, 0, 0, 3, candidates=(1, 2))
-
-
 def test_model_with_a_patched_write_key_still_sums_to_hook_head_out():
     model = tiny_model("qed").double()
     layer, head, pos = 1, 0, 11

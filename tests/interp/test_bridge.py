@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from recurscope import kernels
@@ -429,6 +430,57 @@ def test_unembed_of_the_last_residual_is_transformers_own_logits(checkpoint):
     torch.testing.assert_close(linear, expected, rtol=0, atol=1e-5)
     assert float((head_only - expected).abs().max()) > 1e-3   # the final norm matters in this comparison
     assert model.unembed_weight.shape == (model.cfg.vocab_size, cache[last].shape[-1])
+
+
+def _output_of(module, model, tokens):
+    """What `module` (a transformers projection inside the bridged model) returns in a forward of `tokens`."""
+    got = {}
+    handle = module.register_forward_hook(lambda m, args, out: got.setdefault("out", out.detach()))
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        handle.remove()
+    return got["out"]
+
+
+def _candidate_rows(model, tokens, layer, head, pos, good, bad):
+    """attribute_readout's rows with candidates (good, bad), after checking that they sum to hook_head_out."""
+    from recurscope.interp.attribution import attribute_readout
+
+    df = attribute_readout(model, tokens, layer, head, pos, candidates=(good, bad))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
+    o = cache[f"blocks.{layer}.mixer.hook_head_out"][0, pos, head]
+    np.testing.assert_allclose(np.stack(df.contribution).sum(0), o.numpy(), rtol=0,
+                               atol=1e-9 * float(o.abs().max()))
+    return df, cache
+
+
+def test_candidate_projections_follow_the_gated_norm_by_hand(checkpoint):
+    """attribution's candidate direction on a bridged Qwen3.5: z = rmsnorm(o) * weight * silu(in_proj_z(h)) per
+    value head; with the rms frozen, the head's direct logit difference through out_proj, the final norm (its weight
+    1 + w) frozen at the last residual and the LM head, by hand from transformers' own modules."""
+    _, path, _ = checkpoint
+    model = load_model(path, dtype=torch.float64)
+    model.hf.set_experts_implementation("eager")    # MoE layers: grouped_mm has no float64
+    layer, head, pos, good, bad = 1, 1, 10, 5, 17
+    tokens = _tokens(model.cfg.vocab_size, B=1, T=12, seed=3)
+    mixer = model.blocks[layer].mixer
+    cols = slice(head * mixer.head_v, (head + 1) * mixer.head_v)
+    gate = _output_of(mixer.in_proj_z, model, tokens)[0, pos, cols]
+    df, cache = _candidate_rows(model, tokens, layer, head, pos, good, bad)
+    o = cache[f"blocks.{layer}.mixer.hook_head_out"][0, pos, head]
+    with torch.no_grad():
+        s = torch.rsqrt(o.pow(2).mean() + mixer.norm.variance_epsilon) * mixer.norm.weight * F.silu(gate)
+        torch.testing.assert_close(s * o, cache[f"blocks.{layer}.mixer.hook_z"][0, pos, head], rtol=1e-5, atol=1e-9)
+        written = mixer.out_proj.weight[:, cols] @ (s * o)
+        resid = cache[f"blocks.{model.cfg.num_hidden_layers - 1}.hook_resid_post"][0, pos]
+        final = model.final_norm
+        frozen = written * torch.rsqrt(resid.pow(2).mean() + final.eps) * (1 + final.weight)
+        expected = float((model.hf.lm_head.weight[good] - model.hf.lm_head.weight[bad]) @ frozen)
+    assert abs(expected) > 1e-6
+    assert df.projection.sum() == pytest.approx(expected, rel=1e-5)
 
 
 def test_lens_after_the_last_layer_is_the_model_itself(checkpoint):

@@ -124,6 +124,43 @@ def test_single_token_steps_equal_transformers_own_decode(checkpoint):
     _decode_steps(checkpoint)
 
 
+def test_candidate_projections_follow_the_gated_group_norm_by_hand(checkpoint):
+    """attribution's candidate direction on a bridged Mamba-2: z = the gated norm of y = o + D x, the rms of
+    y * silu(gate) taken over the group of heads the norm spans. By hand from transformers' own in_proj (the gate), D
+    and norm: with the rms frozen, o_h writes s * o_h into z, then out_proj, the layer's residual_multiplier, the final
+    norm frozen at the last residual, and the LM head divided by logits_scaling (Granite-4.0-H: 0.5 and 2 here)."""
+    import torch.nn.functional as F
+    from test_bridge import _candidate_rows, _output_of
+
+    layout, path, _ = checkpoint
+    model = _float64(path)
+    layer, head, pos, good, bad = 1, 3, 10, 5, 17
+    tokens = _tokens(model.cfg.vocab_size, B=1, T=12, seed=3)
+    block = model.blocks[layer]
+    mixer = block.mixer
+    H, P = mixer.num_heads, mixer.head_dim
+    gate = _output_of(mixer.in_proj, model, tokens)[0, pos, :mixer.intermediate_size].view(H, P)
+    df, cache = _candidate_rows(model, tokens, layer, head, pos, good, bad)
+    at = lambda point: cache[f"blocks.{layer}.mixer.{point}"][0, pos]  # noqa: E731
+    o = at("hook_head_out")
+    with torch.no_grad():
+        y = o + mixer.D[:, None] * at("hook_v")
+        per_group = H // mixer.n_groups
+        mates = slice(head // per_group * per_group, (head // per_group + 1) * per_group)
+        r = torch.rsqrt((y[mates] * F.silu(gate[mates])).pow(2).mean() + mixer.norm.variance_epsilon)
+        s = r * mixer.norm.weight.view(H, P)[head] * F.silu(gate[head])
+        torch.testing.assert_close(s * y[head], at("hook_z")[head], rtol=1e-5, atol=1e-9)
+        multiplier = model.hf.config.residual_multiplier if layout == "granitemoehybrid" else 1.0
+        written = multiplier * mixer.out_proj.weight[:, head * P:(head + 1) * P] @ (s * o[head])
+        resid = cache[f"blocks.{model.cfg.num_hidden_layers - 1}.hook_resid_post"][0, pos]
+        final = model.final_norm
+        frozen = written * torch.rsqrt(resid.pow(2).mean() + final.variance_epsilon) * final.weight
+        unembed = model.hf.lm_head.weight / (model.hf.config.logits_scaling if layout == "granitemoehybrid" else 1.0)
+        expected = float((unembed[good] - unembed[bad]) @ frozen)
+    assert abs(expected) > 1e-7
+    assert df.projection.sum() == pytest.approx(expected, rel=1e-5)
+
+
 def test_the_fla_format_of_the_same_model_type_still_loads_natively(tmp_path):
     """model_type "mamba2" in fla's format (norm_eps, dt_limit) stays a native RecurrentLM."""
     from helpers_models import tiny_model

@@ -107,7 +107,8 @@ class FamilySpec:
     absent_hooks: hook points of the recurrent vocabulary that this family lacks (GLA has no erase).
     state_shape / state_heads: per-head state (K, V) and the number of state-carrying heads, from a config.
     validate: messages for options the family does not implement. label: the family as `recurscope models` shows it.
-    readout_norm / readout_gate: the mixer's output path o -> norm(o) * act(gate), which attribution freezes.
+    readout_norm / readout_gate: the mixer's output path o -> norm(o) * act(gate), which attribution freezes (native
+    families; a bridged mixer's frozen scale is read off its run, attribution._bridged_map).
     readout_map: for an output path of another form, (model, cache, layer, head, position, batch) -> (s, c, centred):
     hook_z of that head = s * (o - centred * mean(o)) + c, every norm statistic and gate frozen at the run's values
     (attribution.candidate_direction; the cache holds the mixer's hooks, hook_resid_pre and the last hook_resid_post).
