@@ -70,3 +70,15 @@ def assert_write_block_is_the_state_edit_that_removes_it(model, layer: int, head
         edited = run_with_patches(model, tokens, [StateReplace(layer, [head], p, S - write)])
     torch.testing.assert_close(blocked, edited, atol=1e-5, rtol=1e-5)
     assert (blocked - model(tokens)).abs().max() > 1e-4
+
+
+def output_of(module, model, tokens):
+    """What `module` (a projection inside `model`) returns in a forward of `tokens`: the model's own value."""
+    got = {}
+    handle = module.register_forward_hook(lambda m, args, out: got.setdefault("out", out.detach()))
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        handle.remove()
+    return got["out"]

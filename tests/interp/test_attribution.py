@@ -8,7 +8,7 @@ from recurscope.hooks.points import hook_name
 from recurscope.interp.attribution import Contributions, attribute_readout, readout_contributions
 from recurscope.kernels.inputs import family_inputs as kernel_inputs
 
-from helpers_models import tiny_model
+from helpers_models import output_of, tiny_model
 
 B, T, H, K, V = 2, 10, 3, 5, 4
 F64 = torch.float64
@@ -205,18 +205,6 @@ def test_candidate_projections_sum_to_the_heads_direct_logit_difference(family):
     assert df.projection.sum() == pytest.approx(expected, rel=1e-6, abs=1e-12)
 
 
-def _captured_output(module, model, tokens):
-    """What `module` returns in a forward of `tokens` (the model's own projection, read from inside its run)."""
-    got = {}
-    handle = module.register_forward_hook(lambda m, args, out: got.setdefault("out", out.detach()))
-    try:
-        with torch.no_grad():
-            model(tokens)
-    finally:
-        handle.remove()
-    return got["out"]
-
-
 def _direct_logit_difference(model, head_cols, z_o, resid, good, bad):
     """(W_U[a] - W_U[b]) . final_norm_frozen(head's o_proj columns @ z_o), the final norm's statistics frozen at
     resid: an RMSNorm's scale, or a LayerNorm's centring and scale."""
@@ -240,7 +228,7 @@ def test_mamba2_candidate_projections_follow_its_gated_group_norm(variant):
     mixer = model.blocks[layer].mixer
     H, P, inner = mixer.num_heads, mixer.head_v, mixer.intermediate
     _, cache = model.run_with_cache(TOKENS)
-    gate = _captured_output(mixer.in_proj, model, TOKENS)[0, pos, :inner].view(H, P)
+    gate = output_of(mixer.in_proj, model, TOKENS)[0, pos, :inner].view(H, P)
     at = lambda point: cache[hook_name(point, layer)][0, pos].detach()  # noqa: E731
     o, x = at("hook_head_out"), at("hook_v")
     torch.set_grad_enabled(False)  # restored below; the weights require grad
@@ -275,7 +263,7 @@ def test_rwkv7_candidate_projections_follow_its_group_norm_and_gate():
     V = mixer.head_v
     cols = slice(head * V, (head + 1) * V)
     _, cache = model.run_with_cache(TOKENS)
-    gate = _captured_output(mixer.g_lora, model, TOKENS)[0, pos, cols]
+    gate = output_of(mixer.g_lora, model, TOKENS)[0, pos, cols]
     at = lambda point: cache[hook_name(point, layer)][0, pos, head].detach()  # noqa: E731
     o = at("hook_head_out")
     torch.set_grad_enabled(False)  # restored below; the weights require grad

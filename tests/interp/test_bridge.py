@@ -22,6 +22,8 @@ from recurscope.interp.bridge.torch_path import torch_reference_path
 from recurscope.interp.data import build_pairs, build_word_tokenizer, save_word_tokenizer
 from recurscope.interp.loading import load_model
 
+from helpers_models import output_of
+
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = ("qwen3_5_dense", "qwen3_5_moe", "qwen3_5_multimodal")
 GDN = dict(linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16,
@@ -432,18 +434,6 @@ def test_unembed_of_the_last_residual_is_transformers_own_logits(checkpoint):
     assert model.unembed_weight.shape == (model.cfg.vocab_size, cache[last].shape[-1])
 
 
-def _output_of(module, model, tokens):
-    """What `module` (a transformers projection inside the bridged model) returns in a forward of `tokens`."""
-    got = {}
-    handle = module.register_forward_hook(lambda m, args, out: got.setdefault("out", out.detach()))
-    try:
-        with torch.no_grad():
-            model(tokens)
-    finally:
-        handle.remove()
-    return got["out"]
-
-
 def _candidate_rows(model, tokens, layer, head, pos, good, bad):
     """attribute_readout's rows with candidates (good, bad), after checking that they sum to hook_head_out."""
     from recurscope.interp.attribution import attribute_readout
@@ -468,7 +458,7 @@ def test_candidate_projections_follow_the_gated_norm_by_hand(checkpoint):
     tokens = _tokens(model.cfg.vocab_size, B=1, T=12, seed=3)
     mixer = model.blocks[layer].mixer
     cols = slice(head * mixer.head_v, (head + 1) * mixer.head_v)
-    gate = _output_of(mixer.in_proj_z, model, tokens)[0, pos, cols]
+    gate = output_of(mixer.in_proj_z, model, tokens)[0, pos, cols]
     df, cache = _candidate_rows(model, tokens, layer, head, pos, good, bad)
     o = cache[f"blocks.{layer}.mixer.hook_head_out"][0, pos, head]
     with torch.no_grad():

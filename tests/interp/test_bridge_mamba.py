@@ -130,7 +130,8 @@ def test_candidate_projections_follow_the_gated_group_norm_by_hand(checkpoint):
     and norm: with the rms frozen, o_h writes s * o_h into z, then out_proj, the layer's residual_multiplier, the final
     norm frozen at the last residual, and the LM head divided by logits_scaling (Granite-4.0-H: 0.5 and 2 here)."""
     import torch.nn.functional as F
-    from test_bridge import _candidate_rows, _output_of
+    from helpers_models import output_of
+    from test_bridge import _candidate_rows
 
     layout, path, _ = checkpoint
     model = _float64(path)
@@ -139,7 +140,7 @@ def test_candidate_projections_follow_the_gated_group_norm_by_hand(checkpoint):
     block = model.blocks[layer]
     mixer = block.mixer
     H, P = mixer.num_heads, mixer.head_dim
-    gate = _output_of(mixer.in_proj, model, tokens)[0, pos, :mixer.intermediate_size].view(H, P)
+    gate = output_of(mixer.in_proj, model, tokens)[0, pos, :mixer.intermediate_size].view(H, P)
     df, cache = _candidate_rows(model, tokens, layer, head, pos, good, bad)
     at = lambda point: cache[f"blocks.{layer}.mixer.{point}"][0, pos]  # noqa: E731
     o = at("hook_head_out")
