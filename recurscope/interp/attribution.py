@@ -324,7 +324,7 @@ def candidate_direction(model, cache, layer: int, head: int, position: int, batc
     columns) -> the final norm with its statistics frozen -> unembedding rows a minus b (unembed_weight, output
     multipliers included). A native family's spec gives the frozen map o -> z (readout_map, or readout_norm and
     readout_gate for norm(o) * act(gate)); a bridged mixer's is read off the run (_bridged_map), and its block's
-    residual_multiplier scales the path. The terms c that do not depend on o (Mamba-2's D skip, RWKV-7's bonus and
+    mixer_output_scale scales the path. The terms c that do not depend on o (Mamba-2's D skip, RWKV-7's bonus and
     norm bias) drop out of d. Later layers are not on this path (direct effect only), as in direct logit attribution;
     the frozen map reproduces hook_z exactly, which is checked.
     """
@@ -364,8 +364,8 @@ def candidate_direction(model, cache, layer: int, head: int, position: int, batc
                          f"candidate_direction follows pre-norm blocks only: pass an explicit direction")
     out_proj = getattr(mixer, getattr(mixer, "out_attr", "o_proj"))   # a bridged mixer names its own
     # (D, V): head h's slice of the output projection's input, times what the block scales the mixer's output by
-    # (Granite-4.0-H's residual_multiplier)
-    W_O = out_proj.weight.double()[:, head * V:(head + 1) * V] * getattr(block, "residual_multiplier", 1.0)
+    # (a bridged block's mixer_output_scale: Granite-4.0-H's residual_multiplier, Falcon-H1's ssm_out_multiplier)
+    W_O = out_proj.weight.double()[:, head * V:(head + 1) * V] * getattr(block, "mixer_output_scale", 1.0)
     d = s * (W_O.T @ w)
     return d - d.mean() if centred else d
 

@@ -60,15 +60,17 @@ def _randomise(model, seed):
                 p.copy_(torch.empty(p.shape).uniform_(0.01, 0.1, generator=g).log())
 
 
-def _save_checkpoint(path, build, layout: str, randomise: bool = True):
-    """A tiny random transformers checkpoint at `path`, as every bridge test module builds one: build(layout, vocab)
-    -> (transformers model, its class), after torch.manual_seed(0), its weights moved off their init (_randomise,
-    unless randomise=False), saved with the word tokenizer. -> (layout, path, class)."""
+def tiny_checkpoint(layout: str, build, tmp_path_factory, randomise: bool = True):
+    """(layout, directory, transformers class) of a tiny random checkpoint: `build(layout, vocab)` gives transformers'
+    own model (and its class), after torch.manual_seed(0), randomised by `_randomise` (unless randomise=False), saved
+    with save_pretrained beside the word tokenizer. Every bridge test module's parametrised `checkpoint` fixture (and
+    test_hybrid's bridged layouts) build theirs with it."""
     tok = build_word_tokenizer()
     torch.manual_seed(0)
     hf, cls = build(layout, len(tok))
     if randomise:
         _randomise(hf, 0)
+    path = tmp_path_factory.mktemp(layout)
     hf.save_pretrained(path)
     save_word_tokenizer(tok, path)
     return layout, path, cls
@@ -76,7 +78,7 @@ def _save_checkpoint(path, build, layout: str, randomise: bool = True):
 
 @pytest.fixture(scope="module", params=LAYOUTS)
 def checkpoint(request, tmp_path_factory):
-    return _save_checkpoint(tmp_path_factory.mktemp(request.param), _build, request.param)
+    return tiny_checkpoint(request.param, _build, tmp_path_factory)
 
 
 def _in_transformers_layout(model, state):
@@ -217,7 +219,9 @@ def _hand_swapped_suffix(ref, recipient, donor, b, parts):
                 mine.recurrent_states[0] = theirs.recurrent_states[0].clone()
             if "conv" in parts:
                 mine.conv_states[0] = theirs.conv_states[0].clone()
-        elif "kv" in parts and getattr(mine, "keys", None) is not None:   # not Nemotron-H's MLP blocks
+        # attention layers and Falcon-H1's parallel layers (state, conv and K/V in one cache layer); not Nemotron-H's
+        # MLP blocks
+        if "kv" in parts and getattr(mine, "keys", None) is not None:
             mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
     return ref(input_ids=recipient[:, b:], cache=rec, use_cache=True, position_ids=_after(recipient, b)).logits
 
@@ -531,22 +535,27 @@ def test_conv_tail_spans_reach_as_far_as_the_conv_transformers_runs(checkpoint):
 
 
 # ---- the bridge's hook tables in docs/hooks.md --------------------------------------------------------------------
-_HOOK_TOKEN = re.compile(r"`((?:blocks\.\{l\}\.)?(?:mixer\.)?hook_\w+)`")
+_HOOK_TOKEN = re.compile(r"`((?:blocks\.\{l\}\.)?(?:mixer\.|attn\.)?hook_\w+)`")
 
 
 def _documented_hooks(layout: str) -> set:
     """{(kind, name)} of the bridge's tables in docs/hooks.md, kind "model", "block" (every layer), "recurrent" or
     "attention" (a row marked "(attention)"); names as blocks.{l}.[mixer.]hook_x. The Qwen3.5 table serves every
     layout, the second table adds the rows of Qwen3-Next, OLMo-hybrid and Kimi-Linear (their other rows read as in
-    the first); Mamba-2, Nemotron-H, Bamba and Granite-4.0-H have tables of their own ("mlp block": a row marked
-    "(MLP blocks)", Nemotron-H's blocks that hold only an MLP or MoE)."""
+    the first); Mamba-2, Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1 and Zamba2 have tables of their own ("mlp
+    block": a row marked "(MLP blocks)", Nemotron-H's blocks that hold only an MLP or MoE; `attn.` names are the
+    attention beside Falcon-H1's recurrent mixer or in a use of Zamba2's shared block, kind "attention", as is
+    `hook_attn_out`, what that attention adds)."""
     text = (ROOT / "docs" / "hooks.md").read_text().split("## On transformers checkpoints (the bridge)", 1)[1]
     qwen, others = text.split("### Qwen3-Next, OLMo-hybrid and Kimi-Linear", 1)
     others, mamba = others.split("### Mamba-2", 1)
     mamba, nemotron = mamba.split("### Nemotron-H", 1)
     nemotron, bamba = nemotron.split("### Bamba", 1)
     bamba, granite = bamba.split("### Granite-4.0-H", 1)
-    own = {"mamba2": mamba, "nemotron_h": nemotron, "bamba": bamba, "granitemoehybrid": granite}
+    granite, falcon = granite.split("### Falcon-H1", 1)
+    falcon, zamba = falcon.split("### Zamba2", 1)
+    own = {"mamba2": mamba, "nemotron_h": nemotron, "bamba": bamba, "granitemoehybrid": granite, "falcon_h1": falcon,
+           "zamba2": zamba}
     tables = [qwen] if layout.startswith("qwen3_5") else [own[layout]] if layout in own else [qwen, others]
     found = set()
     for table in tables:
@@ -559,12 +568,13 @@ def _documented_hooks(layout: str) -> set:
                 if token == "hook_embed":
                     found.add(("model", token))
                     continue
-                if token.startswith("mixer."):
+                if token.startswith(("mixer.", "attn.")):
                     token = "blocks.{l}." + token
                 elif not token.startswith("blocks."):   # a bare hook_x continues the cell's first name
                     token = f"{context}.{token}"
                 context = token.rsplit(".", 1)[0]
                 kind = ("attention" if "(attention)" in cell else "recurrent") if ".mixer." in token \
+                    else "attention" if ".attn." in token or token.endswith(".hook_attn_out") \
                     else "mlp block" if "(MLP blocks)" in cell else "block"
                 found.add((kind, token))
     return found
@@ -583,6 +593,7 @@ def test_the_bridge_hook_tables_of_the_docs_are_the_models_hook_points(checkpoin
             continue
         layer, rest = int(m.group(1)), m.group(2)
         kind = ("recurrent" if layer in model.recurrent_layers else "attention") if rest.startswith("mixer.") \
+            else "attention" if rest.startswith("attn.") or rest == "hook_attn_out" \
             else "block" if layer in mixer_layers else "mlp block"
         actual.add((kind, "blocks.{l}." + rest))
     assert len(documented) >= (20 if model.attention_layers else 14)   # Mamba-2: no attention or MLP hooks
@@ -619,15 +630,15 @@ def test_scan_equals_one_full_patched_forward_per_head(checkpoint):
     _scan_against_naive(load_model(checkpoint[1]))
 
 
-def test_scan_with_attention_below_recurrent_layers(tmp_path):
+def test_scan_with_attention_below_recurrent_layers(tmp_path_factory):
     """As above on a Qwen3.5 whose attention layer sits second: the causal mask within the suffix, recorded from
     transformers' own model, then reaches the query through the recurrent layers above it."""
     import transformers as tf
 
     text = dict(TEXT, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
-    _save_checkpoint(tmp_path, lambda _, vocab: (tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(
-        vocab_size=vocab, intermediate_size=64, **text)), None), "qwen3_5_dense")
-    model = load_model(tmp_path)
+    _, path, _ = tiny_checkpoint("qwen3_5_dense", lambda _, vocab: (tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(
+        vocab_size=vocab, intermediate_size=64, **text)), None), tmp_path_factory)
+    model = load_model(path)
     assert model.attention_layers == [1]
     _scan_against_naive(model)
 
@@ -635,7 +646,7 @@ def test_scan_with_attention_below_recurrent_layers(tmp_path):
 # ---- bad input ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
-    return _save_checkpoint(tmp_path_factory.mktemp("dense"), _build, "qwen3_5_dense", randomise=False)[1]
+    return tiny_checkpoint("qwen3_5_dense", _build, tmp_path_factory, randomise=False)[1]
 
 
 def test_scan_under_a_hook_on_the_attention_keys(dense):

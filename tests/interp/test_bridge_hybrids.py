@@ -11,7 +11,7 @@ the refusal of a transformers hybrid the bridge does not know, and one CLI smoke
 import pytest
 import torch
 from test_bridge import (  # noqa: F401  (collected here with this module's checkpoint fixture)
-    _patch_cli_runs_the_five_interventions, _save_checkpoint,
+    _patch_cli_runs_the_five_interventions, tiny_checkpoint,
     test_a_state_patch_through_nnsight_equals_run_with_patches,
     test_component_swaps_equal_the_same_swaps_in_transformers_cache,
     test_every_hook_name_is_a_module_path_and_an_nnsight_envoy, test_greedy_generate_equals_transformers_generate,
@@ -62,7 +62,7 @@ def _build(layout: str, vocab: int):
 
 @pytest.fixture(scope="module", params=LAYOUTS)
 def checkpoint(request, tmp_path_factory):
-    return _save_checkpoint(tmp_path_factory.mktemp(request.param), _build, request.param)
+    return tiny_checkpoint(request.param, _build, tmp_path_factory)
 
 
 def test_loads_the_family_of_config_json(checkpoint):
@@ -126,6 +126,5 @@ def test_refuses_an_unknown_architecture_by_name(tmp_path):
         load_model(tmp_path)
 
 
-def test_recurscope_patch_runs_on_a_tiny_kimi_linear(tmp_path, capsys):
-    _save_checkpoint(tmp_path, _build, "kimi_linear")
-    _patch_cli_runs_the_five_interventions(tmp_path, capsys)
+def test_recurscope_patch_runs_on_a_tiny_kimi_linear(tmp_path_factory, capsys):
+    _patch_cli_runs_the_five_interventions(tiny_checkpoint("kimi_linear", _build, tmp_path_factory)[1], capsys)
