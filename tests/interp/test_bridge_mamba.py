@@ -13,7 +13,7 @@ Zamba2's per-use hook points, and every CLI verb on both."""
 import pytest
 import torch
 from test_bridge import (  # noqa: F401  (collected here with this module's checkpoint fixture)
-    tiny_checkpoint, test_a_state_patch_through_nnsight_equals_run_with_patches,
+    _tokens, tiny_checkpoint, test_a_state_patch_through_nnsight_equals_run_with_patches,
     test_component_swaps_equal_the_same_swaps_in_transformers_cache,
     test_every_hook_name_is_a_module_path_and_an_nnsight_envoy, test_greedy_generate_equals_transformers_generate,
     test_conv_tail_spans_reach_as_far_as_the_conv_transformers_runs,
@@ -109,10 +109,6 @@ def _float64(path):
     return model
 
 
-def _tokens(vocab, B=2, T=19, seed=1):
-    return torch.randint(4, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
 def test_loads_as_transformers_own_model_even_with_fla_registered(checkpoint):
     """Mamba-2: every layer a bridged Mamba-2 mixer; Nemotron-H: layers 0-2 Mamba-2, 3 attention, 4 an MLP-only block
     that is neither; no erase hooks; the state is N x P. fla registers its own Mamba-2 under the same model_type
@@ -163,6 +159,55 @@ def test_single_token_steps_equal_transformers_own_decode(checkpoint):
         torch.testing.assert_close(torch.cat(steps, 1), full[:, 6:], rtol=0, atol=1e-5)
         return
     _decode_steps(checkpoint)
+
+
+def test_candidate_projections_follow_the_gated_group_norm_by_hand(checkpoint):
+    """attribution's candidate direction on a bridged Mamba-2: z = the gated norm of y = o + D x, the rms of
+    y * silu(gate) taken over the group of heads the norm spans (Falcon-H1 without mamba_rms_norm: z = y * silu(gate),
+    its gate scaled by mup_vector). By hand from transformers' own in_proj (the gate), D and norm: with the rms frozen,
+    o_h writes s * o_h into z, then out_proj, the layer's multiplier (Granite-4.0-H's residual_multiplier 0.5,
+    Falcon-H1's ssm_out_multiplier 0.6), the final norm frozen at the last residual, and the LM head times its
+    multiplier (Granite-4.0-H: 1 / logits_scaling 2, Falcon-H1: lm_head_multiplier 0.5)."""
+    import torch.nn.functional as F
+    from helpers_models import output_of
+    from test_bridge import _candidate_rows
+
+    layout, path, _ = checkpoint
+    model = _float64(path)
+    layer, head, pos, good, bad = 1, 3, 10, 5, 17
+    tokens = _tokens(model.cfg.vocab_size, B=1, T=12, seed=3)
+    mixer = model.blocks[layer].mixer
+    H, P = mixer.num_heads, mixer.head_dim
+    projected = output_of(mixer.in_proj, model, tokens)
+    if layout == "falcon_h1":
+        projected = projected * mixer.mup_vector
+    gate = projected[0, pos, :mixer.intermediate_size].view(H, P)
+    df, cache = _candidate_rows(model, tokens, layer, head, pos, good, bad)
+    at = lambda point: cache[f"blocks.{layer}.mixer.{point}"][0, pos]  # noqa: E731
+    o = at("hook_head_out")
+    config = model.hf.config
+    with torch.no_grad():
+        y = o + mixer.D[:, None] * at("hook_v")
+        if layout == "falcon_h1" and not config.mamba_rms_norm:
+            s = F.silu(gate[head])
+        else:
+            per_group = H // mixer.n_groups
+            mates = slice(head // per_group * per_group, (head // per_group + 1) * per_group)
+            r = torch.rsqrt((y[mates] * F.silu(gate[mates])).pow(2).mean() + mixer.norm.variance_epsilon)
+            s = r * mixer.norm.weight.view(H, P)[head] * F.silu(gate[head])
+        torch.testing.assert_close(s * y[head], at("hook_z")[head], rtol=1e-5, atol=1e-9)
+        multiplier = {"granitemoehybrid": getattr(config, "residual_multiplier", 1.0),
+                      "falcon_h1": getattr(config, "ssm_out_multiplier", 1.0)}.get(layout, 1.0)
+        written = multiplier * mixer.out_proj.weight[:, head * P:(head + 1) * P] @ (s * o[head])
+        resid = cache[f"blocks.{model.cfg.num_hidden_layers - 1}.hook_resid_post"][0, pos]
+        final = model.final_norm
+        frozen = written * torch.rsqrt(resid.pow(2).mean() + final.variance_epsilon) * final.weight
+        logit_scale = {"granitemoehybrid": 1 / getattr(config, "logits_scaling", 1.0),
+                       "falcon_h1": getattr(config, "lm_head_multiplier", 1.0)}.get(layout, 1.0)
+        unembed = model.hf.lm_head.weight * logit_scale
+        expected = float((unembed[good] - unembed[bad]) @ frozen)
+    assert abs(expected) > 1e-7
+    assert df.projection.sum() == pytest.approx(expected, rel=1e-5)
 
 
 def test_the_fla_format_of_the_same_model_type_still_loads_natively(tmp_path):

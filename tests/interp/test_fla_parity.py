@@ -10,12 +10,7 @@ fla_models = pytest.importorskip("fla.models")
 
 
 # fla's Triton kernels in the interpreter: conftest's one-config autotune and loop-counter adjustments
-pytestmark = pytest.mark.usefixtures("fla_interpreter")
-
-
-@pytest.fixture(autouse=True)
-def interpreted():
-    assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must set TRITON_INTERPRET=1 before triton loads"
+pytestmark = pytest.mark.usefixtures("fla_interpreter", "interpreted")
 
 
 def _compare(fla_model, tmp_path, T=24):

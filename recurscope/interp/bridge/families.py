@@ -81,7 +81,6 @@ QWEN35_GDN = FamilySpec(
                    "a": "beta k"},
     mixer="BridgedGatedDeltaNet", mixer_module=_MIXERS,
     state_shape=_gdn_state_shape, state_heads=_gdn_state_heads,
-    readout_norm=lambda mixer: mixer.norm, readout_gate=None,
 )
 
 QWEN3_NEXT_GDN = FamilySpec(
@@ -93,7 +92,6 @@ QWEN3_NEXT_GDN = FamilySpec(
                    "g": "-exp(A_log) softplus(a + dt_bias), a split from in_proj_ba, per head", "a": "beta k"},
     mixer="BridgedQwen3NextGatedDeltaNet", mixer_module=_MIXERS,
     state_shape=_gdn_state_shape, state_heads=_gdn_state_heads,
-    readout_norm=lambda mixer: mixer.norm, readout_gate=None,
 )
 
 OLMO_HYBRID_GDN = FamilySpec(
@@ -105,7 +103,6 @@ OLMO_HYBRID_GDN = FamilySpec(
                    "g": "-exp(A_log) softplus(a_proj + dt_bias), per head", "a": "beta k"},
     mixer="BridgedOlmoHybridGatedDeltaNet", mixer_module=_MIXERS,
     state_shape=_gdn_state_shape, state_heads=_gdn_state_heads,
-    readout_norm=lambda mixer: mixer.o_norm, readout_gate=None,
 )
 
 KIMI_KDA = FamilySpec(
@@ -119,7 +116,6 @@ KIMI_KDA = FamilySpec(
                    "a": "beta k"},
     mixer="BridgedKimiDeltaAttention", mixer_module=_MIXERS,
     state_shape=lambda cfg: (cfg.linear_head_dim, cfg.linear_head_dim), state_heads=lambda cfg: cfg.linear_num_heads,
-    readout_norm=lambda mixer: mixer.o_norm, readout_gate=None,
 )
 
 MAMBA2_SSD = FamilySpec(
@@ -136,7 +132,7 @@ MAMBA2_SSD = FamilySpec(
     mixer="BridgedMamba2", mixer_module=_MIXERS,
     state_shape=lambda cfg: (cfg.state_size, cfg.head_dim), state_heads=lambda cfg: cfg.num_heads,
     absent_hooks=frozenset({"hook_erase", "hook_erase_gate", "hook_mlp_out"}),
-    readout_norm=lambda mixer: mixer.norm, readout_gate=None, mlp=False,
+    mlp=False,
 )
 
 NEMOTRON_H = FamilySpec(
@@ -150,7 +146,7 @@ NEMOTRON_H = FamilySpec(
     mixer="BridgedMamba2", mixer_module=_MIXERS,
     state_shape=lambda cfg: (cfg.ssm_state_size, cfg.mamba_head_dim), state_heads=lambda cfg: cfg.mamba_num_heads,
     absent_hooks=frozenset({"hook_erase", "hook_erase_gate"}),
-    readout_norm=lambda mixer: mixer.norm, readout_gate=None, mlp=False,
+    mlp=False,
 )
 
 BAMBA = FamilySpec(
@@ -163,7 +159,6 @@ BAMBA = FamilySpec(
     mixer="BridgedMamba2", mixer_module=_MIXERS,
     state_shape=lambda cfg: (cfg.mamba_d_state, cfg.mamba_d_head), state_heads=lambda cfg: cfg.mamba_n_heads,
     absent_hooks=frozenset({"hook_erase", "hook_erase_gate"}),
-    readout_norm=lambda mixer: mixer.norm, readout_gate=None,
 )
 
 def _granite_mlp(block, h):
@@ -181,7 +176,6 @@ GRANITE_MOE_HYBRID = FamilySpec(
     mixer="BridgedMamba2", mixer_module=_MIXERS,
     state_shape=BAMBA.state_shape, state_heads=BAMBA.state_heads,
     absent_hooks=frozenset({"hook_erase", "hook_erase_gate"}),
-    readout_norm=lambda mixer: mixer.norm, readout_gate=None,
 )
 
 FALCON_H1 = FamilySpec(
@@ -203,7 +197,6 @@ FALCON_H1 = FamilySpec(
     mixer="BridgedFalconH1Mamba2", mixer_module=_MIXERS,
     state_shape=lambda cfg: (cfg.mamba_d_state, cfg.mamba_d_head), state_heads=lambda cfg: cfg.mamba_n_heads,
     absent_hooks=frozenset({"hook_erase", "hook_erase_gate"}),
-    readout_norm=lambda mixer: mixer.norm, readout_gate=None,
 )
 
 ZAMBA2 = FamilySpec(
@@ -221,7 +214,7 @@ ZAMBA2 = FamilySpec(
     mixer="BridgedMamba2", mixer_module=_MIXERS,
     state_shape=lambda cfg: (cfg.mamba_d_state, cfg.mamba_headdim), state_heads=lambda cfg: cfg.n_mamba_heads,
     absent_hooks=frozenset({"hook_erase", "hook_erase_gate", "hook_mlp_out"}),
-    readout_norm=lambda mixer: mixer.norm, readout_gate=None, mlp=False,
+    mlp=False,
 )
 
 BRIDGE_FAMILIES: tuple[BridgeFamily, ...] = (

@@ -195,6 +195,7 @@ class BridgedMamba2(RecurrentMixer):
     copied = ("num_heads", "head_dim", "ssm_state_size", "n_groups", "intermediate_size", "conv_dim",
               "conv_kernel_size", "layer_idx", "activation", "time_step_limit", "hidden_size")
     norm_attr, out_attr = "norm", "out_proj"
+    readout_scale = 1.0
 
     def __init__(self, hf_layer: torch.nn.Module):
         super().__init__(hf_layer.layer_idx)
@@ -242,7 +243,8 @@ class BridgedMamba2(RecurrentMixer):
         dt = F.softplus(dt.to(acc) + self.dt_bias.to(acc)).clamp(*self.time_step_limit)           # (B, T, H)
         g = self.hook_decay(dt * -self.A_log.to(acc).exp())
         o, S = self._recur(q, k, dt[..., None] * v, g, None,
-                           None if init is None else init.transpose(-1, -2).to(acc), self.state_positions, 1.0)
+                           None if init is None else init.transpose(-1, -2).to(acc), self.state_positions,
+                           self.readout_scale)
         if cache is not None and S is not None:   # None when keep_final_state is off (the scan's suffix rows)
             keep = init.dtype if init is not None else S.dtype
             cache.update_recurrent_state(S.transpose(-1, -2).to(keep).contiguous(), self.layer_idx)

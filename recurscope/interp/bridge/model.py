@@ -129,6 +129,14 @@ class BridgeBlock(nn.Module):
         return self._sub(self.mixer_attr)
 
     @property
+    def mixer_output_scale(self) -> float:
+        """What the block multiplies its mixer's output by before hook_mixer_out: Falcon-H1's ssm_out_multiplier in a
+        parallel block, Granite-4.0-H's residual_multiplier in a plain one, 1 in Zamba2's shared-block layers."""
+        if self.attn_attr is None:
+            return self.residual_multiplier
+        return self.mixer_out_multiplier if self.attn_mode == "parallel" else 1.0
+
+    @property
     def attn(self) -> Optional[nn.Module]:
         """The attention module a parallel or shared block runs beside its recurrent mixer (None in any other)."""
         return None if self.attn_attr is None else self._sub(self.attn_attr)
@@ -513,21 +521,32 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         """Logits of residual-stream vectors (..., D): the text model's final norm, then the LM head. (forward
         applies only the LM head: transformers' text model returns its hidden states already normed.)"""
         resid = resid[..., :self.cfg.hidden_size]   # channels beyond D: what run_layer carries (Zamba2's embeddings)
-        return self._logits(getattr(self.text_model[0], self.bridge_family.final_norm_attr)(resid))
+        return self._logits(self.final_norm(resid))
+
+    @property
+    def final_norm(self) -> nn.Module:
+        """The text model's final norm, which `unembed` applies before the LM head."""
+        return getattr(self.text_model[0], self.bridge_family.final_norm_attr)
+
+    @property
+    def logit_multiplier(self) -> float:
+        """The factor transformers' forward applies to the LM head's output: 1 / Granite-4.0-H's logits_scaling times
+        Falcon-H1's lm_head_multiplier (1 for every other family)."""
+        return (float(getattr(self.text_model[0], "lm_head_multiplier", 1.0))
+                / float(getattr(self.hf, "logits_scaling", 1.0)))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head, divided by Granite-4.0-H's logits_scaling and multiplied by Falcon-H1's lm_head_multiplier
-        (1 for every other family)."""
+        """The LM head times logit_multiplier, as transformers' forward computes the logits."""
         logits = self.hf.lm_head(hidden)
-        scaling = float(getattr(self.hf, "logits_scaling", 1.0))
-        multiplier = float(getattr(self.text_model[0], "lm_head_multiplier", 1.0))
-        logits = logits if scaling == 1.0 else logits / scaling
-        return logits if multiplier == 1.0 else logits * multiplier
+        scale = self.logit_multiplier
+        return logits if scale == 1.0 else logits * scale
 
     @property
     def unembed_weight(self) -> torch.Tensor:
-        """(vocab, D): the LM head's weight, which `unembed` applies after the final norm."""
-        return self.hf.lm_head.weight
+        """(vocab, D): the unembedding that `unembed` applies after the final norm, the LM head's weight times
+        logit_multiplier, so that final_norm(resid) @ unembed_weight.T are the model's own logits."""
+        scale = self.logit_multiplier
+        return self.hf.lm_head.weight if scale == 1.0 else self.hf.lm_head.weight * scale
 
 
 #: the earlier name (TransformerLens 4 has a `TransformerBridge` of its own)

@@ -56,7 +56,15 @@ class RecurrentMixer(nn.Module):
       points, runs `self._recur(...)` and returns `self._finish(o, gate, ...)`;
     - `o_norm`, the per-head output norm, applied as o_norm(o, gate) when `forward` passes a gate and o_norm(o)
       when it passes None, and `o_proj`, the output projection.
+
+    Two class attributes tell readers of the hooks (interp.attribution) the kernel a mixer runs: `readout_scale`,
+    the scale of o_t = scale S_t^T q_t (None: head_k ** -0.5), and `low_rank_transition`, True where the transition
+    is "decay plus low-rank" (kernels.recurrence_low_rank, b = hook_erase * hook_erase_gate) rather than
+    (I - k a^T) Diag(exp g).
     """
+
+    readout_scale: Optional[float] = None
+    low_rank_transition: bool = False
 
     def __init__(self, layer: int = 0):
         super().__init__()
@@ -465,6 +473,8 @@ class Mamba2Mixer(RecurrentMixer):
     mamba_ssm and the gated norm's groups do.
     """
 
+    readout_scale = 1.0
+
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__(layer)
         del self.hook_erase                  # no erase term
@@ -515,7 +525,7 @@ class Mamba2Mixer(RecurrentMixer):
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)          # (B, T, H)
         g = self.hook_decay(dt * -self.A_log.float().exp())
         init = None if layer_cache is None else layer_cache.state
-        o, S = self._recur(q, k, dt[..., None] * v.float(), g, None, init, state_positions, 1.0)
+        o, S = self._recur(q, k, dt[..., None] * v.float(), g, None, init, state_positions, self.readout_scale)
         o = self.hook_head_out(o)
         D = self.D.float().reshape(self.num_heads, -1)                                    # (H, 1) or (H, P)
         y = o + D * v.float()                                                             # the D skip

@@ -12,7 +12,8 @@ Both the native `RecurrentLM` (fla format) and the `BridgedLM` (transformers for
   needs besides its cache (positions, masks, rotary tables); it depends only on the tokens' length and the cache's,
   so it serves any number of rows continuing a cache of that length;
 - `unembed(resid)`, the final norm then the LM head on residual-stream vectors (also the logit lens and the
-  corrector), and `unembed_weight`, that LM head's (vocab, D) weight;
+  corrector), `final_norm`, that norm (a module), and `unembed_weight`, the (vocab, D) matrix with
+  unembed(resid) = final_norm(resid) @ unembed_weight.T (the LM head's weight times any output multiplier);
 - `heads()`, the (layer, head) inventory of recurrent heads, and `check_head`;
 - `tokenizer`; plus `cfg.vocab_size`, `cfg.state_shape()`, `n_state_heads`, `recurrent_layers`, `attention_layers`,
   `family` (its FamilySpec) and TransformerLens's `hooks()` / `hook_dict` with recurscope's hook names.
@@ -87,6 +88,9 @@ class RecurrentModel(Protocol):
     def check_head(self, layer: int, head: int) -> None: ...
 
     def unembed(self, resid: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    def final_norm(self) -> torch.nn.Module: ...
 
     @property
     def unembed_weight(self) -> torch.Tensor: ...
