@@ -23,11 +23,11 @@ import torch
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.protocols._common import ProtocolResult, ci_text, frozen_setup, head_label
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import Claim, judge, measure_from
 from recurscope.interp.protocols.selectivity import build_selectivity_pairs
 
-__all__ = ["ARMS", "split_parallel", "run_coupling", "reading", "VERB"]
+__all__ = ["ARMS", "split_parallel", "run_coupling", "reading"]
 
 ARMS = ("full", "parallel", "orthogonal", "random_full", "random_parallel", "random_orthogonal")
 LABELS = {"full": "full Δ_A", "parallel": "part of Δ_A parallel to Δ_B", "orthogonal": "orthogonal remainder",
@@ -77,12 +77,12 @@ def _donor_for_fact(pairs, row: int, fact: int, seed: int) -> tuple[torch.Tensor
 
 
 def run_coupling(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_dir=None, from_scan=None,
-                 n_sources: int = 32, n_dev: int = 16, layout: Optional[dict] = None, seed: int = 0,
+                 n_sources: int = 32, n_dev: int = 16, layout=None, seed: int = 0,
                  n_resamples: int = 9999, model_name: str = "model", progress=None) -> ProtocolResult:
     """Rows: one per (pair, fact B != A, arm) with B's answer-margin change, cos(Δ_A, Δ_B) and the norms."""
     layout, chosen, _, pairs = frozen_setup(
         model, pairs, head, from_scan, n_dev=n_dev, layout=layout, seed=seed,
-        build=lambda lay: build_selectivity_pairs(model.tokenizer, n_sources=n_sources, model=model, **lay))
+        build=lambda lay: build_selectivity_pairs(model.tokenizer, n_sources=n_sources, model=model, layout=lay))
     iv.check_pairs(model, pairs)
     layer, h = chosen
     device = iv.model_device(model)
@@ -184,6 +184,3 @@ def reading(s: pd.DataFrame) -> list[str]:
             out.append(f"The edit \"{LABELS[arm]}\" moves it by {m.text()} (reported without a verdict: the paper gives no "
                        "number).")
     return out
-
-
-VERB = Verb("coupling", "Frobenius coupling of two facts' state changes (§2.4, Fig. 5c)", run_coupling)

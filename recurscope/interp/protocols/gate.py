@@ -27,14 +27,15 @@ import torch
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.protocols._common import ProtocolResult, ci_text, max_length
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+from recurscope.interp.protocols import verbs
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import measure_from
 
 __all__ = ["GATE_THRESHOLD", "NATURAL_TEMPLATE", "GATE_CITIES", "PHRASINGS", "CapabilityGateError", "GateResult",
-           "capability_gate", "require_capability", "top1_correct", "run_gate", "VERB"]
+           "capability_gate", "require_capability", "top1_correct", "run_gate"]
 
 #: The paper's preset: recipient and donor clean recall both >= 80%.
-GATE_THRESHOLD = 0.8
+GATE_THRESHOLD = verbs.GATE_THRESHOLD
 NATURAL_TEMPLATE = "natural_lives"
 PAPER = {128: (0.719, 0.688), 512: (0.563, 0.531)}
 #: 31 cities, single tokens in common BPE vocabularies; run_gate keeps those this tokenizer holds as one token.
@@ -248,19 +249,7 @@ def gate_section(result: ProtocolResult, model_name: str) -> Section:
     return Section(f"Capability gate (App. F.2): {model_name}", intro, [table], reading)
 
 
-def _options(p) -> None:
-    p.add_argument("--fillers", type=int, nargs="+", default=[128, 512])
-    p.add_argument("--recall", choices=("vocabulary", "candidates"), default="vocabulary",
-                   help="vocabulary: full-vocabulary top-1 (the paper's); candidates: top-1 among four (easier)")
-    p.add_argument("--threshold", type=float, default=GATE_THRESHOLD)
-
-
 def _from_args(model, args, run_dir, progress) -> ProtocolResult:
     return run_gate(model, fillers=args.fillers, n_sources=args.n_sources, gap_tokens=args.gap, recall=args.recall,
                     threshold=args.threshold, seed=args.seed, batch_size=args.batch_size,
                     n_resamples=args.resamples, run_dir=run_dir, model_name=args.model)
-
-
-VERB = Verb("gate", "the App. F.2 capability gate: one evidence sentence, two phrasings, full-vocabulary top-1 "
-            "against a preset threshold, with an evidence-removed control", run_gate, from_args=_from_args,
-            head=False, ranking=False, filler=False, presentations=None, template="", options=_options)

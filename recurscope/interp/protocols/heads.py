@@ -22,12 +22,12 @@ from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, head_label, logged_arms, max_length,
-                                                 pair_kwargs, rank_heads)
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish, layout_from_args
+                                                 pair_spec, rank_heads)
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import Claim, judge, measure_from
 from recurscope.interp.scan import all_heads
 
-__all__ = ["run_heads", "top_k_sizes", "reading", "VERB"]
+__all__ = ["run_heads", "top_k_sizes", "reading"]
 
 #: Above this many heads, single-head write blocks run for the hub and the second head only (the all-heads sum
 #: would cost one run per head).
@@ -45,7 +45,7 @@ def top_k_sizes(n_heads: int) -> list[int]:
     return ks + [n_heads]
 
 
-def _ranking(model, ranking: Optional[pd.DataFrame], n_dev: int, layout: dict) -> list[tuple[int, int]]:
+def _ranking(model, ranking: Optional[pd.DataFrame], n_dev: int, layout) -> list[tuple[int, int]]:
     if ranking is None:
         ranking = rank_heads(model, n_dev=n_dev, layout=layout)
     ranking = ranking.sort_values("J", ascending=False, kind="stable")
@@ -57,19 +57,20 @@ def _ranking(model, ranking: Optional[pd.DataFrame], n_dev: int, layout: dict) -
 
 
 def run_heads(model, pairs=None, *, ranking: Optional[pd.DataFrame] = None, run_dir=None, n_dev: int = 32,
-              n_sources: int = 64, layout: Optional[dict] = None, seed: int = 0, batch_size: int = 16,
+              n_sources: int = 64, layout=None, seed: int = 0, batch_size: int = 16,
               n_resamples: int = 9999, model_name: str = "model", progress=None) -> ProtocolResult:
     """ranking: a per-head table with layer, head, J (a scan's scan_heads); default: a fresh scan on n_dev dev
-    sources. pairs: held-out swap pairs (default: n_sources held-out sources, target queries)."""
+    sources. pairs: held-out swap pairs (default: n_sources held-out sources, target queries, in `layout`: a
+    PairSpec, PairLayout or layout name, default the §3.3 layout, under `seed`)."""
     from recurscope.interp.data import build_pairs
 
-    layout = {**pair_kwargs(seed=seed), **(layout or {})}
+    layout = pair_spec(layout, seed=seed)
     order = _ranking(model, ranking, n_dev, layout)
     if len(order) < 2:
         raise ValueError("head structure needs at least two recurrent heads")
     if pairs is None:
         pairs = build_pairs(model.tokenizer, split="heldout", n_sources=n_sources, max_length=max_length(model),
-                            **layout)
+                            **layout.kwargs())
     hub, second = order[0], order[1]
     singles = order if len(order) <= MAX_SINGLE_RUNS else [hub, second]
     arms = {f"block:{head_label(h)}": ("write_block", [h]) for h in singles}
@@ -185,10 +186,5 @@ def _from_args(model, args, run_dir, progress) -> ProtocolResult:
         heads_from_scan(args.from_scan, model)                      # refuses a scan of another checkpoint
         ranking = pd.read_csv(Path(args.from_scan) / "scan_heads.csv")
     return run_heads(model, ranking=ranking, run_dir=run_dir, n_dev=args.n_dev, n_sources=args.n_sources,
-                     layout=layout_from_args(args), seed=args.seed, batch_size=args.batch_size,
+                     layout=args.pair_spec, seed=args.seed, batch_size=args.batch_size,
                      n_resamples=args.resamples, model_name=args.model, progress=progress)
-
-
-VERB = Verb("heads", "write-block non-additivity and joint top-k recovery (Fig. 3c, App. E.2)", run_heads, from_args=_from_args,
-            n_sources=64, head=False, n_dev=32,
-            from_scan_help="a scan directory whose ranking to freeze (default: a fresh scan on --n-dev dev sources)")

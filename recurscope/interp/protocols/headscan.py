@@ -24,11 +24,11 @@ from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
 from recurscope.interp.protocols._common import ProtocolResult, frozen_setup, head_label, heldout_pairs
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import Claim, Measure, judge
 from recurscope.interp.scan import all_heads, run_scan
 
-__all__ = ["THRESHOLD", "write_scan", "joint_threshold_fraction", "run_headscan", "reading", "VERB"]
+__all__ = ["THRESHOLD", "write_scan", "joint_threshold_fraction", "run_headscan", "reading"]
 
 THRESHOLD = 0.25        # logits: a head "matters" in a scan when its mean shift exceeds this (App. C)
 
@@ -85,7 +85,7 @@ def joint_threshold_fraction(scores: pd.DataFrame, *, threshold: float = THRESHO
 
 
 def run_headscan(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_dir=None, from_scan=None,
-                 n_sources: int = 32, n_dev: int = 16, layout: Optional[dict] = None, seed: int = 0,
+                 n_sources: int = 32, n_dev: int = 16, layout=None, seed: int = 0,
                  batch_size: int = 16, n_resamples: int = 2000, model_name: str = "model",
                  progress=None) -> ProtocolResult:
     layout, chosen, _, pairs = frozen_setup(model, pairs, head, from_scan, n_dev=n_dev, layout=layout, seed=seed,
@@ -193,7 +193,3 @@ def reading(summary: pd.DataFrame, n_heads: int) -> list[str]:
         out.append(f"With {n_heads} heads, the fractions move in steps of {100 / n_heads:.0f}% and a Spearman "
                    "correlation over so few points says little; the wider checkpoints are the real test.")
     return out
-
-
-VERB = Verb("headscan", "held-out all-head write and read scans (App. C, Fig. 10)", run_headscan,
-            defaults={"resamples": 2000})

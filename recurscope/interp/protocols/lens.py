@@ -26,11 +26,11 @@ import torch
 from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import ProtocolResult, max_length, pair_kwargs
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+from recurscope.interp.protocols._common import ProtocolResult, max_length, pair_spec
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import Claim, judge, measure_from
 
-__all__ = ["TASKS", "SIDES", "lens_rows", "localise", "run_lens", "reading", "VERB"]
+__all__ = ["TASKS", "SIDES", "lens_rows", "localise", "run_lens", "reading"]
 
 TASKS = ("retention", "update")
 #: Where the lens reads, per layer: before it, after its mixer (the sublayer lens) and after the whole layer.
@@ -94,21 +94,23 @@ def _jumps(rows: pd.DataFrame, n_resamples: int, seed: int) -> pd.DataFrame:
     return pd.DataFrame(records)
 
 
-def run_lens(model, *, run_dir=None, n_sources: int = 128, n_localise: int = 96, layout: Optional[dict] = None,
+def run_lens(model, *, run_dir=None, n_sources: int = 128, n_localise: int = 96, layout=None,
              seed: int = 0, batch_size: int = 16, n_resamples: int = 9999, model_name: str = "model",
              progress=None) -> ProtocolResult:
     """Localises the layer on `n_localise` dev sources and confirms on `n_sources` held-out sources (separate
-    sources by construction: the dev and held-out splits share none)."""
+    sources by construction: the dev and held-out splits share none). layout: the pairs' layout and words (a
+    PairSpec, PairLayout or layout name; default the §3.3 layout), under `seed`."""
     from recurscope.interp.data import build_pairs, build_update_pairs
 
-    layout = {**pair_kwargs(seed=seed), **(layout or {})}
+    layout = pair_spec(layout, seed=seed)
     frames = []
     for split, n in (("dev", n_localise), ("heldout", n_sources)):
         for task in TASKS:
             if progress:
                 progress(f"{task} ({'localisation' if split == 'dev' else 'confirmation'})")
             build = build_pairs if task == "retention" else build_update_pairs
-            pairs = build(model.tokenizer, split=split, n_sources=n, max_length=max_length(model), **layout)
+            pairs = build(model.tokenizer, split=split, n_sources=n, max_length=max_length(model),
+                          **layout.kwargs())
             frames.append(lens_rows(model, pairs, batch_size=batch_size, task=task).assign(split=split))
     rows = pd.concat(frames, ignore_index=True)
     recurrent = sorted(model.recurrent_layers)
@@ -183,12 +185,3 @@ def reading(s: pd.DataFrame, info: dict) -> list[str]:
         if m is not None and m.defined:
             out.append(f"After the last layer, update queries read {what} on {m.text()} (chance 25%).")
     return out
-
-
-def _options(p) -> None:
-    p.add_argument("--n-localise", type=int, default=96, help="dev sources the layer is localised on (separate "
-                   "from the --n-sources held-out confirmation sources)")
-
-
-VERB = Verb("lens", "logit lens per layer and recurrent sublayer, localised on dev and confirmed held out (App. C, "
-            "Fig. 11)", run_lens, n_sources=128, head=False, ranking=False, options=_options)

@@ -24,12 +24,12 @@ from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, source_means, summarise_metrics
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_setup, head_label, heldout_pairs,
-                                                 pair_kwargs)
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish, layout_from_args
+                                                 pair_spec)
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import Claim, judge, measure_from
 
 __all__ = ["ARMS", "interfering_spans", "target_direction", "replace_keys", "overlap_patches", "overlap_write",
-           "run_overlap", "reading", "VERB"]
+           "run_overlap", "reading"]
 
 ARMS = ("aligned", "orthogonal", "control_head:aligned")
 #: Figure labels (plain text: the figures turn underscores into spaces).
@@ -100,27 +100,27 @@ def overlap_write(model, pairs, head, mode: str = "aligned", *, batch_size: int 
 
 
 def run_overlap(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_dir=None, from_scan=None,
-                n_sources: int = 32, n_dev: int = 16, layout: Optional[dict] = None,
+                n_sources: int = 32, n_dev: int = 16, layout=None,
                 loads: Optional[Sequence[int]] = None, seed: int = 0, batch_size: int = 16, n_resamples: int = 9999,
                 model_name: str = "model", progress=None) -> ProtocolResult:
     """The three arms at each load K in `loads` (default: the layout's n_facts, 4), on held-out pairs with K facts;
     the head is frozen once, on the first load's layout. Rows carry n_facts; the row log is keyed by
     (n_facts, arm, row), so an interrupted run resumes at the first (load, arm) without rows."""
-    base = {**pair_kwargs(seed=seed), **(layout or {})}
-    loads = [int(k) for k in (loads if loads is not None else [base["n_facts"]])]
+    base = pair_spec(layout, seed=seed)
+    loads = [int(k) for k in (loads if loads is not None else [base.layout.n_facts])]
     if not loads or min(loads) < 2 or len(set(loads)) != len(loads):
         raise ValueError(f"--n-facts needs distinct loads of at least 2 facts (an interfering fact); got {loads}")
-    if pairs is not None and (len(loads) > 1 or loads[0] != base["n_facts"]):
+    if pairs is not None and (len(loads) > 1 or loads[0] != base.layout.n_facts):
         raise ValueError("given pairs have one load: pass loads=None (or build pairs per load)")
     layout, chosen, scan_heads, first = frozen_setup(model, pairs, head, from_scan, n_dev=n_dev,
-                                                     layout={**base, "n_facts": loads[0]}, seed=seed,
+                                                     layout=base.with_(n_facts=loads[0]), seed=seed,
                                                      build=heldout_pairs(model, n_sources))
     control = iv.choose_control_heads(model, [chosen], scan_heads)[0]
     log = None if run_dir is None else run_dir.table("overlap_rows", key=["n_facts", "arm", "row"])
     done = set() if log is None else {(int(k[0]), k[1]) for k in log.done_keys()}
     frames, spans_per_row = [], {}
     for k in loads:
-        batch = first if k == loads[0] else heldout_pairs(model, n_sources)({**layout, "n_facts": k})
+        batch = first if k == loads[0] else heldout_pairs(model, n_sources)(layout.with_(n_facts=k))
         spans_per_row[k] = float((interfering_spans(batch)[..., 0] >= 0).sum(1).float().mean())
         for arm in ARMS:
             if (k, arm) in done:
@@ -188,16 +188,7 @@ def reading(s: pd.DataFrame) -> list[str]:
     return out
 
 
-def _options(p) -> None:
-    p.add_argument("--n-facts", type=int, nargs="+", default=[4], metavar="K",
-                   help="facts K in the context, one run per load (the paper's Fig. 7c: 4), e.g. --n-facts 2 4 8")
-
-
 def _from_args(model, args, run_dir, progress) -> ProtocolResult:
     return run_overlap(model, head=args.head, from_scan=args.from_scan, n_sources=args.n_sources, n_dev=args.n_dev,
-                       layout=layout_from_args(args), loads=args.n_facts, seed=args.seed, batch_size=args.batch_size,
+                       layout=args.pair_spec, loads=args.n_facts, seed=args.seed, batch_size=args.batch_size,
                        n_resamples=args.resamples, run_dir=run_dir, model_name=args.model, progress=progress)
-
-
-VERB = Verb("overlap", "write-key overlap: interfering writes aligned with the target's write direction (§4.2, "
-            "Fig. 7c)", run_overlap, from_args=_from_args, options=_options)

@@ -27,12 +27,12 @@ from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, summarise_metrics
 from recurscope.interp import stats
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, logged_arms,
-                                                 max_length, pair_kwargs, pooled_break_rate)
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, add_gate_option, finish
+                                                 max_length, pair_spec, pooled_break_rate)
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import AGREES, Claim, control_verdict, judge, measure_from
 from recurscope.interp.protocols.capacity import HIGH_LOAD, LOADS, _bare_length, fixed_length_filler, load_layout
 
-__all__ = ["LOADS", "ARMS", "METRICS", "PAPER", "retention_pairs", "shift_kept", "run_retention", "reading", "VERB"]
+__all__ = ["LOADS", "ARMS", "METRICS", "PAPER", "retention_pairs", "shift_kept", "run_retention", "reading"]
 
 ARMS = ("state_swap", "random_update")
 LABELS = {"state_swap": "state swap", "random_update": "equal-norm random update"}
@@ -44,17 +44,19 @@ PAPER = {"recall_k32": "47% / 60% / 69% (GLA-340M / GDN-340M / GDN-1.3B)",
 NEGLIGIBLE_SHIFT = 0.25
 
 
-def retention_pairs(tokenizer, layout: dict, *, n_sources: int, n_nontarget: int = 7, seed: int = 0,
+def retention_pairs(tokenizer, layout, *, n_sources: int, n_nontarget: int = 7, seed: int = 0,
                     max_len: Optional[int] = None):
-    """Multi-fact pairs of `layout` with, per pair, its target row and up to `n_nontarget` non-target rows drawn
+    """Multi-fact pairs of `layout` (a PairSpec, PairLayout or layout name) with, per pair, its target row and up to `n_nontarget` non-target rows drawn
     once under `seed` (all of them when K - 1 <= n_nontarget): at K = 64 every row costs a forward, so not every
     fact is queried."""
     from recurscope.interp.data import build_multifact_pairs
 
     if not isinstance(n_nontarget, int) or n_nontarget < 0:
         raise ValueError(f"n_nontarget must be an integer >= 0; got {n_nontarget!r}")
-    pairs = build_multifact_pairs(tokenizer, split="heldout", n_sources=n_sources, max_length=max_len, **layout)
-    rng = random.Random(f"retention-rows/{seed}/{layout['n_facts']}")
+    layout = pair_spec(layout)
+    pairs = build_multifact_pairs(tokenizer, split="heldout", n_sources=n_sources, max_length=max_len,
+                                  **layout.kwargs())
+    rng = random.Random(f"retention-rows/{seed}/{layout.layout.n_facts}")
     keep = []
     for g in sorted(set(pairs.group.tolist())):
         rows = [i for i in range(len(pairs)) if int(pairs.group[i]) == g]
@@ -84,32 +86,33 @@ def _nan_rows(arm: str, reason: str) -> pd.DataFrame:
 
 def run_retention(model, head: Optional[Sequence[int]] = None, *, from_scan=None, loads: Sequence[int] = LOADS,
                   total_length: Optional[int] = None, n_sources: int = 16, n_nontarget: int = 7, n_dev: int = 16,
-                  template: str = "is_in", vocab: str = "cities", seed: int = 0, batch_size: int = 16,
+                  layout=None, seed: int = 0, batch_size: int = 16,
                   n_resamples: int = 9999, gate_threshold: Optional[float] = None, run_dir=None,
                   model_name: str = "model", progress=None) -> ProtocolResult:
     """The three measures of Fig. 8 at every K of `loads` on `n_sources` held-out sources. The head is `head`, else
     the top of `from_scan`, else the winner of a scan on `n_dev` dev sources. total_length: the fixed sequence length
     (default: the K = 16 layout with 128 filler tokens, as capacity.py). gate_threshold: when set, a K whose clean
-    recall the capability gate refuses keeps its recall but reports no edit shift or break rate."""
+    recall the capability gate refuses keeps its recall but reports no edit shift or break rate. layout: the pairs'
+    layout and words (a PairSpec, PairLayout or layout name; default the §3.3 layout), under `seed`."""
     from recurscope.interp.protocols.gate import capability_gate
 
     bad = [k for k in loads if not isinstance(k, (int, np.integer)) or k < 1]
     if bad:
         raise ValueError(f"loads must be integers >= 1 (numbers of facts K); got {bad}")
-    chosen, _ = frozen_head(model, head, from_scan, n_dev=n_dev, layout=pair_kwargs(template=template, vocab=vocab,
-                                                                                     seed=seed))
+    base = pair_spec(layout, seed=seed)
+    chosen, _ = frozen_head(model, head, from_scan, n_dev=n_dev, layout=base)
     tok = model.tokenizer
     if total_length is None:
-        total_length = 128 + _bare_length(tok, load_layout(16, template=template, vocab=vocab, seed=seed))
+        total_length = 128 + _bare_length(tok, load_layout(16, base))
     arms = [f"{int(k)}:{arm}" for k in loads for arm in ARMS]
     built: dict = {}
 
     def pairs_for(k: int):
         if k not in built:
             try:
-                layout = load_layout(k, template=template, vocab=vocab, seed=seed)
-                layout = {**layout, "filler_tokens": fixed_length_filler(tok, layout, total_length)}
-                pairs = retention_pairs(tok, layout, n_sources=n_sources, n_nontarget=n_nontarget, seed=seed,
+                spec = load_layout(k, base)
+                spec = spec.with_(filler_tokens=fixed_length_filler(tok, spec, total_length))
+                pairs = retention_pairs(tok, spec, n_sources=n_sources, n_nontarget=n_nontarget, seed=seed,
                                         max_len=max_length(model))
                 refused = ""
                 if gate_threshold is not None:
@@ -166,7 +169,8 @@ def run_retention(model, head: Optional[Sequence[int]] = None, *, from_scan=None
     summary = summary.sort_values(["k", "intervention", "metric"]).reset_index(drop=True)
     sources = ok.groupby(["k", "intervention", "source"])[list(METRICS)].mean().reset_index()
     info = {"head": chosen, "total_length": int(total_length), "loads": [int(k) for k in loads],
-            "n_sources": n_sources, "n_nontarget": n_nontarget, "template": template, "vocab": vocab,
+            "n_sources": n_sources, "n_nontarget": n_nontarget, "template": base.layout.template,
+            "vocab": base.vocab,
             "gate": gate_threshold, "break_counts": pooled[["k", "intervention", "breaks", "eligible"]]
             .to_dict("records")}
     result = ProtocolResult("retention", rows, sources, summary, info=info)
@@ -248,15 +252,3 @@ def reading(s: pd.DataFrame, info: dict) -> list:
         out.append(f"K = {', '.join(map(str, missing))} could not be evaluated (see the table); those points are "
                    "missing, not zero.")
     return out
-
-
-def _options(p) -> None:
-    p.add_argument("--n-nontarget", type=int, default=7, help="non-target facts queried per pair (at most K - 1)")
-    p.add_argument("--loads", type=int, nargs="+", default=list(LOADS))
-    add_gate_option(p, None, "report no edit shift or break rate for a K whose clean recall is under this "
-                    "(capability gate)")
-
-
-VERB = Verb("retention", "clean recall, state-swap edit shift and non-target break rate against load K, with the "
-            "random-update control (§4.2, Fig. 8)", run_retention, n_sources=16, filler=False, presentations=None,
-            gap=None, fixed_length=True, options=_options)
