@@ -219,10 +219,86 @@ def logged_arms_on(executor: Callable, run_dir: Optional[RunDir], table: str, ar
         if progress:
             progress(f"{arm}: {len(todo)} source units on Ray")
         executor(pairs, todo, partial(unit, arm=arm), on_rows)
-    if log is not None:
-        rows = log.read()
-        return rows[rows["arm"].isin(list(arms))].sort_values(["arm", "row"]).reset_index(drop=True)
-    return pd.concat(frames, ignore_index=True)
+    rows = log.read() if log is not None else pd.concat(frames, ignore_index=True)
+    order = {a: i for i, a in enumerate(arms)}             # the in-process order: arm by arm, rows in order
+    rows = rows[rows["arm"].isin(list(arms))]
+    return rows.sort_values(["arm", "row"], key=lambda c: c.map(order) if c.name == "arm" else c,
+                            kind="stable").reset_index(drop=True)
+
+
+def arm_records(model, pairs, arms: Sequence[str], *, fn: Callable) -> list[dict]:
+    """A named unit for --ray (logged_arms_on_ray): fn(model, pairs, arm) (a picklable callable giving the arm's
+    rows as a DataFrame) for every arm of the unit, as row records."""
+    return pd.concat([fn(model, pairs, arm) for arm in arms], ignore_index=True).to_dict("records")
+
+
+def arm_frame(model, pairs, keys: Sequence[str], *, fn: Callable) -> pd.DataFrame:
+    """arm_records as one DataFrame, its dtypes kept (unit_frames: rows that go to no row log)."""
+    return pd.concat([fn(model, pairs, key) for key in keys], ignore_index=True)
+
+
+def logged_arms_on_ray(executor: Callable, run_dir: Optional[RunDir], table: str, key: Sequence[str],
+                       arms: Sequence[str], fn: Callable, pairs=None, progress: Optional[Callable[[str], None]] = None,
+                       unit_of: Optional[Callable[[str], object]] = None) -> pd.DataFrame:
+    """logged_arms with whole arms as units, run by `executor(pairs, units, compute, on_rows)` (the CLI's --ray):
+    fn(model, pairs, arm) is the arm's computation, the same function the in-process run calls (so the rows are
+    its rows exactly: the same batches, the same seeds); arms with the same unit_of(arm) (default: each arm alone)
+    form one unit, e.g. the arms of one load that share its pairs. This process alone appends each unit's rows to
+    the row log `table` (first key column: the arm), arms already logged are skipped, and the rows come back in the
+    order of `arms`, as the in-process run returns them."""
+    from functools import partial
+
+    log = None if run_dir is None else run_dir.table(table, key=list(key))
+    done = set() if log is None else {k[0] for k in log.done_keys()}
+    todo = [a for a in arms if a not in done]
+    groups: dict = {}
+    for arm in todo:
+        groups.setdefault(arm if unit_of is None else unit_of(arm), []).append(arm)
+    frames = []
+
+    def on_rows(unit, records):
+        if log is not None:
+            log.append(records)
+        frames.append(pd.DataFrame.from_records(records))
+    if groups:
+        if progress:
+            progress(f"{len(todo)} arms in {len(groups)} units on Ray")
+        executor(pairs, [tuple(g) for g in groups.values()], partial(arm_records, fn=fn), on_rows)
+    rows = log.read() if log is not None else pd.concat(frames, ignore_index=True)
+    order = {a: i for i, a in enumerate(arms)}
+    rows = rows[rows[key[0]].isin(list(arms))]
+    return rows.sort_values(key[0], key=lambda c: c.map(order), kind="stable").reset_index(drop=True)
+
+
+def unit_frames(model, keys: Sequence[str], fn: Callable, pairs=None, progress: Optional[Callable[[str], None]] = None,
+                executor: Optional[Callable] = None) -> pd.DataFrame:
+    """fn(model, pairs, key) for every key, concatenated in the order of `keys`, without a row log: in this process,
+    or with `executor` (the CLI's --ray) one unit per key on Ray workers."""
+    if executor is None:
+        frames = []
+        for key in keys:
+            if progress:
+                progress(key)
+            frames.append(fn(model, pairs, key))
+        return pd.concat(frames, ignore_index=True)
+    from functools import partial
+
+    done: dict = {}
+    if progress:
+        progress(f"{len(keys)} units on Ray")
+    executor(pairs, [(key,) for key in keys], partial(arm_frame, fn=fn),
+             lambda unit, frame: done.__setitem__(unit[0], frame))
+    return pd.concat([done[key] for key in keys], ignore_index=True)
+
+
+def run_arms(model, run_dir: Optional[RunDir], table: str, key: Sequence[str], arms: Sequence[str], fn: Callable,
+             pairs=None, progress: Optional[Callable[[str], None]] = None, executor: Optional[Callable] = None,
+             unit_of: Optional[Callable[[str], object]] = None) -> pd.DataFrame:
+    """The rows of every arm, fn(model, pairs, arm) each: in this process (logged_arms) or, with `executor` (the
+    CLI's --ray), on Ray workers with whole arms as units (logged_arms_on_ray); either resumes the other."""
+    if executor is not None:
+        return logged_arms_on_ray(executor, run_dir, table, key, arms, fn, pairs, progress, unit_of)
+    return logged_arms(run_dir, table, key, arms, lambda arm: fn(model, pairs, arm), progress)
 
 
 def ci_text(summary: pd.DataFrame, where: dict, metric: str, pct: bool = False, digits: int = 2) -> str:

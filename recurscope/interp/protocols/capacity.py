@@ -15,6 +15,7 @@ Paper (GLA-340M, GDN-340M): recall falls about 30-40 pp from K = 1 to K = 16; fr
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -23,7 +24,7 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, logged_arms,
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, run_arms,
                                                  max_length, pair_spec, PairSpec)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.protocols.verbs import GAPS, LOADS   # the verb's defaults, written once
@@ -92,19 +93,56 @@ def _nan_rows(arm: str, reason: str) -> pd.DataFrame:
                          "donor_margin_shift": [np.nan], "reason": [reason]})
 
 
+@dataclass(frozen=True)
+class ConditionArm:
+    """One condition of the load and gap curves, its pairs built and state-swapped on the frozen head: called as
+    (model, pairs, arm) in this process or, under --ray, on a worker (a picklable unit, _common.run_arms)."""
+
+    conditions: dict
+    total_length: int
+    n_sources: int
+    chosen: tuple
+    batch_size: int
+    gate_threshold: Optional[float]
+    n_resamples: int
+    seed: int
+
+    def __call__(self, model, pairs, arm: str) -> pd.DataFrame:
+        from recurscope.interp.data import build_pairs
+        from recurscope.interp.protocols.gate import capability_gate
+
+        tok, total_length, batch_size = model.tokenizer, self.total_length, self.batch_size
+        series, x, layout, _ = self.conditions[arm]
+        try:
+            if series == "load":
+                layout = layout.with_(filler_tokens=fixed_length_filler(tok, layout, total_length))
+            pairs = build_pairs(tok, split="heldout", n_sources=self.n_sources, max_length=max_length(model),
+                                **layout.kwargs())
+        except ValueError as err:                    # not evaluable here: NaN with the reason, never 0
+            return _nan_rows(arm, str(err).split(";")[0])
+        frame = example_metrics(pairs, iv.state_swap(model, pairs, [self.chosen], batch_size=batch_size),
+                                intervention="state_swap")
+        reason = ""
+        if self.gate_threshold is not None:
+            g = capability_gate(model, pairs, threshold=self.gate_threshold, condition=f"{series} {x}",
+                                batch_size=batch_size, n_resamples=min(self.n_resamples, 2000), seed=self.seed)
+            reason = "" if g.passed else g.describe()
+        return pd.DataFrame({"arm": arm, "row": frame["row"], "source": frame["source"],
+                             "clean_correct": frame["clean_correct"], "donor_margin_shift": frame["donor_margin_shift"],
+                             "reason": reason, "length": int(pairs.recipient_ids.shape[1])})
+
+
 def run_capacity(model, head: Optional[Sequence[int]] = None, *, from_scan=None, loads: Sequence[int] = LOADS,
                  gaps: Sequence[int] = GAPS, total_length: Optional[int] = None, n_sources: int = 32,
                  n_dev: int = 16, layout=None, seed: int = 0, batch_size: int = 16, n_resamples: int = 9999,
                  run_dir=None, model_name: str = "model", gate_threshold: Optional[float] = None,
-                 progress=None) -> ProtocolResult:
+                 progress=None, executor=None) -> ProtocolResult:
     """Load curve at `total_length` tokens (default: the K = 16 layout with 128 filler tokens) and gap curve at K = 4.
     The head is `head`, else the top of `from_scan`, else the winner of a scan on `n_dev` dev sources. layout: the
     pairs' layout and words (a PairSpec, PairLayout or layout name; default the §3.3 layout), under `seed`.
     gate_threshold: when set, every condition passes the capability gate (protocols.gate) first; where it refuses,
-    the state-swap shift is NaN with the gate's reason and only the clean recall is reported."""
-    from recurscope.interp.protocols.gate import capability_gate
-    from recurscope.interp.data import build_pairs
-
+    the state-swap shift is NaN with the gate's reason and only the clean recall is reported. executor: the CLI's
+    --ray runner; each condition is then one unit on a Ray worker."""
     base = pair_spec(layout, seed=seed)
     chosen, _ = frozen_head(model, head, from_scan, n_dev=n_dev, layout=base)
     tok = model.tokenizer
@@ -116,26 +154,9 @@ def run_capacity(model, head: Optional[Sequence[int]] = None, *, from_scan=None,
     for g in gaps:
         conditions[f"gap:{g}"] = ("gap", int(g), load_layout(4, base).with_(filler_tokens=int(g)), None)
 
-    def compute(arm):
-        series, x, layout, _ = conditions[arm]
-        try:
-            if series == "load":
-                layout = layout.with_(filler_tokens=fixed_length_filler(tok, layout, total_length))
-            pairs = build_pairs(tok, split="heldout", n_sources=n_sources, max_length=max_length(model),
-                                **layout.kwargs())
-        except ValueError as err:                    # not evaluable here: NaN with the reason, never 0
-            return _nan_rows(arm, str(err).split(";")[0])
-        frame = example_metrics(pairs, iv.state_swap(model, pairs, [chosen], batch_size=batch_size),
-                                intervention="state_swap")
-        reason = ""
-        if gate_threshold is not None:
-            g = capability_gate(model, pairs, threshold=gate_threshold, condition=f"{series} {x}",
-                                batch_size=batch_size, n_resamples=min(n_resamples, 2000), seed=seed)
-            reason = "" if g.passed else g.describe()
-        return pd.DataFrame({"arm": arm, "row": frame["row"], "source": frame["source"],
-                             "clean_correct": frame["clean_correct"], "donor_margin_shift": frame["donor_margin_shift"],
-                             "reason": reason, "length": int(pairs.recipient_ids.shape[1])})
-    rows = logged_arms(run_dir, "capacity_rows", ("arm", "row"), list(conditions), compute, progress)
+    compute = ConditionArm(conditions, total_length, n_sources, chosen, batch_size, gate_threshold, n_resamples, seed)
+    rows = run_arms(model, run_dir, "capacity_rows", ("arm", "row"), list(conditions), compute, progress=progress,
+                    executor=executor)
     rows["reason"] = rows["reason"].fillna("")
     records, source_frames = [], []
     for arm, (series, x, _, _) in conditions.items():

@@ -14,6 +14,7 @@ Paper: GLA-340M's top-1 head recovers 94.7% of the all-head shift; GLA-7B needs 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import pandas as pd
@@ -21,7 +22,7 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, head_label, logged_arms, max_length,
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, head_label, max_length, run_arms,
                                                  pair_spec, rank_heads)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import Claim, judge, measure_from
@@ -56,12 +57,31 @@ def _ranking(model, ranking: Optional[pd.DataFrame], n_dev: int, layout) -> list
     return order
 
 
+@dataclass(frozen=True)
+class HeadSetArm:
+    """One arm of the head-structure protocol: a write block or state swap of a set of heads over the pairs, called
+    as (model, pairs, arm) in this process or, under --ray, on a worker (a picklable unit, _common.run_arms)."""
+
+    arms: dict
+    batch_size: int
+
+    def __call__(self, model, pairs, arm: str) -> pd.DataFrame:
+        kind, heads = self.arms[arm]
+        frame = example_metrics(pairs, getattr(iv, kind)(model, pairs, heads, batch_size=self.batch_size),
+                                intervention=kind)
+        frame = frame[frame["is_target"].astype(bool)]
+        return pd.DataFrame({"arm": arm, "row": frame["row"], "source": frame["source"],
+                             "shift": frame["donor_margin_shift"],
+                             "answer_margin_change": frame["target_margin_change"], "n_heads": len(heads)})
+
+
 def run_heads(model, pairs=None, *, ranking: Optional[pd.DataFrame] = None, run_dir=None, n_dev: int = 32,
               n_sources: int = 64, layout=None, seed: int = 0, batch_size: int = 16,
-              n_resamples: int = 9999, model_name: str = "model", progress=None) -> ProtocolResult:
+              n_resamples: int = 9999, model_name: str = "model", progress=None, executor=None) -> ProtocolResult:
     """ranking: a per-head table with layer, head, J (a scan's scan_heads); default: a fresh scan on n_dev dev
     sources. pairs: held-out swap pairs (default: n_sources held-out sources, target queries, in `layout`: a
-    PairSpec, PairLayout or layout name, default the §3.3 layout, under `seed`)."""
+    PairSpec, PairLayout or layout name, default the §3.3 layout, under `seed`). executor: the CLI's --ray runner;
+    each arm is then one unit on a Ray worker (the ranking's scan, when no ranking is given, runs here)."""
     from recurscope.interp.data import build_pairs
 
     layout = pair_spec(layout, seed=seed)
@@ -80,14 +100,8 @@ def run_heads(model, pairs=None, *, ranking: Optional[pd.DataFrame] = None, run_
     for k in ks:
         arms[f"swap:top{k}"] = ("state_swap", order[:k])
 
-    def compute(arm):
-        kind, heads = arms[arm]
-        frame = example_metrics(pairs, getattr(iv, kind)(model, pairs, heads, batch_size=batch_size), intervention=kind)
-        frame = frame[frame["is_target"].astype(bool)]
-        return pd.DataFrame({"arm": arm, "row": frame["row"], "source": frame["source"],
-                             "shift": frame["donor_margin_shift"], "answer_margin_change": frame["target_margin_change"],
-                             "n_heads": len(heads)})
-    rows = logged_arms(run_dir, "heads_rows", ("arm", "row"), list(arms), compute, progress)
+    rows = run_arms(model, run_dir, "heads_rows", ("arm", "row"), list(arms), HeadSetArm(arms, batch_size), pairs,
+                    progress, executor)
     wide = rows.pivot(index=["row", "source"], columns="arm", values="shift").reset_index()
     # Fig. 3c reads write blocks by the change in the correct answer's margin (z_r - max other candidate).
     answer = rows.pivot(index=["row", "source"], columns="arm", values="answer_margin_change").reset_index()
@@ -176,7 +190,7 @@ def reading(s: pd.DataFrame, n_heads: int) -> list[str]:
     return out
 
 
-def _from_args(model, args, run_dir, progress) -> ProtocolResult:
+def _from_args(model, args, run_dir, progress, executor=None) -> ProtocolResult:
     ranking = None
     if args.from_scan:
         from pathlib import Path
@@ -187,4 +201,5 @@ def _from_args(model, args, run_dir, progress) -> ProtocolResult:
         ranking = pd.read_csv(Path(args.from_scan) / "scan_heads.csv")
     return run_heads(model, ranking=ranking, run_dir=run_dir, n_dev=args.n_dev, n_sources=args.n_sources,
                      layout=args.pair_spec, seed=args.seed, batch_size=args.batch_size,
-                     n_resamples=args.resamples, model_name=args.model, progress=progress)
+                     n_resamples=args.resamples, model_name=args.model, progress=progress,
+                     executor=executor)
