@@ -60,8 +60,9 @@ def test_every_verb_keeps_its_options():
     golden list taken from the verbs before the runner, with the paper's definitions' changes: lens --n-localise
     (default --n-sources 128), overlap --n-facts, corrector --method, and gate's App. F.2 spec (--recall; the
     evidence layout, template and cities are fixed by the spec); the word options of every verb that builds recall
-    pairs (--keys, --values, --on-multitoken); and --layout on every verb but gate, whose layout fields
-    (--filler, --presentations, --gap, --template, hybrid's --n-facts) default to the layout's (None)."""
+    pairs (--keys, --values, --on-multitoken); --layout on every verb but gate, whose layout fields
+    (--filler, --presentations, --gap, --template, hybrid's --n-facts) default to the layout's (None); and --ray
+    and --workers on every verb but corrector."""
     import argparse
     from pathlib import Path
 
