@@ -115,3 +115,11 @@ def test_a_bad_layout_is_one_error_line_and_exit_2(tmp_path, capsys):
     assert [line for line in err.splitlines() if "error:" in line] == [
         "recurscope coupling: error: argument --layout: invalid choice: 'paperz' (choose from 'paper', 'where_is')"]
     assert not (tmp_path / "o").exists()
+
+
+def test_every_verb_takes_layout_or_its_help_says_why_not():
+    from recurscope.interp.protocols.verbs import TABLE
+
+    assert [name for name, verb in TABLE.items() if not verb.layout] == ["gate"]
+    for name, verb in TABLE.items():
+        assert verb.layout or "--layout" in verb.note, name

@@ -65,6 +65,7 @@ class Verb:
     defaults: dict = field(default_factory=dict)
     ray: bool = False                    # --ray / --workers: the verb's independent units on Ray
     serial: str = ""                     # without --ray: why its units are not independent (said in --help)
+    note: str = ""                       # said in --help after the help line (e.g. why a verb takes no --layout)
 
     @property
     def module(self) -> str:
@@ -123,7 +124,8 @@ def add_verb(sub, verb: Verb, model_args, load, executor: Optional[Callable] = N
     """Adds `verb`'s parser to the subparsers `sub`: the shared model options (model_args), the option groups and
     the verb's own options. Running it (runner.run_verb) imports the verb's module. executor(args) ->
     executor(pairs, units, compute, on_rows): the CLI's Ray runner, for verbs with ray=True."""
-    description = verb.help + (f". Runs serially: {verb.serial}." if verb.serial else "")
+    description = (verb.help + (f". Runs serially: {verb.serial}." if verb.serial else "")
+                   + (f". {verb.note}." if verb.note else ""))
     p = sub.add_parser(verb.name, help=verb.help, description=description)
     model_args(p)
     before = {a.dest for a in p._actions}
@@ -229,7 +231,9 @@ TABLE: dict[str, Verb] = {v.name: v for v in (
          ray=True),
     Verb("gate", "the App. F.2 capability gate: one evidence sentence, two phrasings, full-vocabulary top-1 against a "
          "preset threshold, with an evidence-removed control", "run_gate", from_args="_from_args", head=False,
-         ranking=False, layout=False, options=_gate_options, ray=True),
+         ranking=False, layout=False, options=_gate_options, ray=True,
+         note="Its layout is App. F.2's own (one evidence sentence, one fact, --fillers, --gap), so it takes no "
+              "--layout"),
     Verb("capacity", "clean recall and state-swap shift against load K and gap (§4.2, Fig. 7a-b)", "run_capacity",
          filler=False, presentations=False, gap=False, fixed_length=True, options=_capacity_options, ray=True),
     Verb("overlap", "write-key overlap: interfering writes aligned with the target's write direction (§4.2, "
