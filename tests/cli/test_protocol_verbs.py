@@ -56,11 +56,13 @@ def test_verb_refuses_a_bad_head(tmp_path, capsys):
 
 
 def test_every_verb_keeps_its_options():
-    """The runner declares each shared option once; every verb's options (names, defaults, types) equal the golden
-    list taken from the verbs before the runner, with the paper's definitions' changes: lens --n-localise (default
-    --n-sources 128), overlap --n-facts, corrector --method, and gate's App. F.2 spec (--recall; the evidence layout,
-    template and cities are fixed by the spec); and the word options of every verb that builds recall pairs (--keys,
-    --values, --on-multitoken)."""
+    """The verbs' table declares each shared option once; every verb's options (names, defaults, types) equal the
+    golden list taken from the verbs before the runner, with the paper's definitions' changes: lens --n-localise
+    (default --n-sources 128), overlap --n-facts, corrector --method, and gate's App. F.2 spec (--recall; the
+    evidence layout, template and cities are fixed by the spec); the word options of every verb that builds recall
+    pairs (--keys, --values, --on-multitoken); --layout on every verb but gate, whose layout fields
+    (--filler, --presentations, --gap, --template, hybrid's --n-facts) default to the layout's (None); and --ray
+    and --workers on every verb but corrector."""
     import argparse
     from pathlib import Path
 
@@ -75,3 +77,49 @@ def test_every_verb_keeps_its_options():
                         for a in sub.choices[verb]._actions if a.dest != "help") for verb in VERBS}
     golden = json.loads((Path(__file__).with_name("golden_protocol_options.json")).read_text())
     assert got == {verb: sorted(rows) for verb, rows in golden.items()}
+
+
+@pytest.mark.parametrize("layout, template, query", [("paper", "key_value", None), ("where_is", "is_in", "where is"),
+                                                     (None, "is_in", "where is")])   # tiny-gla records where_is
+def test_verb_layout_builds_that_layouts_prompts(layout, template, query, tmp_path, monkeypatch, capsys):
+    """--layout reaches the verb's run function as a PairSpec of that layout (default: the checkpoint's recorded
+    one), the pairs it builds are written in that layout's template, and the manifest records the layout."""
+    import types
+
+    from recurscope.interp.protocols import selectivity
+
+    seen = {}
+
+    def run(model, pairs=None, head=None, *, layout=None, n_sources=32, run_dir=None, progress=None):
+        seen["spec"] = layout
+        built = selectivity.build_selectivity_pairs(model.tokenizer, n_sources=1, model=model, layout=layout)
+        seen["text"] = model.tokenizer.decode(built.recipient_ids[0])
+        return types.SimpleNamespace(section="done")
+
+    monkeypatch.setattr(selectivity, "run_selectivity", run)
+    argv = ["selectivity", "tiny-gla", "--head", "0", "1", "--filler", "8", "--out", str(tmp_path / "o")]
+    assert main(argv + ([] if layout is None else ["--layout", layout])) == 0
+    spec = seen["spec"]
+    assert spec.layout.template == template and spec.layout.filler_tokens == 8
+    assert spec.layout.name == f"{layout or 'where_is'}+custom"          # --filler changed one field
+    assert (query in seen["text"]) if query else ("where is" not in seen["text"])
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert manifest["args"]["pair_layout"] == spec.layout.to_dict()
+
+
+def test_a_bad_layout_is_one_error_line_and_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["coupling", "tiny-gla", "--layout", "paperz", "--out", str(tmp_path / "o")])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "error:" in line] == [
+        "recurscope coupling: error: argument --layout: invalid choice: 'paperz' (choose from 'paper', 'where_is')"]
+    assert not (tmp_path / "o").exists()
+
+
+def test_every_verb_takes_layout_or_its_help_says_why_not():
+    from recurscope.interp.protocols.verbs import TABLE
+
+    assert [name for name, verb in TABLE.items() if not verb.layout] == ["gate"]
+    for name, verb in TABLE.items():
+        assert verb.layout or "--layout" in verb.note, name

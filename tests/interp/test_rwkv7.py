@@ -179,9 +179,10 @@ def test_app_e2_top_k_recovery_runs_on_rwkv7():
     tok = build_word_tokenizer()
     model = tiny_model("rwkv7", vocab_size=len(tok))
     model.tokenizer = tok
-    layout = dict(n_facts=4, presentations=2, filler_tokens=12, gap_tokens=4)
-    p = build_pairs(tok, split="heldout", n_sources=3, **layout)
-    from recurscope.interp.protocols._common import rank_heads
+    from recurscope.interp.protocols._common import pair_spec, rank_heads
+
+    layout = pair_spec(n_facts=4, presentations=2, filler_tokens=12, gap_tokens=4)
+    p = build_pairs(tok, split="heldout", n_sources=3, **layout.kwargs())
 
     ranking = rank_heads(model, n_dev=2, layout=layout)          # the frozen ranking, from dev sources
     r = heads.run_heads(model, p, ranking=ranking, n_resamples=200)

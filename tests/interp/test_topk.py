@@ -22,10 +22,10 @@ def test_the_formats_keep_app_b_bindings_and_differ_only_in_wording(word_tok, fm
     """App. B (the notes): four bindings, each presented three times, filler before the query. compact: "KEY VALUE."
     and the query is the key itself, one token, whose next token is the answer; naturalized: "KEY is in VALUE." and
     the question "where is KEY? KEY is in"."""
-    layout = topk.format_layout(fmt, **SMALL)
-    assert layout["n_facts"] == 4 and layout["presentations"] == 3
-    assert topk.format_layout(fmt)["filler_tokens"] == 512           # the paper's 512 filler tokens by default
-    p = build_pairs(word_tok, split="heldout", n_sources=2, **layout)
+    spec = topk.format_layout(fmt, **SMALL)
+    assert spec.layout.n_facts == 4 and spec.layout.presentations == 3
+    assert topk.format_layout(fmt).layout.filler_tokens == 512       # the paper's 512 filler tokens by default
+    p = build_pairs(word_tok, split="heldout", n_sources=2, **spec.kwargs())
     for i in range(len(p)):
         key = p.keys[i][int(p.queried_fact[i])]
         spans = p.fact_spans[i]

@@ -14,6 +14,7 @@ Paper: GLA-340M's top-1 head recovers 94.7% of the all-head shift; GLA-7B needs 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import pandas as pd
@@ -21,14 +22,13 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, head_label, logged_arms, max_length,
-                                                 pair_kwargs, rank_heads)
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish, layout_from_args
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, head_label, max_length, run_arms,
+                                                 pair_spec, rank_heads)
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import Claim, judge, measure_from
 from recurscope.interp.scan import all_heads
 
-__all__ = ["run_heads", "top_k_sizes", "swap_arms", "arm_rows", "recovery_records", "frozen_ranking", "reading",
-           "VERB"]
+__all__ = ["run_heads", "top_k_sizes", "swap_arms", "arm_rows", "recovery_records", "frozen_ranking", "reading"]
 
 #: Above this many heads, single-head write blocks run for the hub and the second head only (the all-heads sum
 #: would cost one run per head).
@@ -77,7 +77,7 @@ def recovery_records(wide: pd.DataFrame, ks: list, *, n_resamples: int, seed: in
     return out
 
 
-def frozen_ranking(model, ranking: Optional[pd.DataFrame], n_dev: int, layout: dict) -> list[tuple[int, int]]:
+def frozen_ranking(model, ranking: Optional[pd.DataFrame], n_dev: int, layout) -> list[tuple[int, int]]:
     """Every recurrent head (state group), best J first: `ranking` (a scan's scan_heads) or a fresh dev scan."""
     if ranking is None:
         ranking = rank_heads(model, n_dev=n_dev, layout=layout)
@@ -89,20 +89,35 @@ def frozen_ranking(model, ranking: Optional[pd.DataFrame], n_dev: int, layout: d
     return order
 
 
+@dataclass(frozen=True)
+class HeadSetArm:
+    """One arm of the head-structure protocol: a write block or state swap of a set of heads over the pairs, called
+    as (model, pairs, arm) in this process or, under --ray, on a worker (a picklable unit, _common.run_arms)."""
+
+    arms: dict
+    batch_size: int
+
+    def __call__(self, model, pairs, arm: str) -> pd.DataFrame:
+        kind, heads = self.arms[arm]
+        return arm_rows(model, pairs, kind, heads, arm, self.batch_size)
+
+
 def run_heads(model, pairs=None, *, ranking: Optional[pd.DataFrame] = None, run_dir=None, n_dev: int = 32,
-              n_sources: int = 64, layout: Optional[dict] = None, seed: int = 0, batch_size: int = 16,
-              n_resamples: int = 9999, model_name: str = "model", progress=None) -> ProtocolResult:
+              n_sources: int = 64, layout=None, seed: int = 0, batch_size: int = 16,
+              n_resamples: int = 9999, model_name: str = "model", progress=None, executor=None) -> ProtocolResult:
     """ranking: a per-head table with layer, head, J (a scan's scan_heads); default: a fresh scan on n_dev dev
-    sources. pairs: held-out swap pairs (default: n_sources held-out sources, target queries)."""
+    sources. pairs: held-out swap pairs (default: n_sources held-out sources, target queries, in `layout`: a
+    PairSpec, PairLayout or layout name, default the §3.3 layout, under `seed`). executor: the CLI's --ray runner;
+    each arm is then one unit on a Ray worker (the ranking's scan, when no ranking is given, runs here)."""
     from recurscope.interp.data import build_pairs
 
-    layout = {**pair_kwargs(seed=seed), **(layout or {})}
+    layout = pair_spec(layout, seed=seed)
     order = frozen_ranking(model, ranking, n_dev, layout)
     if len(order) < 2:
         raise ValueError("head structure needs at least two recurrent heads")
     if pairs is None:
         pairs = build_pairs(model.tokenizer, split="heldout", n_sources=n_sources, max_length=max_length(model),
-                            **layout)
+                            **layout.kwargs())
     hub, second = order[0], order[1]
     singles = order if len(order) <= MAX_SINGLE_RUNS else [hub, second]
     arms = {f"block:{head_label(h)}": ("write_block", [h]) for h in singles}
@@ -111,10 +126,8 @@ def run_heads(model, pairs=None, *, ranking: Optional[pd.DataFrame] = None, run_
     ks = top_k_sizes(len(order))
     arms.update(swap_arms(order))
 
-    def compute(arm):
-        kind, heads = arms[arm]
-        return arm_rows(model, pairs, kind, heads, arm, batch_size)
-    rows = logged_arms(run_dir, "heads_rows", ("arm", "row"), list(arms), compute, progress)
+    rows = run_arms(model, run_dir, "heads_rows", ("arm", "row"), list(arms), HeadSetArm(arms, batch_size), pairs,
+                    progress, executor)
     wide = rows.pivot(index=["row", "source"], columns="arm", values="shift").reset_index()
     # Fig. 3c reads write blocks by the change in the correct answer's margin (z_r - max other candidate).
     answer = rows.pivot(index=["row", "source"], columns="arm", values="answer_margin_change").reset_index()
@@ -197,7 +210,7 @@ def reading(s: pd.DataFrame, n_heads: int) -> list[str]:
     return out
 
 
-def _from_args(model, args, run_dir, progress) -> ProtocolResult:
+def _from_args(model, args, run_dir, progress, executor=None) -> ProtocolResult:
     ranking = None
     if args.from_scan:
         from pathlib import Path
@@ -207,10 +220,6 @@ def _from_args(model, args, run_dir, progress) -> ProtocolResult:
         heads_from_scan(args.from_scan, model)                      # refuses a scan of another checkpoint
         ranking = pd.read_csv(Path(args.from_scan) / "scan_heads.csv")
     return run_heads(model, ranking=ranking, run_dir=run_dir, n_dev=args.n_dev, n_sources=args.n_sources,
-                     layout=layout_from_args(args), seed=args.seed, batch_size=args.batch_size,
-                     n_resamples=args.resamples, model_name=args.model, progress=progress)
-
-
-VERB = Verb("heads", "write-block non-additivity and joint top-k recovery (Fig. 3c, App. E.2)", run_heads, from_args=_from_args,
-            n_sources=64, head=False, n_dev=32,
-            from_scan_help="a scan directory whose ranking to freeze (default: a fresh scan on --n-dev dev sources)")
+                     layout=args.pair_spec, seed=args.seed, batch_size=args.batch_size,
+                     n_resamples=args.resamples, model_name=args.model, progress=progress,
+                     executor=executor)

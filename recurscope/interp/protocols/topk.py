@@ -22,22 +22,25 @@ GLA-7B's top-1 recovers 12.3% compact (top-16: 92.3%), GLA-340M's 94.7%.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
 
 from recurscope.interp import interventions as iv
-from recurscope.interp.protocols._common import ProtocolResult, ci_text, head_label, logged_arms, max_length, pair_kwargs
-from recurscope.interp.protocols.gate import GATE_THRESHOLD, capability_gate
+from recurscope.interp.protocols._common import ProtocolResult, ci_text, head_label, max_length, pair_spec, run_arms
+from recurscope.interp.protocols.gate import capability_gate
 from recurscope.interp.protocols.heads import arm_rows, frozen_ranking, recovery_records, swap_arms, top_k_sizes
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, add_gate_option, finish
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
+from recurscope.interp.protocols.verbs import GATE_THRESHOLD, TOPK_FORMATS
 from recurscope.interp.verdicts import Claim, judge, measure_from
 
-__all__ = ["FORMATS", "PAPER", "format_layout", "paper_claim", "run_topk", "reading", "VERB"]
+__all__ = ["FORMATS", "PAPER", "format_layout", "paper_claim", "run_topk", "reading"]
 
 #: format -> the recall template that words it (interp.data.words).
 FORMATS = {"compact": "key_value", "naturalized": "is_in"}
+assert tuple(FORMATS) == TOPK_FORMATS      # verbs.py names them for --formats without importing this module
 
 #: The paper's frozen top-1 recovery, per (checkpoint, format), with how it says it.
 PAPER = {
@@ -51,13 +54,25 @@ PAPER = {
 
 
 def format_layout(fmt: str, *, filler: int = 512, presentations: int = 3, gap: int = 24, n_facts: int = 4,
-                  vocab: str = "cities", seed: int = 0) -> dict:
-    """build_pairs keyword arguments of one format: App. B's bindings, presentations and filler, worded by the
-    format's template."""
+                  vocab: str = "cities", seed: int = 0):
+    """The PairSpec of one format: App. B's bindings, presentations and filler, worded by the format's template."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose from {list(FORMATS)}")
-    return pair_kwargs(filler=filler, presentations=presentations, n_facts=n_facts, template=FORMATS[fmt],
-                       vocab=vocab, seed=seed, gap_tokens=gap)
+    return pair_spec("paper", filler_tokens=filler, presentations=presentations, n_facts=n_facts,
+                     template=FORMATS[fmt], vocab=vocab, seed=seed, gap_tokens=gap)
+
+
+@dataclass(frozen=True)
+class SwapArm:
+    """One joint top-k state swap of one format, called as (model, pairs, arm) in this process or, under --ray, on a
+    worker (a picklable unit, _common.run_arms)."""
+
+    arms: dict
+    batch_size: int
+
+    def __call__(self, model, pairs, arm: str) -> pd.DataFrame:
+        fmt, heads = self.arms[arm]
+        return arm_rows(model, pairs, "state_swap", heads, arm, self.batch_size).assign(format=fmt)
 
 
 def paper_checkpoint(model) -> Optional[str]:
@@ -79,9 +94,11 @@ def paper_claim(model, fmt: str) -> Optional[tuple[float, str]]:
 def run_topk(model, *, formats: Sequence[str] = tuple(FORMATS), ranking: Optional[pd.DataFrame] = None,
              n_dev: int = 32, n_sources: int = 64, filler: int = 512, presentations: int = 3, gap: int = 24,
              seed: int = 0, gate_threshold: Optional[float] = GATE_THRESHOLD, batch_size: int = 16,
-             n_resamples: int = 9999, run_dir=None, model_name: str = "model", progress=None) -> ProtocolResult:
+             n_resamples: int = 9999, run_dir=None, model_name: str = "model", progress=None,
+             executor=None) -> ProtocolResult:
     """The joint top-k recovery per format, each on its own dev ranking (or `ranking`, a scan's scan_heads table,
-    frozen for every format) and held-out cohort, gated by clean recall unless gate_threshold is None."""
+    frozen for every format) and held-out cohort, gated by clean recall unless gate_threshold is None. executor:
+    the CLI's --ray runner; each arm is then one unit on a Ray worker."""
     from recurscope.interp.data import build_pairs
 
     formats = list(formats)
@@ -93,7 +110,7 @@ def run_topk(model, *, formats: Sequence[str] = tuple(FORMATS), ranking: Optiona
     if len(orders[formats[0]]) < 2:
         raise ValueError("the top-k test needs at least two recurrent components (state heads)")
     pairs = {f: build_pairs(model.tokenizer, split="heldout", n_sources=n_sources, max_length=max_length(model),
-                            **layouts[f]) for f in formats}
+                            **layouts[f].kwargs()) for f in formats}
     gates, records, recall = {}, [], []
     for f in formats:      # clean recall is measured in every format; the gate applies only with a threshold
         p = pairs[f]
@@ -112,10 +129,9 @@ def run_topk(model, *, formats: Sequence[str] = tuple(FORMATS), ranking: Optiona
     reported = [f for f in formats if gate_threshold is None or gates[f].passed]
     arms = {f"{f}:{name}": (f, heads) for f in reported for name, (_, heads) in swap_arms(orders[f]).items()}
 
-    def compute(arm):
-        f, heads = arms[arm]
-        return arm_rows(model, pairs[f], "state_swap", heads, arm, batch_size).assign(format=f)
-    rows = (logged_arms(run_dir, "topk_rows", ("arm", "row"), list(arms), compute, progress) if arms else
+    frames = [run_arms(model, run_dir, "topk_rows", ("arm", "row"), [a for a in arms if arms[a][0] == f],
+                       SwapArm(arms, batch_size), pairs[f], progress, executor) for f in reported]
+    rows = (pd.concat(frames, ignore_index=True) if frames else
             pd.DataFrame(columns=["arm", "row", "source", "shift", "answer_margin_change", "n_heads", "format"]))
     for f in reported:
         part = rows[(rows["format"] == f) & rows["arm"].str.contains(":swap:")]
@@ -213,15 +229,7 @@ def reading(s: pd.DataFrame, info: dict) -> list[str]:
     return out
 
 
-def _options(p) -> None:
-    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS),
-                   help="input formats, each on its own cohort (default: both)")
-    add_gate_option(p, GATE_THRESHOLD, "capability gate on each format's held-out clean recall (default 0.8)")
-    p.add_argument("--no-gate", action="store_true", help="report every format without the gate (then nothing is "
-                   "compared with the paper)")
-
-
-def _from_args(model, args, run_dir, progress) -> ProtocolResult:
+def _from_args(model, args, run_dir, progress, executor=None) -> ProtocolResult:
     ranking = None
     if args.from_scan:
         from pathlib import Path
@@ -233,11 +241,5 @@ def _from_args(model, args, run_dir, progress) -> ProtocolResult:
     return run_topk(model, formats=args.formats, ranking=ranking, n_dev=args.n_dev, n_sources=args.n_sources,
                     filler=args.filler, presentations=args.presentations, gap=args.gap, seed=args.seed,
                     gate_threshold=None if args.no_gate else args.gate, batch_size=args.batch_size,
-                    n_resamples=args.resamples, run_dir=run_dir, model_name=args.model, progress=progress)
-
-
-VERB = Verb("topk", "the App. E.2 top-k test in the compact and naturalized formats, gated by clean recall "
-            "(App. E.2, Fig. 14)", run_topk, from_args=_from_args, n_sources=64, head=False, n_dev=32, template="",
-            options=_options,
-            from_scan_help="a scan directory whose ranking to freeze for every format (default: a fresh scan per "
-                           "format on --n-dev dev sources)")
+                    n_resamples=args.resamples, run_dir=run_dir, model_name=args.model, progress=progress,
+                    executor=executor)
