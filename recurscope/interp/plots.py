@@ -114,17 +114,21 @@ def overlapping_text(fig: Figure, pad: float = 1.0) -> list[tuple[str, str]]:
 def fold_axis_scales(fig: Figure) -> None:
     """Puts each axis' multiplier into its label. Matplotlib draws a scale such as "1e-5" at the end of the axis,
     where it collides with the axis label (and an additive offset such as "+1.2" silently changes every tick), so
-    offsets are turned off and a multiplier such as "1e-5" ends the label as "[×1e-5]"."""
+    offsets are turned off, values under 0.01 or from 10^4 up are written with a multiplier rather than as
+    "-0.000150", and the multiplier ends the label as "[×1e-4]"."""
     axes = [(ax, axis) for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)
             if isinstance(axis.get_major_formatter(), ScalarFormatter) and axis.get_scale() in ("linear", "function")]
     for _, axis in axes:
         axis.get_major_formatter().set_useOffset(False)
+        axis.get_major_formatter().set_powerlimits((-2, 4))   # 1e-4 as "-1.5 [×1e-4]", not "-0.000150"
     FigureCanvasAgg(fig).draw()
     for ax, axis in axes:
         scale = str(axis.get_offset_text().get_text()).strip()
         if scale and axis.get_offset_text().get_visible():
             axis.get_offset_text().set_visible(False)
-            axis.set_label_text(f"{axis.get_label_text()} [×{scale.lstrip('×')}]")
+            label = axis.get_label_text()
+            gap = "\n" if len(label.rsplit("\n", 1)[-1]) > 32 else " "   # a long label takes it on a line of its own
+            axis.set_label_text(f"{label}{gap}[×{scale.lstrip('×')}]")
 
 
 def _save(fig: Figure, out_path, data: pd.DataFrame, dpi: int) -> PlotResult:

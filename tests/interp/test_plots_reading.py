@@ -78,7 +78,7 @@ def test_a_tiny_scale_goes_into_the_axis_label(tmp_path):
     result = _draw(_points(scale=1e-5), tmp_path)
     shift = result.figure.axes[1]
     assert not shift.xaxis.get_offset_text().get_visible()
-    assert shift.get_xlabel().startswith("donor-margin shift (logits), 95% CI [×1e")
+    assert shift.get_xlabel().startswith("donor-margin shift (logits), 95% CI\n[×1e")
 
 
 def test_missing_rows_and_an_empty_panel_are_said(tmp_path):
@@ -183,3 +183,15 @@ def _last_figure(stem, per_head, chosen):
         mp.setattr(P, "_save", lambda fig, *a, **k: (caught.append(fig), save(fig, *a, **k))[1])
         headscan._figure(per_head, chosen, stem, "m", 5)
     return caught[-1]
+
+
+def test_small_values_are_not_written_out_as_long_decimals(tmp_path):
+    """A random model's shifts of 1e-4 logits: matplotlib's default writes ticks as "-0.000150"."""
+    s = _lines([16, 32], tasks=("a",)).assign(metric="donor_margin_shift")
+    s[["estimate", "low", "high"]] *= -5e-4
+    s[["low", "high"]] = np.sort(s[["low", "high"]].to_numpy(), axis=1)
+    result = P.plot_interval_panels(s, tmp_path / "gap", row_col="k", panels=["donor_margin_shift"], kind="lines")
+    ax = result.figure.axes[0]
+    assert max(len(t.get_text()) for t in ax.get_yticklabels()) <= 5
+    assert "[×1e" in ax.get_ylabel()
+    assert P.overlapping_text(result.figure) == []
