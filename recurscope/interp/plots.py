@@ -621,9 +621,12 @@ def plot_interval_panels(summary: pd.DataFrame, out_path, *, panels: Sequence[st
             drawn.append(line * scale)
         _value_limits(ax.set_xlim if kind == "points" else ax.set_ylim, drawn, metric, percent)
         empty = all(rec["panel"] != metric for rec in records)
-        if empty:
-            ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="0.4",
-                    gid="no-data")
+        if empty:   # with the reason when every row gives the same one
+            why = {dict(missing_labels or {}).get(r) for r, _ in absent}
+            ax.text(0.5, 0.5, "no data" + (f"\n({why.pop()})" if len(why) == 1 and None not in why else ""),
+                    transform=ax.transAxes, ha="center", va="center", color="0.4", gid="no-data")
+            if metric in percent and "change" not in metric:
+                (ax.set_xlim if kind == "points" else ax.set_ylim)(-4.0, 104.0)
         elif kind == "points":
             for r, i in absent:   # a row with no estimate (e.g. no pair qualified): said, not left blank
                 y = row_list.index(r) + (i - (len(hues) - 1) / 2) * dodge
@@ -637,7 +640,8 @@ def plot_interval_panels(summary: pd.DataFrame, out_path, *, panels: Sequence[st
                         ha="center", va="bottom", fontsize="small", color="0.4", gid=f"missing:{x:g}")
         unit = _unit(metric, percent)
         axis_label = labels.get(metric, _label(metric)) + (f" ({unit})" if unit else "") + ", 95% CI"
-        axis_label = textwrap.fill(axis_label, 44 if kind == "points" else 34)   # never longer than its axis
+        axis_label = textwrap.fill(axis_label, 44 if kind == "points" else 34,   # never longer than its axis
+                                   break_on_hyphens=False)
         if kind == "points":
             ax.set_xlabel(axis_label)
             ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
@@ -645,6 +649,7 @@ def plot_interval_panels(summary: pd.DataFrame, out_path, *, panels: Sequence[st
         else:
             ax.set_ylabel(axis_label)
             ax.set_xlabel(row_name or _label(row_col))
+            ax.set_xmargin(0.08)   # room for the "n/a" of an x at either end
             _value_ticks(ax, xs)
             ax.grid(alpha=0.3)
     handles, names_ = [], []

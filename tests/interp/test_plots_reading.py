@@ -195,3 +195,23 @@ def test_small_values_are_not_written_out_as_long_decimals(tmp_path):
     assert max(len(t.get_text()) for t in ax.get_yticklabels()) <= 5
     assert "[×1e" in ax.get_ylabel()
     assert P.overlapping_text(result.figure) == []
+
+
+def test_an_empty_panel_says_why_and_keeps_a_rate_axis(tmp_path):
+    s = _points()
+    s.loc[s.metric == "donor_answer", ["estimate", "low", "high"]] = np.nan
+    result = _draw(s, tmp_path, missing_labels={a: "refused by the gate" for a in ARMS})
+    share = result.figure.axes[0]
+    (text,) = [t for t in share.texts if t.get_gid() == "no-data"]
+    assert text.get_text() == "no data\n(refused by the gate)"
+    assert share.get_xlim() == (-4.0, 104.0)                   # not matplotlib's 0-1 on a percent axis
+
+
+def test_long_axis_labels_wrap_at_words(tmp_path):
+    s = _lines([1, 2], tasks=("a",)).assign(metric="nontarget_break")
+    result = P.plot_interval_panels(s, tmp_path / "r", row_col="k", panels=["nontarget_break"], kind="lines",
+                                    percent=["nontarget_break"],
+                                    panel_labels={"nontarget_break": "non-target break (mean of per-source rates)"})
+    label = result.figure.axes[0].get_ylabel()
+    assert "\n" in label and "per-source" in label
+    assert P.overlapping_text(result.figure) == []
