@@ -649,7 +649,6 @@ def plot_interval_panels(summary: pd.DataFrame, out_path, *, panels: Sequence[st
         else:
             ax.set_ylabel(axis_label)
             ax.set_xlabel(row_name or _label(row_col))
-            ax.set_xmargin(0.08)   # room for the "n/a" of an x at either end
             _value_ticks(ax, xs)
             ax.grid(alpha=0.3)
     handles, names_ = [], []
@@ -710,3 +709,9 @@ def _value_ticks(ax, xs: Sequence[float]) -> None:
         ax.set_xticks(xs, [f"{v:g}" for v in xs])
     else:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    lo, hi = min(xs), max(xs)   # every measured x inside the frame, with room for its "n/a" at either end
+    if ax.get_xscale() == "log":
+        pad = 2.0 ** (0.06 * np.log2(hi / lo))
+        ax.set_xlim(lo / pad, hi * pad)
+    elif hi > lo:
+        ax.set_xlim(lo - 0.06 * (hi - lo), hi + 0.06 * (hi - lo))

@@ -215,3 +215,17 @@ def test_long_axis_labels_wrap_at_words(tmp_path):
     label = result.figure.axes[0].get_ylabel()
     assert "\n" in label and "per-source" in label
     assert P.overlapping_text(result.figure) == []
+
+
+def test_an_end_value_without_data_is_inside_the_frame(tmp_path):
+    s = _lines([1, 2, 4], tasks=("a",))
+    s.loc[s.k == 4, ["estimate", "low", "high"]] = np.nan
+    result = P.plot_interval_panels(s, tmp_path / "load", row_col="k", panels=["correct"], kind="lines",
+                                    percent=["correct"])
+    ax = result.figure.axes[0]
+    lo, hi = ax.get_xlim()
+    assert lo < 1 and hi > 4                                    # "n/a" at K = 4 not cut by the frame
+    (na,) = [t for t in ax.texts if t.get_gid() == "missing:4"]
+    renderer = result.figure.canvas.get_renderer()
+    assert ax.get_window_extent(renderer).x1 >= na.get_window_extent(renderer).x1
+    assert P.overlapping_text(result.figure) == []
