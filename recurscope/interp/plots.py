@@ -563,7 +563,7 @@ def plot_interval_panels(summary: pd.DataFrame, out_path, *, panels: Sequence[st
     controls = [r for r in row_list if r in set(controls)] if kind == "points" else []
     mains = [r for r in row_list if r not in controls]
     row_list = mains + controls
-    hues = _ordered(data[hue_col]) if hue_col else [None]
+    hues = _ordered(data[hue_col], list(row_labels or {})) if hue_col else [None]   # the report's order
     palette = _colours(hues, colors)
     labels = dict(panel_labels or {})
     names = dict(row_labels or {})
@@ -639,7 +639,7 @@ def plot_interval_panels(summary: pd.DataFrame, out_path, *, panels: Sequence[st
                 ax.text(x, 0.03, "n/a", transform=blended_transform_factory(ax.transData, ax.transAxes),
                         ha="center", va="bottom", fontsize="small", color="0.4", gid=f"missing:{x:g}")
         unit = _unit(metric, percent)
-        axis_label = labels.get(metric, _label(metric)) + (f" ({unit})" if unit else "") + ", 95% CI"
+        axis_label = labels.get(metric, _label(metric)) + (f" ({unit})" if unit else "") + ", 95%\u00a0CI"
         axis_label = textwrap.fill(axis_label, 44 if kind == "points" else 34,   # never longer than its axis
                                    break_on_hyphens=False)
         if kind == "points":

@@ -52,8 +52,8 @@ def test_points_rows_are_the_reports_labels_with_controls_apart(tmp_path):
 def test_value_axes_carry_units_and_the_title_n_and_interval(tmp_path):
     result = _draw(_points(), tmp_path)
     share, shift = result.figure.axes
-    assert share.get_xlabel() == "donor answers (%), 95% CI"
-    assert shift.get_xlabel() == "donor-margin shift (logits), 95% CI"
+    assert share.get_xlabel() == "donor answers (%), 95%\u00a0CI"        # "95% CI" never split over two lines
+    assert shift.get_xlabel() == "donor-margin shift (logits), 95%\u00a0CI"
     assert result.figure.get_suptitle() == "tiny: selectivity\nn = 6 sources, 95% intervals"
 
 
@@ -78,7 +78,7 @@ def test_a_tiny_scale_goes_into_the_axis_label(tmp_path):
     result = _draw(_points(scale=1e-5), tmp_path)
     shift = result.figure.axes[1]
     assert not shift.xaxis.get_offset_text().get_visible()
-    assert shift.get_xlabel().startswith("donor-margin shift (logits), 95% CI\n[×1e")
+    assert shift.get_xlabel().startswith("donor-margin shift (logits), 95%\u00a0CI\n[×1e")
 
 
 def test_missing_rows_and_an_empty_panel_are_said(tmp_path):
@@ -228,4 +228,14 @@ def test_an_end_value_without_data_is_inside_the_frame(tmp_path):
     (na,) = [t for t in ax.texts if t.get_gid() == "missing:4"]
     renderer = result.figure.canvas.get_renderer()
     assert ax.get_window_extent(renderer).x1 >= na.get_window_extent(renderer).x1
+    assert P.overlapping_text(result.figure) == []
+
+
+def test_curves_follow_the_reports_order_and_names(tmp_path):
+    s = _lines([2, 4], tasks=("aligned", "control_head:aligned", "orthogonal"))
+    names = {"aligned": "aligned key", "orthogonal": "orthogonalised key",
+             "control_head:aligned": "control head, aligned key"}
+    result = P.plot_interval_panels(s, tmp_path / "o", row_col="k", panels=["correct"], kind="lines",
+                                    hue_col="task", row_labels=names, percent=["correct"])
+    assert [t.get_text() for t in result.figure.legends[0].get_texts()] == list(names.values())
     assert P.overlapping_text(result.figure) == []
