@@ -49,6 +49,9 @@ def recurrence_low_rank(
                          "without an erase use kernels.recurrence")
     dims, positions = validate(q, k, x, g, a, initial_state, write_scale, extra_write, capture,
                                check_finite=check_finite)
+    if dims.H_q != dims.H_k:
+        raise ValueError(f"q has {dims.H_q} heads and k {dims.H_k}: recurrence_low_rank takes q with k's heads (query "
+                         "groups, several queries per state, run through kernels.recurrence only)")
     _check_float("b", b)
     _expect("b", b, (dims.B, dims.T, dims.H, dims.K), "(B, T, H, K) like a")
     if b.device != q.device:

@@ -15,7 +15,7 @@ TINY = ["--n-sources", "2", "--filler", "16", "--presentations", "2", "--gap", "
 FIGURES = {"selectivity": ["selectivity"], "coupling": ["coupling"], "neutral": ["neutral"],
            "heads": ["recovery", "nonadditivity"], "headscan": ["headscan"], "lens": ["lens"], "gate": ["gate"],
            "capacity": ["load", "gap"], "overlap": ["overlap"], "retention": ["retention"],
-           "corrector": ["corrector"], "reuse": ["reuse", "subspace"], "hybrid": ["hybrid"]}
+           "corrector": ["corrector"], "reuse": ["reuse", "subspace"], "hybrid": ["hybrid"], "topk": ["topk"]}
 #: Verbs with their own layout options instead of the shared --filler/--presentations/--gap.
 OWN_ARGS = {"gate": ["--n-sources", "2", "--fillers", "8", "16", "--resamples", "100", "--batch-size", "8"],
             "capacity": ["--n-sources", "2", "--loads", "1", "2", "--gaps", "8", "16", "--total-length", "120",
@@ -48,8 +48,8 @@ def test_verb_smoke(verb, model, tmp_path, capsys, monkeypatch):
     if verb == "hybrid" and model == "tiny-gla":
         pytest.skip("the cache factorial needs a hybrid; its refusal of tiny-gla: tests/interp/test_hybrid.py")
     out = tmp_path / verb
-    head = [] if verb in ("heads", "lens", "gate", "hybrid") else ["--head", "0", "1"]   # L0H1: recurrent on both models
-    dev = ["--n-dev", "2"] if verb == "heads" else []
+    head = [] if verb in ("heads", "lens", "gate", "hybrid", "topk") else ["--head", "0", "1"]   # L0H1: recurrent on both
+    dev = ["--n-dev", "2"] if verb in ("heads", "topk") else []
     drawn = catch_figures(monkeypatch)
     assert main([verb, model, *OWN_ARGS.get(verb, TINY), *head, *dev, "--out", str(out)]) == 0
     assert sorted(drawn) == sorted(FIGURES[verb])

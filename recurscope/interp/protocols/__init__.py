@@ -19,6 +19,7 @@ verdict comes from interp.verdicts.
 | corrector | corrector.py | App. F.1, Fig. 15: a low-rank state-feature corrector fitted on dev, applied held out |
 | reuse | reuse.py | App. D.2, Fig. 13: the frozen head's donor write across formats; rank-4 value-subspace transfer |
 | hybrid | hybrid.py | Sec. 4.1, Fig. 6: hybrid cache factorial (recurrent caches, attention KV, both) |
+| topk | topk.py | App. E.2, Fig. 14: joint top-k recovery in the compact and naturalized formats, gated |
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ VERB_HELP = {
              "rank-4 colour-to-shape subspace transfer (App. D.2)",
     "hybrid": "hybrid cache factorial: recurrent caches, attention KV, both (Sec. 4.1, Fig. 6); --task update or niah: "
               "Table 2",
+    "topk": "the App. E.2 top-k test in the compact and naturalized formats, gated by clean recall (App. E.2, Fig. 14)",
 }
 VERBS = tuple(VERB_HELP)
 

@@ -107,6 +107,7 @@ def collect_features(model, pairs, heads: Sequence[tuple], *, batch_size: int = 
     """One clean forward per chunk: the readout (hook_head_out) of each head at query_pos, the residual leaving the
     last block there, and the clean candidate logits."""
     iv.check_pairs(model, pairs)
+    iv.require_one_query_per_state(model, "the corrector's readout features")
     W_U = model.unembed_weight.detach().double().cpu()
     device = iv.model_device(model)
     last = hook_name("hook_resid_post", model.cfg.num_hidden_layers - 1)

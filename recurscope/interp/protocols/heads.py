@@ -27,7 +27,8 @@ from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
 from recurscope.interp.verdicts import Claim, judge, measure_from
 from recurscope.interp.scan import all_heads
 
-__all__ = ["run_heads", "top_k_sizes", "reading", "VERB"]
+__all__ = ["run_heads", "top_k_sizes", "swap_arms", "arm_rows", "recovery_records", "frozen_ranking", "reading",
+           "VERB"]
 
 #: Above this many heads, single-head write blocks run for the hub and the second head only (the all-heads sum
 #: would cost one run per head).
@@ -45,7 +46,39 @@ def top_k_sizes(n_heads: int) -> list[int]:
     return ks + [n_heads]
 
 
-def _ranking(model, ranking: Optional[pd.DataFrame], n_dev: int, layout: dict) -> list[tuple[int, int]]:
+def swap_arms(order: list) -> dict:
+    """The joint top-k state-swap arms of a frozen ranking: {"swap:top<k>": ("state_swap", the top k heads)}."""
+    return {f"swap:top{k}": ("state_swap", order[:k]) for k in top_k_sizes(len(order))}
+
+
+def arm_rows(model, pairs, kind: str, heads: list, arm: str, batch_size: int) -> pd.DataFrame:
+    """One joint intervention (`kind`, an interventions function) of `heads` on the target rows of `pairs`: the
+    donor-margin shift and the correct answer's margin change per row."""
+    frame = example_metrics(pairs, getattr(iv, kind)(model, pairs, heads, batch_size=batch_size), intervention=kind)
+    frame = frame[frame["is_target"].astype(bool)]
+    return pd.DataFrame({"arm": arm, "row": frame["row"], "source": frame["source"],
+                         "shift": frame["donor_margin_shift"], "answer_margin_change": frame["target_margin_change"],
+                         "n_heads": len(heads)})
+
+
+def recovery_records(wide: pd.DataFrame, ks: list, *, n_resamples: int, seed: int, prefix: str = "") -> list:
+    """recovery(k) = shift(top k) / shift(all), a ratio of source means with a source-bootstrap interval, and each
+    arm's shift; `wide` holds one column per arm ("<prefix>swap:top<k>") and "source"."""
+    src = wide["source"].to_numpy()
+    all_arm = f"{prefix}swap:top{ks[-1]}"
+    out = []
+    for k in ks:
+        arm = f"{prefix}swap:top{k}"
+        for metric, ci in (("shift", stats.source_bootstrap_ci(wide[arm], src, n_resamples=n_resamples, seed=seed)),
+                           ("recovery", stats.source_ratio_ci(wide[arm], wide[all_arm], src,
+                                                              n_resamples=n_resamples, seed=seed))):
+            out.append({"analysis": "recovery", "unit": f"top{k}", "metric": metric, "estimate": ci.estimate,
+                        "low": ci.low, "high": ci.high, "n_sources": ci.n_sources, "method": ci.method, "k": k})
+    return out
+
+
+def frozen_ranking(model, ranking: Optional[pd.DataFrame], n_dev: int, layout: dict) -> list[tuple[int, int]]:
+    """Every recurrent head (state group), best J first: `ranking` (a scan's scan_heads) or a fresh dev scan."""
     if ranking is None:
         ranking = rank_heads(model, n_dev=n_dev, layout=layout)
     ranking = ranking.sort_values("J", ascending=False, kind="stable")
@@ -64,7 +97,7 @@ def run_heads(model, pairs=None, *, ranking: Optional[pd.DataFrame] = None, run_
     from recurscope.interp.data import build_pairs
 
     layout = {**pair_kwargs(seed=seed), **(layout or {})}
-    order = _ranking(model, ranking, n_dev, layout)
+    order = frozen_ranking(model, ranking, n_dev, layout)
     if len(order) < 2:
         raise ValueError("head structure needs at least two recurrent heads")
     if pairs is None:
@@ -76,16 +109,11 @@ def run_heads(model, pairs=None, *, ranking: Optional[pd.DataFrame] = None, run_
     arms["block:hub+second"] = ("write_block", [hub, second])
     arms["block:all"] = ("write_block", order)
     ks = top_k_sizes(len(order))
-    for k in ks:
-        arms[f"swap:top{k}"] = ("state_swap", order[:k])
+    arms.update(swap_arms(order))
 
     def compute(arm):
         kind, heads = arms[arm]
-        frame = example_metrics(pairs, getattr(iv, kind)(model, pairs, heads, batch_size=batch_size), intervention=kind)
-        frame = frame[frame["is_target"].astype(bool)]
-        return pd.DataFrame({"arm": arm, "row": frame["row"], "source": frame["source"],
-                             "shift": frame["donor_margin_shift"], "answer_margin_change": frame["target_margin_change"],
-                             "n_heads": len(heads)})
+        return arm_rows(model, pairs, kind, heads, arm, batch_size)
     rows = logged_arms(run_dir, "heads_rows", ("arm", "row"), list(arms), compute, progress)
     wide = rows.pivot(index=["row", "source"], columns="arm", values="shift").reset_index()
     # Fig. 3c reads write blocks by the change in the correct answer's margin (z_r - max other candidate).
@@ -113,13 +141,7 @@ def run_heads(model, pairs=None, *, ranking: Optional[pd.DataFrame] = None, run_
     add("hub_vs_all", "hub", "hub_minus_all",
         stats.paired_source_bootstrap_ci(answer[f"block:{head_label(hub)}"], answer["block:all"], src,
                                          n_resamples=n_resamples, seed=seed))
-    all_arm = f"swap:top{len(order)}"
-    for k in ks:
-        arm = f"swap:top{k}"
-        add("recovery", f"top{k}", "shift", stats.source_bootstrap_ci(wide[arm], src, n_resamples=n_resamples, seed=seed),
-            k=k)
-        add("recovery", f"top{k}", "recovery", stats.source_ratio_ci(wide[arm], wide[all_arm], src, n_resamples=n_resamples,
-                                                             seed=seed), k=k)
+    records += recovery_records(wide, ks, n_resamples=n_resamples, seed=seed)
     summary = pd.DataFrame(records)
     sources = rows.groupby(["arm", "source"])["shift"].mean().reset_index()
     info = {"ranking": order, "hub": hub, "second": second, "n_sources": int(rows["source"].nunique()),

@@ -66,6 +66,7 @@ def format_layouts(template: str = "is_in", vocab: str = "cities", *, filler: in
 
 def edit_deltas(model, pairs, head, *, batch_size: int = 16) -> torch.Tensor:
     """(P, V) query-time edits o_t(donor) - o_t(recipient) of `head` at every query position of every row."""
+    iv.require_one_query_per_state(model, "the subspace transfer (edit_deltas)")
     layer, h = head
     name = hook_name("hook_head_out", layer)
     device = iv.model_device(model)
@@ -100,6 +101,7 @@ def random_basis(V: int, rank: int = 4, seed: int = 0) -> torch.Tensor:
 def projected_output_patch(model, pairs, head, basis: Optional[torch.Tensor], *, batch_size: int = 16):
     """The output patch of `head` (every query position) keeping only the edit's component in span(basis):
     o = o(recipient) + (o(donor) - o(recipient)) B B^T. basis=None is the full output patch."""
+    iv.require_one_query_per_state(model, "the projected output patch")
     layer, h = iv.normalise_heads(model, [tuple(head)])[0]
     iv.check_pairs(model, pairs)
     P = None if basis is None else basis.double() @ basis.double().T
