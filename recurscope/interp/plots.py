@@ -669,6 +669,8 @@ def plot_interval_panels(summary: pd.DataFrame, out_path, *, panels: Sequence[st
                 ax.axhspan(len(mains) - 0.5, len(row_list) - 0.5, color="0.93", zorder=0)
             axes[0].text(-0.02, len(mains) - 0.5, "controls ", transform=axes[0].get_yaxis_transform(), ha="right",
                          va="top", fontsize="small", fontstyle="italic", color="0.3", gid="controls-heading")
+    if title:   # a title no wider than the figure (a long model path, a long verdict)
+        title = textwrap.fill(title, max(40, int(11 * fig.get_figwidth())), break_on_hyphens=False)
     title = _with_note(title, sample_note(data))
     if title:
         fig.suptitle(title)

@@ -239,3 +239,12 @@ def test_curves_follow_the_reports_order_and_names(tmp_path):
                                     hue_col="task", row_labels=names, percent=["correct"])
     assert [t.get_text() for t in result.figure.legends[0].get_texts()] == list(names.values())
     assert P.overlapping_text(result.figure) == []
+
+
+def test_a_long_title_is_no_wider_than_the_figure(tmp_path):
+    title = "/a/long/path/to/a/random-model: every format under the capability gate; no top-k recovery reported"
+    result = _draw(_points(), tmp_path, panels=["donor_answer"], title=title)
+    fig = result.figure
+    renderer = fig.canvas.get_renderer()
+    assert fig._suptitle.get_window_extent(renderer).width <= fig.bbox.width
+    assert fig.get_suptitle().endswith("\nn = 6 sources, 95% intervals")
