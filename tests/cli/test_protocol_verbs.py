@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 
 from recurscope.interp.cli import main
+from recurscope.interp.plots import overlapping_text
 from recurscope.interp.protocols import VERBS
 
 TINY = ["--n-sources", "2", "--filler", "16", "--presentations", "2", "--gap", "4", "--resamples", "100",
@@ -27,16 +28,34 @@ OWN_ARGS = {"gate": ["--n-sources", "2", "--fillers", "8", "16", "--resamples", 
                       "update:is_in", "--resamples", "100", "--batch-size", "8"]}
 
 
+def catch_figures(monkeypatch) -> dict:
+    """{figure name: Figure} of every figure drawn from here on (caught where plots._save writes it)."""
+    from recurscope.interp import plots
+
+    drawn, save = {}, plots._save
+
+    def keep(fig, out_path, *args, **kwargs):
+        drawn[plots._stem(out_path).name] = fig
+        return save(fig, out_path, *args, **kwargs)
+    monkeypatch.setattr(plots, "_save", keep)
+    return drawn
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-gla", "tiny-qwen35"])
 @pytest.mark.parametrize("verb", VERBS)
-def test_verb_smoke(verb, model, tmp_path, capsys):
+def test_verb_smoke(verb, model, tmp_path, capsys, monkeypatch):
     if verb == "hybrid" and model == "tiny-gla":
         pytest.skip("the cache factorial needs a hybrid; its refusal of tiny-gla: tests/interp/test_hybrid.py")
     out = tmp_path / verb
     head = [] if verb in ("heads", "lens", "gate", "hybrid", "topk") else ["--head", "0", "1"]   # L0H1: recurrent on both
     dev = ["--n-dev", "2"] if verb in ("heads", "topk") else []
+    drawn = catch_figures(monkeypatch)
     assert main([verb, model, *OWN_ARGS.get(verb, TINY), *head, *dev, "--out", str(out)]) == 0
+    assert sorted(drawn) == sorted(FIGURES[verb])
+    for name, figure in drawn.items():   # every figure the verb writes, read at its saved size
+        assert overlapping_text(figure) == [], f"{verb} {name}: labels overlap"
+        assert "n = " in figure.get_suptitle(), f"{verb} {name}: the title does not say n"
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["kind"] == verb and manifest["model_name"] == model
     summary = pd.read_csv(out / f"{verb}_summary.csv")

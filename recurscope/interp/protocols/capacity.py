@@ -191,11 +191,13 @@ def run_capacity(model, head: Optional[Sequence[int]] = None, *, from_scan=None,
             "vocab": base.vocab}
     result = ProtocolResult("capacity", rows, sources, summary, info=info)
     figures = []
+    axis_names = {"load": "facts K (fixed sequence length)", "gap": "filler tokens before the query (K = 4)"}
     for series, label in (("load", "facts K at fixed length"), ("gap", "filler before the query, K = 4")):
         part = summary[summary["series"] == series]
         if part["estimate"].notna().any():
             figures.append(FigureSpec(series, part, dict(
                 row_col="x", panels=list(METRICS), kind="lines", percent=["clean_correct"],
+                row_name=axis_names[series],
                 panel_labels={"clean_correct": "clean recall",
                               "donor_margin_shift": f"state-swap shift, {head_label(chosen)}"},
                 title=f"{model_name}: {label}")))

@@ -334,7 +334,8 @@ def run_corrector(model, head: Optional[Sequence[int]] = None, *, from_scan=None
         row_col="arm", rows=list(ARMS), panels=["correct", "accuracy_change", "rescued", "broken"],
         percent=["correct", "accuracy_change", "rescued", "broken"],
         panel_labels={"correct": "accuracy after", "accuracy_change": "accuracy change",
-                      "rescued": "rescued (of the wrong)", "broken": "broken (of the right)"},
+                      "rescued": "rescued (of the wrong)", "broken": "broken (of the right)"}, row_labels=LABELS,
+        controls=["random_map", "control_head"],
         title=f"{model_name}: state-feature corrector ({method}), K = {k}, head {head_label(chosen)}"))
     return finish(result, run_dir, lambda r: corrector_section(r, model_name), [figure])
 

@@ -185,6 +185,8 @@ def run_coupling(model, pairs=None, head: Optional[Sequence[int]] = None, *, run
     result = ProtocolResult("coupling", rows, sources, summary, info=info)
     figure = FigureSpec("coupling", summary, dict(row_col="arm", rows=list(ARMS), panels=["margin_change_b"],
                                                   panel_labels={"margin_change_b": "change in B's margin"},
+                                                  row_labels=LABELS,
+                                                  controls=[a for a in ARMS if a.startswith("random")],
                                                   title=f"{model_name}: Frobenius coupling, head {head_label(chosen)}"))
     return finish(result, run_dir, lambda r: coupling_section(r, model_name), [figure])
 

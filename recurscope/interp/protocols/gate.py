@@ -219,7 +219,8 @@ def run_gate(model, *, fillers: Sequence[int] = (128, 512), vocab=GATE_CITIES, n
     figure = FigureSpec("gate", summary, dict(
         row_col="filler", panels=["recipient_correct", "donor_correct", "evidence_removed_correct"], kind="lines",
         percent=["recipient_correct", "donor_correct", "evidence_removed_correct"],
-        reference={"recipient_correct": threshold, "donor_correct": threshold},
+        reference={"recipient_correct": threshold, "donor_correct": threshold}, row_name="filler tokens",
+        reference_labels={"recipient_correct": f"the {100 * threshold:.0f}% gate"},
         panel_labels={"recipient_correct": "recipient recall", "donor_correct": "donor recall",
                       "evidence_removed_correct": "evidence removed"},
         title=f"{model_name}: App. F.2 capability gate"))

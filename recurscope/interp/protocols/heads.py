@@ -168,7 +168,8 @@ def run_heads(model, pairs=None, *, ranking: Optional[pd.DataFrame] = None, run_
                    title=f"{model_name}: write-block non-additivity")),
                FigureSpec("recovery", summary[summary["analysis"] == "recovery"], dict(
                    row_col="k", panels=["recovery", "shift"], kind="lines", percent=["recovery"],
-                   reference={"recovery": 1.0},
+                   row_name="k (top-k heads swapped jointly)",
+                   reference={"recovery": 1.0}, reference_labels={"recovery": "the all-head swap"},
                    panel_labels={"recovery": "recovery(k)", "shift": "joint state-swap shift"},
                    title=f"{model_name}: joint top-k state swap"))]
     return finish(result, run_dir, lambda r: heads_section(r, model_name), figures)

@@ -201,30 +201,31 @@ def run_headscan(model, pairs=None, head: Optional[Sequence[int]] = None, *, run
     result = ProtocolResult("headscan", rows, scores, summary, info=info)
     if run_dir is not None:
         run_dir.write_table("headscan_heads", per_head)
-    figure = FigureSpec("headscan", draw=lambda path: _figure(per_head, chosen, path, model_name))
+    figure = FigureSpec("headscan", draw=lambda path: _figure(per_head, chosen, path, model_name,
+                                                              int(scores["source"].nunique())))
     return finish(result, run_dir, lambda r: headscan_section(r, model_name), [figure])
 
 
-def _figure(per_head: pd.DataFrame, chosen, out, model_name: str):
-    """Fig. 10 style: write score against read score, one point per head, the frozen head marked."""
+def _figure(per_head: pd.DataFrame, chosen, out, model_name: str, n_sources: int):
+    """Fig. 10 style: write score against read score, one point per head (mean over sources), the frozen head
+    marked, the 0.25-logit threshold of both scans drawn and named; the legend below the axes, off the points."""
     from matplotlib.figure import Figure
 
     from recurscope.interp.plots import _save
 
     wide = per_head.pivot(index=["layer", "head"], columns="scan", values="J").reset_index()
-    fig = Figure(figsize=(4.4, 4.0))
+    fig = Figure(figsize=(4.6, 4.8), layout="constrained")
     ax = fig.subplots()
-    ax.scatter(wide["write"], wide["read"], s=18, color="#1f77b4", label="heads")
+    ax.scatter(wide["write"], wide["read"], s=18, color="#1f77b4", label=f"heads ({len(wide)})")
     sel = (wide["layer"] == chosen[0]) & (wide["head"] == chosen[1])
     ax.scatter(wide.loc[sel, "write"], wide.loc[sel, "read"], s=60, facecolor="none", edgecolor="#d62728",
                label=f"frozen head {head_label(chosen)}")
-    for axis in (ax.axvline, ax.axhline):
-        axis(THRESHOLD, color="0.5", lw=0.8, ls="--")
+    ax.axvline(THRESHOLD, color="0.5", lw=0.8, ls="--", label=f"{THRESHOLD:g}-logit threshold")
+    ax.axhline(THRESHOLD, color="0.5", lw=0.8, ls="--")
     ax.set_xlabel("write scan: donor-write shift (logits)")
     ax.set_ylabel("read scan: state-swap shift (logits)")
-    ax.legend(fontsize="small", frameon=False)
-    ax.set_title(f"{model_name}: held-out all-head scans")
-    fig.tight_layout()
+    fig.legend(loc="outside lower center", ncols=2, fontsize="small", frameon=False)
+    fig.suptitle(f"{model_name}: held-out all-head scans\nmean over n = {n_sources} sources")
     return _save(fig, out, wide, 150).png
 
 

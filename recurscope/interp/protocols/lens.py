@@ -144,8 +144,9 @@ def run_lens(model, *, run_dir=None, n_sources: int = 128, n_localise: int = 96,
     figure = FigureSpec("lens", curve, dict(
         row_col="position", panels=["correct"], hue_col="task", kind="lines", percent=["correct"],
         reference={"correct": 0.25}, panel_labels={"correct": "4-way lens accuracy"},
-        title=f"{model_name}: logit lens on {info['n_sources']} confirmation sources (0 = embedding, l = after "
-              "layer l - 1)"))
+        reference_labels={"correct": "chance (1 in 4)"},
+        row_name="position (0 = embedding, l = after layer l - 1)",
+        title=f"{model_name}: logit lens on the confirmation sources"))
     return finish(result, run_dir, lambda r: lens_section(r, model_name), [figure])
 
 

@@ -101,7 +101,8 @@ def run_neutral(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_
     figure = FigureSpec("neutral", summary, dict(
         row_col="arm", rows=list(ARMS), panels=["target_clean_accuracy", "target_accuracy", "others_accuracy_change",
                                                 "nontarget_margin_change"],
-        percent=["target_clean_accuracy", "target_accuracy", "others_accuracy_change"],
+        percent=["target_clean_accuracy", "target_accuracy", "others_accuracy_change"], row_labels=LABELS,
+        controls=["random_update"],
         title=f"{model_name}: neutral suppression, head {head_label(chosen)}"))
     return finish(result, run_dir, lambda r: neutral_section(r, model_name), [figure])
 

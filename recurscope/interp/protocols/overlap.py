@@ -34,8 +34,7 @@ __all__ = ["ARMS", "interfering_spans", "target_direction", "replace_keys", "ove
            "run_overlap", "reading"]
 
 ARMS = ("aligned", "orthogonal", "control_head:aligned")
-#: Figure labels (plain text: the figures turn underscores into spaces).
-SHORT = {"aligned": "aligned key", "orthogonal": "orthogonalised key", "control_head:aligned": "control head, aligned key"}
+#: How the report and the figure name each arm.
 LABELS = {"aligned": "aligned key ‖u_t‖·û_A", "orthogonal": "orthogonalised key, same norm",
           "control_head:aligned": "control head, aligned key"}
 METRICS = ("target_margin_change", "clean_correct", "correct")
@@ -181,14 +180,16 @@ def run_overlap(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_
             "interfering_per_row": spans_per_row, "loads": loads}
     result = ProtocolResult("overlap", rows, sources, summary, info=info)
     title = f"{model_name}: write-key overlap, head {head_label(chosen)}"
-    labels = {"target_margin_change": "target margin change (logits)"}
+    labels = {"target_margin_change": "target margin change"}
     if len(loads) == 1:
-        figure = FigureSpec("overlap", summary.assign(arm=summary["arm"].map(SHORT)), dict(
-            row_col="arm", rows=[SHORT[a] for a in ARMS], panels=["target_margin_change"], panel_labels=labels,
+        figure = FigureSpec("overlap", summary, dict(
+            row_col="arm", rows=list(ARMS), row_labels=LABELS, controls=["control_head:aligned"],
+            panels=["target_margin_change"], panel_labels=labels,
             title=f"{title}, K = {loads[0]}"))
     else:
-        figure = FigureSpec("overlap", summary.assign(arm=summary["arm"].map(SHORT)), dict(
-            row_col="n_facts", hue_col="arm", kind="lines", panels=["target_margin_change", "correct"],
+        figure = FigureSpec("overlap", summary, dict(
+            row_col="n_facts", hue_col="arm", row_labels=LABELS, row_name="facts K", kind="lines",
+            panels=["target_margin_change", "correct"],
             percent=["correct"], panel_labels={**labels, "correct": "recall after"},
             title=f"{title}, against the load K"))
     return finish(result, run_dir, lambda r: overlap_section(r, model_name), [figure])

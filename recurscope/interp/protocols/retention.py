@@ -205,6 +205,8 @@ def run_retention(model, head: Optional[Sequence[int]] = None, *, from_scan=None
         figures.append(FigureSpec("retention", summary, dict(
             row_col="k", hue_col="intervention", panels=["clean_correct", "donor_margin_shift", "nontarget_break"],
             kind="lines", percent=["clean_correct", "nontarget_break"], reference={"nontarget_break": 0.05},
+            reference_labels={"nontarget_break": "5% break rate"},
+            row_labels=LABELS, row_name="facts K (fixed sequence length)",
             panel_labels={"clean_correct": "clean recall", "donor_margin_shift": "target edit shift",
                           "nontarget_break": "non-target break (mean of per-source rates)"},
             title=f"{model_name}: retention, edit and breakage, head {head_label(chosen)}")))

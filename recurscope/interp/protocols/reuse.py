@@ -263,10 +263,15 @@ def run_reuse(model, head: Optional[Sequence[int]] = None, *, from_scan=None, n_
                    row_col="arm", rows=keys, panels=["clean_correct", "qualified_donor_answer"],
                    percent=["clean_correct", "qualified_donor_answer"],
                    reference={"clean_correct": gate_threshold} if gate_threshold else None,
+                   reference_labels={"clean_correct": f"the {100 * (gate_threshold or 0):.0f}% gate"},
                    panel_labels={"clean_correct": "clean recall", "qualified_donor_answer": "qualified donor answers"},
+                   row_labels={k: k for k in keys},
+                   missing_labels={a: "refused by the gate" for a, why in
+                                   summary_f.groupby("arm")["reason"].first().items() if why},
                    title=f"{model_name}: donor write across formats, head {head_label(chosen)}")),
                FigureSpec("subspace", summary_s, dict(
-                   row_col="projection", rows=list(SUBSPACE_ARMS), hue_col="vocab",
+                   row_col="projection", rows=list(SUBSPACE_ARMS), hue_col="vocab", row_labels=SUBSPACE_LABELS,
+                   controls=["random_basis"],
                    panels=["donor_margin_shift", "donor_answer"], percent=["donor_answer"],
                    title=f"{model_name}: rank-{rank} colour basis, head {head_label(chosen)}"))]
     return finish(result, run_dir, lambda r: reuse_section(r, model_name), figures)

@@ -117,6 +117,7 @@ def run_selectivity(model, pairs=None, head: Optional[Sequence[int]] = None, *, 
         row_col="arm", rows=[a for a in ARMS if a in arms],
         panels=["donor_answer", "donor_margin_shift", breaks, "nontarget_margin_change"],
         percent=["donor_answer", breaks], panel_labels={"pooled_break_rate": "non-target break rate (pooled)"},
+        row_labels=LABELS, controls=[a for a in ARMS if a.startswith(("random", "control"))],
         title=f"{model_name}: four-fact selectivity, head {head_label(chosen)}"))
     return finish(result, run_dir, lambda r: selectivity_section(r, model_name), [figure])
 

@@ -154,11 +154,13 @@ def run_topk(model, *, formats: Sequence[str] = tuple(FORMATS), ranking: Optiona
         figure = FigureSpec("topk", curve, dict(
             row_col="k", hue_col="format", panels=["recovery"], kind="lines", percent=["recovery"],
             reference={"recovery": 1.0}, panel_labels={"recovery": "recovery(k)"},
+            reference_labels={"recovery": "the all-head swap"}, row_name="k (top-k heads swapped jointly)",
             title=f"{model_name}: joint top-k state swap ({', '.join(reported)})"))
     else:                  # every format refused by the gate: the figure shows why
         figure = FigureSpec("topk", summary, dict(
             row_col="format", hue_col="unit", panels=["clean_recall"], percent=["clean_recall"],
-            reference={"clean_recall": gate_threshold}, panel_labels={"clean_recall": "clean recall (gate)"},
+            reference={"clean_recall": gate_threshold}, panel_labels={"clean_recall": "clean recall"},
+            reference_labels={"clean_recall": f"the {100 * gate_threshold:.0f}% gate"},
             title=f"{model_name}: every format under the capability gate; no top-k recovery reported"))
     figures = [figure]
     return finish(result, run_dir, lambda r: topk_section(r, model_name), figures)
