@@ -76,8 +76,9 @@ ARCHITECTURES: dict[str, dict] = {
     # torch path on the same weights (largest relative difference 1.1e-6), so the model was right and the init
     # wrong. With torch's Conv1d init (_long_memory_gates) the readout is 2.2x the skip and B's, C's gradients
     # 0.22x / 0.43x x's; the rerun (`--early-templates belongs --advance-per-template --steps 100000 --max-minutes 60
-    # --stop-recall 0.95 --threads 1`) left chance within 100 steps (training recall by 50 steps: 0.24, 0.37,
-    # 0.46, 0.49) and was still in stage 0 when the session ended.
+    # --stop-recall 0.95 --threads 1 --out results/train/tiny-mamba2`) left the two-value plateau (training recall
+    # ~0.5) at step ~1100 and was at 0.82 (per 100 steps), still in stage 0, when stopped at step 1687 (53 min).
+    # The run log is in docs/history.md (Checkpoint log).
     "tiny-mamba2": dict(model_type="mamba2", hidden_size=128, num_hidden_layers=4, num_heads=8, head_dim=32,
                         state_size=32, expand=2, n_groups=1, hidden_act="silu"),
 }
