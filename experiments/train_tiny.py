@@ -28,6 +28,7 @@ from recurscope.interp.data import sources as filler_sources
 from recurscope.interp.loading import CHECKPOINT_DIR, save_model
 from recurscope.interp.models.optim import param_groups as shared_param_groups
 from recurscope.interp.models import ModelConfig, RecurrentLM
+from recurscope.interp.models.rwkv7 import LOG_DECAY_BOUND as RWKV7_LOG_DECAY_BOUND
 from recurscope.interp.stats import source_bootstrap_ci
 
 from experiments.training import finish_run, train_loop, warmup_constant, warmup_stable_decay
@@ -57,9 +58,27 @@ ARCHITECTURES: dict[str, dict] = {
     # 112 keeps the checkpoint directory under 4 MB.
     "tiny-gdn-narrow": dict(model_type="gated_deltanet", hidden_size=112, num_hidden_layers=2, num_heads=2,
                             head_dim=16, expand_v=2.0, use_short_conv=True, hidden_ratio=2),
+    # RWKV-7 (fla's format): 4 heads of 32 (states 32 x 32), two layers. Its token shift reaches one token back (no
+    # width-4 convolution), so binding "KEY is in VALUE" needs the first layer to carry the key forward. Not bundled
+    # yet: on a CPU shared by ~8 jobs (load 11-19) `--model tiny-rwkv7 --early-templates belongs
+    # --advance-per-template --steps 100000 --max-minutes 52 --stop-recall 0.95 --threads 1` ran 189 steps in 15 min
+    # and was stopped (for the Mamba-2 rerun) in stage 0, training recall by 50 steps 0.26, 0.43, 0.53, 0.50: the
+    # two-value plateau where tiny-gdn-hybrid sat for 2225 steps. Its resume point is every 100 steps.
+    "tiny-rwkv7": dict(model_type="rwkv7", hidden_size=128, num_hidden_layers=2, num_heads=4, head_dim=32,
+                       decay_low_rank_dim=16, gate_low_rank_dim=32, a_low_rank_dim=16, v_low_rank_dim=16,
+                       hidden_ratio=2, hidden_act="sqrelu", norm_first=True, norm_bias=True,
+                       elementwise_affine=True, norm_eps=1e-5),
     # Mamba-2 (fla's format): no MLP in its blocks, so four layers; 8 heads of 32 channels, states 32 x 32 (N x P),
-    # B and C in one group. Not bundled: `--model tiny-mamba2 --max-minutes 42 --threads 1` stopped at 2000 steps
-    # (1588 s on a shared CPU) still in the first curriculum stage, at 26.1% held-out recall (chance 25%).
+    # B and C in one group. Not bundled. A first run (`--model tiny-mamba2 --max-minutes 42 --threads 1`, 2000 steps,
+    # 1588 s) stayed in stage 0 at 26.1% held-out recall (chance 25%). Why: the ShortConvolution's N(0, 0.02) init
+    # left the state's readout C^T S at 3.4e-4 of the D skip and the gradient reaching B's and C's in_proj rows at
+    # 3.3e-4 / 3.8e-4 of x's (A_log's gradient 1.6e-5); the loss and every gradient equal transformers' Mamba2
+    # torch path on the same weights (largest relative difference 1.1e-6), so the model was right and the init
+    # wrong. With torch's Conv1d init (_long_memory_gates) the readout is 2.2x the skip and B's, C's gradients
+    # 0.22x / 0.43x x's; the rerun (`--early-templates belongs --advance-per-template --steps 100000 --max-minutes 60
+    # --stop-recall 0.95 --threads 1 --out results/train/tiny-mamba2`) left the two-value plateau (training recall
+    # ~0.5) at step ~1100 and was at 0.82 (per 100 steps), still in stage 0, when stopped at step 1687 (53 min).
+    # The run log is in docs/history.md (Checkpoint log).
     "tiny-mamba2": dict(model_type="mamba2", hidden_size=128, num_hidden_layers=4, num_heads=8, head_dim=32,
                         state_size=32, expand=2, n_groups=1, hidden_act="silu"),
 }
@@ -181,6 +200,12 @@ def _long_memory_gates(mixer: torch.nn.Module) -> None:
         head_k = mixer.head_k if hasattr(mixer, "head_k") else bias.numel()
         spread = torch.linspace(0.0, 5.0, head_k)  # logsigmoid(0)/16 = -0.043 ... logsigmoid(5)/16 = -0.0004
         bias.copy_(spread.repeat(bias.numel() // head_k))
+    elif hasattr(mixer, "w_lora"):  # RWKV-7: log-decay = -0.6065 sigmoid(w_lora(x)), per channel
+        bias = mixer.w_lora.lora[2].bias
+        head_k = mixer.head_k
+        logw = torch.logspace(math.log10(1e-3), math.log10(4e-2), head_k)   # |log w| per key channel
+        p = logw / RWKV7_LOG_DECAY_BOUND
+        bias.copy_(torch.log(p / (1 - p)).repeat(bias.numel() // head_k))   # logit: sigmoid(bias) = p
     elif hasattr(mixer, "D") and hasattr(mixer, "dt_bias"):  # Mamba-2: log-decay dt A, and dt also scales the write
         # dt = 0.5 keeps the write dt x as strong as the D skip beside the readout (fla's dt of 0.001-0.1 leaves
         # the state's readout a hundredth of it); A spreads the log-decays over the same range as above.
@@ -188,6 +213,15 @@ def _long_memory_gates(mixer: torch.nn.Module) -> None:
         mixer.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
         decay = torch.logspace(math.log10(1e-3), math.log10(4e-2), mixer.A_log.numel())
         mixer.A_log.copy_(torch.log(decay / dt))
+        # The state's readout C^T S x is cubic in the conv's outputs (B, C and x all pass through it), so the
+        # ShortConvolution's N(0, 0.02) weights leave it ~3e-4 of the D skip beside it (and B, C ~3e-4 of x's
+        # gradient); the run with them stayed at chance. torch's Conv1d init (fla's and transformers' Mamba-2 use
+        # nn.Conv1d) gives a readout ~2x the skip.
+        conv = mixer.conv1d
+        torch.nn.init.kaiming_uniform_(conv.weight, a=math.sqrt(5))
+        if conv.bias is not None:
+            bound = 1.0 / math.sqrt(conv.weight.shape[1] * conv.weight.shape[2])
+            conv.bias.uniform_(-bound, bound)
     elif hasattr(mixer, "A_log") and hasattr(mixer, "dt_bias"):  # GDN / GDN-2: log-decay = -exp(A_log) softplus(dt)
         mixer.A_log.zero_()
         n = mixer.dt_bias.numel()

@@ -1,5 +1,5 @@
 """The one training loop behind every trained model of the project: the bundled tiny checkpoints
-(`experiments.train_tiny`), the transformers-format hybrid (`experiments.train_tiny_qwen35`) and the QED arms
+(`experiments.train_tiny`), the transformers-format hybrids (`experiments.train_tiny_hf`) and the QED arms
 (`experiments.qed.train_arms`).
 
 A trainer supplies a recipe (its batches, losses, logged fields and curriculum state); the loop owns what every

@@ -47,6 +47,12 @@ def fla_interpreter():
     mp.undo()
 
 
+@pytest.fixture
+def interpreted():
+    """For the tests that compare with fla's Triton kernels on a CPU: those run in Triton's interpreter only."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must set TRITON_INTERPRET=1 before triton loads"
+
+
 @pytest.fixture(scope="session")
 def word_tok():
     """The project's word-level tokenizer (every word the data generators emit)."""

@@ -157,22 +157,65 @@ def test_help_and_argument_errors_import_no_torch(argv, code, needle, tmp_path):
     assert _heavy(loaded) == []
 
 
-def test_top_level_help_lists_every_verb_with_the_help_of_its_module(capsys):
-    """`recurscope --help` lists the protocol verbs from VERB_HELP without importing them; each verb's module, loaded
-    when the verb is chosen, gives its parser the same line and its own options."""
+def test_top_level_help_lists_every_verb_with_its_table_help(capsys):
+    """`recurscope --help` lists the protocol verbs from the verbs' table; each verb's parser gives the same line
+    and its own options, and the table names a run function (and a from_args and check, where given) that its
+    module defines."""
     import importlib
 
     from recurscope.interp import protocols
     from recurscope.interp.cli import main
+    from recurscope.interp.protocols.verbs import TABLE
 
+    assert set(TABLE) == set(protocols.VERBS) == {p.stem for p in (ROOT / "recurscope/interp/protocols").glob("*.py")
+                                                  if not p.stem.startswith("_") and p.stem not in ("runner", "verbs")}
     for verb in protocols.VERBS:
-        spec = importlib.import_module(f"recurscope.interp.protocols.{verb}").VERB
-        assert (spec.name, spec.help) == (verb, protocols.VERB_HELP[verb])
+        spec = TABLE[verb]
+        module = importlib.import_module(spec.module)
+        for name in filter(None, (spec.run, spec.from_args, spec.check)):
+            assert callable(getattr(module, name)), (verb, name)
         with pytest.raises(SystemExit) as stop:
             main([verb, "--help"])
         assert stop.value.code == 0
         text = "".join(capsys.readouterr().out.split())   # argparse wraps lines (also at hyphens)
         assert "".join(protocols.VERB_HELP[verb].split()) in text and "--out" in text and "--dtype" in text, verb
+
+
+def test_every_verbs_help_and_argument_errors_import_no_torch():
+    """For every command (the protocol verbs too): --help, a bad number and, where the verb takes --layout, a bad
+    layout, each answered in one fresh interpreter (exit 0, 2, 2) with no heavy package loaded after any of them."""
+    from recurscope.interp.protocols.verbs import TABLE
+
+    loaded, printed = _modules_after(
+        "import contextlib, io, sys\n"
+        "from recurscope.interp.cli import main\n"
+        "from recurscope.interp.protocols.verbs import TABLE\n"
+        "heavy = ('torch', 'pandas', 'transformers', 'transformer_lens', 'scipy', 'matplotlib')\n"
+        "for verb in ['scan', 'confirm', 'patch', 'run', *TABLE]:\n"
+        "    argvs = [[verb, '--help'], [verb, '--batch-size', '0', '--out', 'x']]\n"
+        "    if verb not in TABLE or TABLE[verb].layout:\n"
+        "        argvs.append([verb, '--layout', 'bogus', '--out', 'x'])\n"
+        "    for argv in argvs:\n"
+        "        err = io.StringIO()\n"
+        "        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):\n"
+        "            try:\n"
+        "                code = main(argv)\n"
+        "            except SystemExit as stop:\n"
+        "                code = stop.code\n"
+        "        line = [l for l in err.getvalue().splitlines() if 'error' in l][-1:] or ['']\n"
+        "        print(verb, argv[1], code, [m for m in heavy if m in sys.modules], line[0][-60:])\n")
+    lines = printed.splitlines()
+    verbs = ["scan", "confirm", "patch", "run", *TABLE]
+    assert [line.split()[0] for line in lines if line.split()[1] == "--help"] == verbs
+    for line in lines:
+        verb, option, code, rest = line.split(" ", 3)
+        assert rest.startswith("[]"), line                       # nothing heavy
+        assert int(code) == (0 if option == "--help" else 2), line
+        if option == "--layout":
+            assert "invalid choice: 'bogus'" in rest, line
+        if option == "--batch-size" and verb in TABLE:      # the built-in commands refuse other missing options first
+            assert "--batch-size must be at least 1, got 0" in rest, line
+    assert _heavy(loaded) == []
 
 
 # ---- Ray workers -----------------------------------------------------------------------------------------------

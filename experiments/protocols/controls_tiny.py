@@ -14,7 +14,7 @@ import torch
 from recurscope.interp.confirm import CONTROLS, run_confirm
 from recurscope.interp.data import build_pairs
 from recurscope.interp.loading import bundled_names, load_model
-from recurscope.interp.protocols._common import max_length, open_run, pair_kwargs
+from recurscope.interp.protocols._common import max_length, open_run, pair_spec
 from recurscope.interp.report import LABELS
 from recurscope.interp.scan import run_scan
 
@@ -30,20 +30,21 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    layout = pair_kwargs(seed=args.seed)
+    layout = pair_spec(seed=args.seed)
     lines = []
     for name in args.models or bundled_names():
         model = load_model(name)
         out = Path(args.out) / name
-        dev = build_pairs(model.tokenizer, split="dev", n_sources=args.n_dev, max_length=max_length(model), **layout)
+        dev = build_pairs(model.tokenizer, split="dev", n_sources=args.n_dev, max_length=max_length(model),
+                          **layout.kwargs())
         scan = run_scan(model, dev, run_dir=open_run(out / "scan", kind="scan", model=model, model_name=name,
-                                                     args={"n_dev": args.n_dev, **layout}, seeds=[args.seed],
+                                                     args={"n_dev": args.n_dev, **layout.record()}, seeds=[args.seed],
                                                      split="dev"))
         held = build_pairs(model.tokenizer, split="heldout", n_sources=args.n_heldout, max_length=max_length(model),
-                           **layout)
+                           **layout.kwargs())
         run = open_run(out / "confirm", kind="confirm", model=model, model_name=name,
-                       args={"n_heldout": args.n_heldout, "head": list(scan.winner), **layout}, seeds=[args.seed],
-                       split="heldout")
+                       args={"n_heldout": args.n_heldout, "head": list(scan.winner), **layout.record()},
+                       seeds=[args.seed], split="heldout")
         result = run_confirm(model, held, [scan.winner], run_dir=run, scan_heads=scan.heads, seed=args.seed,
                              arms=ARMS, progress=lambda arm: print(f"{name}: {arm}", flush=True))
         s = result.summary.set_index(["intervention", "metric"])

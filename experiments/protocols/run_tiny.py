@@ -14,7 +14,7 @@ import torch
 
 from recurscope.interp.loading import bundled_names, load_model
 from recurscope.interp.protocols import coupling, headscan, heads, lens, neutral, selectivity
-from recurscope.interp.protocols._common import open_run, pair_kwargs
+from recurscope.interp.protocols._common import open_run, pair_spec
 from recurscope.interp.scan import run_scan
 
 PROTOCOLS = ("selectivity", "coupling", "neutral", "heads", "headscan", "lens")
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(args.out)
-    layout = pair_kwargs(filler=args.filler, seed=args.seed)
+    layout = pair_spec(filler_tokens=args.filler, seed=args.seed)
     sections = []
     for name in args.models or bundled_names():
         model = load_model(name)
@@ -43,8 +43,9 @@ def main(argv=None) -> int:
         from recurscope.interp.data import build_pairs
         from recurscope.interp.protocols._common import max_length
 
-        dev = build_pairs(model.tokenizer, split="dev", n_sources=args.n_dev, max_length=max_length(model), **layout)
-        run = open_run(scan_dir, kind="scan", model=model, model_name=name, args={"n_dev": args.n_dev, **layout},
+        dev = build_pairs(model.tokenizer, split="dev", n_sources=args.n_dev, max_length=max_length(model),
+                          **layout.kwargs())
+        run = open_run(scan_dir, kind="scan", model=model, model_name=name, args={"n_dev": args.n_dev, **layout.record()},
                        seeds=[args.seed], split="dev")
         scan = run_scan(model, dev, run_dir=run)
         head, ranking = scan.winner, scan.heads
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
             t0 = time.time()
             run = open_run(out / name / proto, kind=proto, model=model, model_name=name,
                            args={"n_sources": args.n_sources, "n_heads_sources": args.n_heads_sources,
-                                 "n_dev": args.n_dev, "head": list(head), **layout}, seeds=[args.seed],
+                                 "n_dev": args.n_dev, "head": list(head), **layout.record()}, seeds=[args.seed],
                            split="heldout")
             if proto == "selectivity":
                 r = selectivity.run_selectivity(model, head=head, run_dir=run, n_sources=args.n_sources, **common)

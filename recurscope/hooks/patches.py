@@ -296,8 +296,15 @@ def check_patch_heads(model, patch) -> None:
                          "e.g. heads=[0, 2]") from None
     if not heads:
         raise ValueError(f"{name}.heads is empty; name at least one head, e.g. heads=[0]")
+    group = getattr(model, "query_group", 1)
     for h in heads:
-        model.check_head(operator.index(patch.layer), h)
+        if isinstance(patch, ReadoutReplace) and group > 1:
+            # hook_head_out indexes query heads: state group h // group's readouts
+            model.check_head(operator.index(patch.layer), h // group)
+            if h < 0:
+                raise ValueError(f"{name}.heads: query head {h} is out of range")
+        else:
+            model.check_head(operator.index(patch.layer), h)
 
 
 def patch_hooks(model, patches: Sequence) -> list[tuple[str, Callable]]:

@@ -14,7 +14,9 @@ Unrolling, S_t = M_t...M_1 S_0 + sum_{i<=t} C_i^(t) with C_i^(t) = M_t...M_{i+1}
     lam_t = q_t,   lam_{i-1} = M_i^T lam_i = Diag(exp g_i) (lam_i - a_i (k_i^T lam_i)).
 
 Every M_i acts on the key dimension only, so the adjoint covector lam_i lives in R^K and the sweep costs O(t K) per
-head; nothing is rerun per token. (Positions are 0-based here; S_0 above is the state before position 0.)
+head; nothing is rerun per token. The "decay plus low-rank" form (kernels.recurrence_low_rank, RWKV-7), with
+M_t = Diag(exp g_t) - b_t a_t^T, has lam_{i-1} = Diag(exp g_i) lam_i - a_i (b_i^T lam_i) instead. (Positions are
+0-based here; S_0 above is the state before position 0.)
 
 Caveat (read before using the numbers). The decomposition is exact along ONE fixed forward trajectory: the M_i are
 those of this run. It is not identifiable from the state: adding a matrix E to C_i^(t) and subtracting it from C_j^(t)
@@ -192,7 +194,7 @@ def _validate_head(q, k, x, g, a, initial_state, write_scale, write_key, extra_w
 def readout_contributions(
     q, k, x, g, a=None, *, t: int, scale: Optional[float] = None, initial_state=None, write_scale=None,
     write_key=None, extra_write=None, head: Optional[int] = None, batch: Optional[int] = None,
-    dtype: torch.dtype = torch.float64,
+    dtype: torch.dtype = torch.float64, b=None,
 ) -> Contributions:
     """Splits o_t = scale * S_t^T q_t of one head into per-token contributions c_0..c_t and the initial-state term.
 
@@ -202,13 +204,23 @@ def readout_contributions(
     (T, K), (T, V). Or pass kernels.recurrence's batched shapes (B, T, H, .), initial_state (B, H, K, V) and
     write_scale (B, T, H), with head=h (and batch=b when B > 1) choosing the sequence and head.
     t: the 0-based readout position. scale defaults to K ** -0.5, as in kernels.recurrence. All work is in `dtype`.
+    b: the erase direction of kernels.recurrence_low_rank's transition Diag(exp g) - b a^T (shaped like a, which is
+    then its read direction); None for kernels.recurrence's (I - k a^T) Diag(exp g).
     """
+    if b is not None and a is None:
+        raise ValueError("b (the low-rank transition's erase direction) needs a, its read direction")
+    if b is not None:
+        _check_tensor("b", b)
+        if tuple(b.shape) != tuple(a.shape):
+            raise ValueError(f"b must have a's shape {_shape(a)}, got {_shape(b)}")
+        if b.dim() == 4:
+            b = _pick_head("b", b, 0 if batch is None else int(batch), 0 if head is None else int(head), 4)
     q, k, x, g, a, initial_state, write_scale, write_key, extra_write = _select(
         q, k, x, g, a, initial_state, write_scale, write_key, extra_write, batch, head)
     T, K, V, t = _validate_head(q, k, x, g, a, initial_state, write_scale, write_key, extra_write, t)
     scale = K ** -0.5 if scale is None else float(scale)
     f = lambda z: None if z is None else z.to(dtype)  # noqa: E731
-    q, k, x, g, a, write_scale, write_key = map(f, (q, k, x, g, a, write_scale, write_key))
+    q, k, x, g, a, b, write_scale, write_key = map(f, (q, k, x, g, a, b, write_scale, write_key))
     u = k if write_key is None else write_key
     u2, y2 = (None, None) if extra_write is None else map(f, extra_write)
     decay = g.exp()
@@ -219,6 +231,10 @@ def readout_contributions(
     lam = q[t]
     for i in range(t, -1, -1):
         adjoint[i] = lam
+        if b is not None:
+            # M_i = D_i - b_i a_i^T, so M_i^T lam = D_i lam - a_i (b_i^T lam).
+            lam = decay[i] * lam - a[i] * (b[i] @ lam)
+            continue
         # lam_{i-1} = M_i^T lam_i with M_i = (I - k_i a_i^T) D_i, so M_i^T = D_i (I - a_i k_i^T).
         if a is not None:
             lam = lam - a[i] * (k[i] @ lam)
@@ -242,49 +258,116 @@ def readout_contributions(
 # Through a model
 # ---------------------------------------------------------------------------------------------------------------
 
-_MIXER_POINTS = ("hook_q", "hook_k", "hook_decay", "hook_erase", "hook_write_key", "hook_write_value",
-                 "hook_write_scale", "hook_head_out", "hook_z")
+_MIXER_POINTS = ("hook_q", "hook_k", "hook_v", "hook_decay", "hook_erase", "hook_erase_gate", "hook_write_key",
+                 "hook_write_value", "hook_write_scale", "hook_head_out", "hook_z")
 
 
-@torch.no_grad()
-def candidate_direction(model, cache, layer: int, head: int, position: int, batch: int,
-                        candidates: tuple[int, int]) -> torch.Tensor:
-    """The (V,) direction d with d . o = direct logit difference logit[a] - logit[b] at `position` caused by a head
-    output o, with every normalisation scale and the output gate frozen at their values in this run.
-
-    o -> z = s * o (s = norm weight * act(gate) / rms(o_t)) -> o_proj (this head's columns) -> final RMSNorm with
-    its scale frozen -> unembedding rows a minus b. Later layers are not on this path (direct effect only), as in
-    direct logit attribution; the frozen map reproduces hook_z exactly, which is checked.
-    """
+def _norm_gate_map(model, cache, layer: int, head: int, position: int, batch: int):
+    """The frozen output path of a family whose hook_z is norm(o) * act(gate) (its spec's readout_norm and
+    readout_gate): z = s * o with s = norm weight * act(gate) / rms(o_t)."""
     mixer = model.blocks[layer].mixer
-    V = mixer.head_v
+    spec = model.family
     o_t = cache[hook_name("hook_head_out", layer)][batch, position, head].double()
-    z_t = cache[hook_name("hook_z", layer)][batch, position, head].double()
-    spec = model.family   # the family's spec knows its output path: norm(o) * act(gate)
     norm = spec.readout_norm(mixer)
-    s = torch.rsqrt(o_t.pow(2).mean() + norm.eps).expand(V).clone()
+    s = torch.rsqrt(o_t.pow(2).mean() + norm.eps).expand(o_t.shape[0]).clone()
     if norm.weight is not None:
         s = s * norm.weight.double()
     resid_pre = cache[hook_name("hook_resid_pre", layer)][batch, position]
     gate = spec.readout_gate(mixer, model.blocks[layer].attn_norm(resid_pre))
     if gate is not None:
         s = s * norm.act(gate[head].double())
-    if not torch.allclose(s * o_t, z_t, rtol=1e-4, atol=1e-6 * float(z_t.abs().max()) + 1e-12):
-        raise RuntimeError(f"layer {layer}: the frozen norm-and-gate map does not reproduce hook_z "
-                           f"(max error {float((s * o_t - z_t).abs().max()):.3g}); this mixer's output path is not "
-                           f"the rmsnorm * weight * act(gate) that candidate_direction assumes")
-    resid_final = cache[hook_name("hook_resid_post", len(model.blocks) - 1)][batch, position].double()
-    final_scale = torch.rsqrt(resid_final.pow(2).mean() + model.norm.eps)
-    if model.norm.weight is not None:
-        final_scale = final_scale * model.norm.weight.double()
+    return s, torch.zeros_like(s), False
+
+
+def _bridged_map(model, cache, layer: int, head: int, position: int, batch: int):
+    """A bridged transformers mixer: hook_z = c * (o + D x), c per channel once the gated norm's rms is frozen
+    (weight * act(gate) / rms over the head, or over the group of heads that Mamba-2's norm spans), D x Mamba-2's
+    skip (none in the other families). c is read off this run as hook_z / (o + D x), which the gated norms' diagonal
+    form makes exact; tests/interp/test_bridge*.py check it against hand computations from the models' own gates."""
+    mixer = model.blocks[layer].mixer
+    o = cache[hook_name("hook_head_out", layer)][batch, position, head].double()
+    skip = torch.zeros_like(o)
+    if getattr(mixer, "D", None) is not None:
+        skip = mixer.D.double().reshape(mixer.num_heads, -1)[head] * \
+            cache[hook_name("hook_v", layer)][batch, position, head].double()
+    y = o + skip
+    if bool((y == 0).any()):
+        raise ValueError(f"layer {layer} head {head}: the readout is exactly 0 in a channel at position {position}, so "
+                         f"its frozen output scale cannot be read off hook_z; pass an explicit direction")
+    s = cache[hook_name("hook_z", layer)][batch, position, head].double() / y
+    return s, s * skip, False
+
+
+def _frozen_final_norm(norm, resid: torch.Tensor):
+    """(scale (D,), centred): the final norm as the linear map delta -> scale * (delta - centred * mean(delta)) with
+    its statistics frozen at `resid`. A LayerNorm centres; any other norm is taken as an RMS norm x -> x * r(x) * w
+    (whatever its weight's parametrisation, 1 + w included), whose frozen scale r(resid) * w is read by applying it
+    to the constant vector with resid's mean square: r is the same there, so norm(e) / e = r(resid) * w exactly."""
+    x = resid.double()
+    if isinstance(norm, torch.nn.LayerNorm):
+        scale = torch.rsqrt(x.var(unbiased=False) + norm.eps).expand(x.shape[0]).clone()
+        if norm.weight is not None:
+            scale = scale * norm.weight.double()
+        return scale, True
+    rms = x.pow(2).mean().sqrt()
+    probe = rms.expand(x.shape[0]).to(resid.dtype)
+    return norm(probe).double() / rms, False
+
+
+@torch.no_grad()
+def candidate_direction(model, cache, layer: int, head: int, position: int, batch: int,
+                        candidates: tuple[int, int]) -> torch.Tensor:
+    """The (V,) direction d with d . o = direct logit difference logit[a] - logit[b] at `position` caused by a head
+    output o, with every normalisation statistic and the output gate frozen at their values in this run.
+
+    o -> z = s * o + c (centred first where the head's norm centres: RWKV-7's group norm) -> o_proj (this head's
+    columns) -> the final norm with its statistics frozen -> unembedding rows a minus b (unembed_weight, output
+    multipliers included). A native family's spec gives the frozen map o -> z (readout_map, or readout_norm and
+    readout_gate for norm(o) * act(gate)); a bridged mixer's is read off the run (_bridged_map), and its block's
+    mixer_output_scale scales the path. The terms c that do not depend on o (Mamba-2's D skip, RWKV-7's bonus and
+    norm bias) drop out of d. Later layers are not on this path (direct effect only), as in direct logit attribution;
+    the frozen map reproduces hook_z exactly, which is checked.
+    """
+    spec = model.family
+    if getattr(model, "bridge_family", None) is not None:
+        s, offset, centred = _bridged_map(model, cache, layer, head, position, batch)
+    elif spec.readout_map is not None:
+        s, offset, centred = spec.readout_map(model, cache, layer, head, position, batch)
+    elif spec.readout_norm is not None:
+        s, offset, centred = _norm_gate_map(model, cache, layer, head, position, batch)
+    else:
+        raise ValueError(f"family {spec.name!r} declares no output path (readout_map or readout_norm in its spec), so "
+                         f"candidate_direction cannot freeze it; pass an explicit direction to attribute_readout")
+    block = model.blocks[layer]
+    mixer = block.mixer
+    V = mixer.head_v
+    o_t = cache[hook_name("hook_head_out", layer)][batch, position, head].double()
+    z_t = cache[hook_name("hook_z", layer)][batch, position, head].double()
+    frozen = s * (o_t - o_t.mean() if centred else o_t) + offset
+    if not torch.allclose(frozen, z_t, rtol=1e-4, atol=1e-6 * float(z_t.abs().max()) + 1e-12):
+        raise RuntimeError(f"layer {layer}: the frozen output map does not reproduce hook_z "
+                           f"(max error {float((frozen - z_t).abs().max()):.3g}); this mixer's output path is not "
+                           f"the one its family's spec describes to candidate_direction")
+    resid_final = cache[hook_name("hook_resid_post", len(model.blocks) - 1)][batch, position]
+    final_scale, final_centred = _frozen_final_norm(model.final_norm, resid_final[..., :model.cfg.hidden_size])
     good, bad = (int(c) for c in candidates)
-    W_U = model.lm_head.weight.double()
+    W_U = model.unembed_weight.double()
     vocab = W_U.shape[0]
     for c in (good, bad):
         if not 0 <= c < vocab:
             raise ValueError(f"candidates must be token ids in [0, {vocab - 1}], got {candidates!r}")
-    W_O = mixer.o_proj.weight.double()[:, head * V:(head + 1) * V]   # (D, V): head h's slice of o_proj's input
-    return s * (W_O.T @ (final_scale * (W_U[good] - W_U[bad])))
+    w = final_scale * (W_U[good] - W_U[bad])
+    if final_centred:          # the centring projector is symmetric: (P r) . w = r . (P w)
+        w = w - w.mean()
+    if getattr(block, "norm_layout", "pre") != "pre":
+        raise ValueError(f"layer {layer} norms its mixer's output after o_proj (a post-norm block); "
+                         f"candidate_direction follows pre-norm blocks only: pass an explicit direction")
+    out_proj = getattr(mixer, getattr(mixer, "out_attr", "o_proj"))   # a bridged mixer names its own
+    # (D, V): head h's slice of the output projection's input, times what the block scales the mixer's output by
+    # (a bridged block's mixer_output_scale: Granite-4.0-H's residual_multiplier, Falcon-H1's ssm_out_multiplier)
+    W_O = out_proj.weight.double()[:, head * V:(head + 1) * V] * getattr(block, "mixer_output_scale", 1.0)
+    d = s * (W_O.T @ w)
+    return d - d.mean() if centred else d
 
 
 @torch.no_grad()
@@ -310,6 +393,10 @@ def attribute_readout(
         raise ValueError(f"tokens must have shape (T,) or (B, T), got {_shape(tokens)}")
     B, T = tokens.shape
     model.check_head(int(layer), int(head))
+    if getattr(model, "query_group", 1) > 1:
+        raise ValueError(f"attribute_readout decomposes one query head's readout of its own state, but each state of "
+                         f"this model is read by {model.query_group} query heads (num_kv_heads < num_heads); run it "
+                         "on a model with one query head per state")
     layer, head = int(layer), int(head)
     if batch is None:
         if B != 1:
@@ -330,10 +417,13 @@ def attribute_readout(
     get = lambda p: cache[hook_name(p, layer)] if hook_name(p, layer) in cache else None  # noqa: E731
     mixer = model.blocks[layer].mixer
     q, k = get("hook_q"), get("hook_k")
+    scale = getattr(mixer, "readout_scale", None)
+    if scale is None:
+        scale = getattr(mixer, "head_k", q.shape[-1]) ** -0.5
+    b = get("hook_erase") * get("hook_erase_gate") if getattr(mixer, "low_rank_transition", False) else None
     contrib = readout_contributions(
-        q, k, get("hook_write_value"), get("hook_decay"), get("hook_erase"), t=position,
-        scale=getattr(mixer, "head_k", q.shape[-1]) ** -0.5, write_scale=get("hook_write_scale"),
-        write_key=get("hook_write_key"), head=head, batch=batch)
+        q, k, get("hook_write_value"), get("hook_decay"), get("hook_erase"), t=position, scale=scale,
+        write_scale=get("hook_write_scale"), write_key=get("hook_write_key"), head=head, batch=batch, b=b)
     c = contrib.per_token
     if candidates is not None:
         if len(candidates) != 2:

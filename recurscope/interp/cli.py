@@ -94,12 +94,11 @@ def word_list(spec):
 def pair_layout(model, args):
     """The PairLayout of a run: --layout, else the checkpoint's recorded layout, else the paper's; the explicit
     layout options override its fields."""
-    from recurscope.interp.data.layout import DEFAULT_LAYOUT, recorded_layout, resolve_layout
+    from recurscope.interp.data.layout import choose_layout
 
-    base = (resolve_layout(args.layout) if getattr(args, "layout", None) else
-            recorded_layout(getattr(model, "checkpoint_dir", None)) or resolve_layout(DEFAULT_LAYOUT))
-    return base.with_(n_facts=args.n_facts, presentations=args.presentations, filler_tokens=args.filler,
-                      gap_tokens=getattr(args, "gap", None), template=args.template)
+    return choose_layout(getattr(args, "layout", None), getattr(model, "checkpoint_dir", None),
+                         n_facts=args.n_facts, presentations=args.presentations, filler_tokens=args.filler,
+                         gap_tokens=getattr(args, "gap", None), template=args.template)
 
 
 def _load(args):
@@ -626,10 +625,9 @@ def main(argv=None) -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the full traceback of an error")
-    from recurscope.interp.protocols import VerbParser, register_verbs
+    from recurscope.interp.protocols import register_verbs
 
-    # VerbParser: a protocol verb's options (and its module, with torch) load only when that verb is chosen
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=VerbParser)
+    sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("models", parents=[common], help="list the bundled checkpoints")
     p.set_defaults(fn=cmd_models)
     p = sub.add_parser("scan", parents=[common], help="head-selection scan (state swap per head) on dev sources")

@@ -208,7 +208,12 @@ def size_run(args) -> Optional[RunSize]:
     facts = max([*n_facts, getattr(args, "k", None) or 0, *(getattr(args, "loads", None) or [])])
     presentations = getattr(args, "presentations", None) or 3
     gap = getattr(args, "gap", None) or 24
-    filler = max([getattr(args, "filler", None) or 0, getattr(args, "total_length", None) or 0,
+    filler = getattr(args, "filler", None)
+    if filler is None and hasattr(args, "layout"):   # the layout's (a recorded one is only known once loaded)
+        from recurscope.interp.data.layout import choose_layout
+
+        filler = choose_layout(args.layout).filler_tokens
+    filler = max([filler or 0, getattr(args, "total_length", None) or 0,
                   *(getattr(args, "gaps", None) or []), *(getattr(args, "fillers", None) or [])])
     length = facts * presentations * (FACT_TOKENS + gap) + filler + QUERY_TOKENS
     total = 2 * pairs * length
@@ -268,10 +273,10 @@ def check_loaded(model, args) -> None:
     total = getattr(args, "total_length", None)
     if total is not None and getattr(args, "loads", None) and model.tokenizer is not None:
         from recurscope.interp.protocols.capacity import _bare_length, load_layout
+        from recurscope.interp.protocols.runner import pair_spec_from_args
 
         k = min(args.loads)
-        need = _bare_length(model.tokenizer, load_layout(k, template=args.template, vocab=args.vocab,
-                                                         seed=args.seed))
+        need = _bare_length(model.tokenizer, load_layout(k, pair_spec_from_args(args, model)))
         if total < need:
             raise CheckError(f"--total-length {total} is shorter than the smallest load's facts alone (K={k} "
                              f"needs {need} tokens), so no point could be evaluated; use --total-length {need} or more")

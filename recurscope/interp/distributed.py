@@ -279,7 +279,8 @@ class UnitWorker:
         return rows.to_dict("records")
 
     def compute(self, unit: Unit, fn: Callable) -> list[dict]:
-        """A protocol's unit: fn(model, pairs, rows) -> row records, rows indexing the whole batch."""
+        """A protocol's unit: fn(model, pairs, unit.rows) -> row records; rows index the whole batch, or name the arms
+    (conditions, formats) the unit computes."""
         return self._guarded(unit, "--batch-size", lambda: fn(self.model, self.pairs, unit.rows))
 
     def confirm(self, unit: Unit, heads, scan_heads, seed: int, batch_size: int) -> list[dict]:
@@ -550,24 +551,29 @@ def run_confirm_ray(model_factory: Callable, pairs, heads: Sequence, controls: S
     return ConfirmResult(rows, summary, heads, list(controls)), stats
 
 
-def run_units_ray(model_factory: Callable, pairs, units: Sequence[Sequence[int]], compute: Callable,
+def run_units_ray(model_factory: Callable, pairs, units: Sequence[Sequence], compute: Callable,
                   on_rows: Callable, *, workers: Optional[int] = None, address: Optional[str] = None,
                   uses_gpu: Optional[bool] = None, threads_per_worker: int = 1,
                   progress: Optional[Callable[[int, int], None]] = None,
                   actor_name_prefix: Optional[str] = None) -> RayRunStats:
-    """A protocol's independent units on Ray actors: each unit is a tuple of row indices into `pairs`; a worker
-    returns compute(model, pairs, rows) (a picklable top-level function giving row records) and the driver, the only
-    writer, calls on_rows(rows, records) as each unit finishes (the protocol appends them to its row log there)."""
+    """A protocol's independent units on Ray actors: each unit is a tuple of row indices into `pairs`, or a tuple of
+    names (strings: e.g. the arms or conditions it computes; `pairs` may then be None); a worker returns
+    compute(model, pairs, unit) (a picklable top-level function giving row records) and the driver, the only
+    writer, calls on_rows(unit, records) as each unit finishes (the protocol appends them to its row log there)."""
     t0 = time.perf_counter()
     uses_gpu = getattr(model_factory, "uses_gpu", False) if uses_gpu is None else uses_gpu
-    units = [tuple(int(i) for i in rows) for rows in units]
+    named = any(isinstance(x, str) for unit in units for x in unit)
+    units = [tuple(unit) if named else tuple(int(i) for i in unit) for unit in units]
     stats = RayRunStats()
     if not units:
         return stats
     ray = connect(address)
     n_workers = _default_workers(ray, uses_gpu) if workers is None else _check_workers(workers)
-    source = pairs.source_id.cpu().tolist()
-    work = [Unit(int(source[rows[0]]), rows, arm=f"rows {rows[0]}-{rows[-1]}") for rows in units]
+    if named:
+        work = [Unit(-1, unit, arm=", ".join(unit)) for unit in units]
+    else:
+        source = pairs.source_id.cpu().tolist()
+        work = [Unit(int(source[rows[0]]), rows, arm=f"rows {rows[0]}-{rows[-1]}") for rows in units]
     new_actor = _actor_factory(ray, model_factory, ray.put(pairs), uses_gpu, threads_per_worker, actor_name_prefix)
     _execute(ray, work, new_actor, lambda a, u: a.compute.remote(u, compute), lambda u, rows: on_rows(u.rows, rows),
              n_workers, stats, progress)

@@ -6,6 +6,7 @@ Figure, and the exact numbers it plotted as a DataFrame.
 """
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
@@ -17,7 +18,8 @@ from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.text import Text
-from matplotlib.ticker import MaxNLocator, PercentFormatter
+from matplotlib.transforms import blended_transform_factory
+from matplotlib.ticker import FixedLocator, MaxNLocator, PercentFormatter, ScalarFormatter
 
 from recurscope.interp.interventions.registry import INTERVENTION_NAMES, REGISTRY
 from recurscope.interp.stats import binomial_ci
@@ -28,6 +30,16 @@ INTERVENTION_ORDER = INTERVENTION_NAMES
 #: The report's name for each intervention (the registry's label), so a figure's rows read as the report's table.
 INTERVENTION_LABELS = {i.name: i.label for i in REGISTRY}
 CONTROLS = frozenset(i.name for i in REGISTRY if i.is_control)
+#: How the figures name a metric (the reports' wording); other metrics show their name with spaces.
+METRIC_LABELS = {"donor_margin_shift": "donor-margin shift", "donor_specific_shift": "donor-specific shift",
+                 "nontarget_margin_change": "non-target margin change", "nontarget_break": "non-target break rate",
+                 "target_margin_change": "target margin change", "donor_answer": "donor answers",
+                 "clean_correct": "clean recall", "correct": "recall after", "clean_accuracy": "clean recall",
+                 "intervened_accuracy": "intervened recall"}
+#: Metrics measured in logits (a margin, or a change of one); the figures print the unit beside their name.
+LOGIT_METRICS = frozenset({"donor_margin_shift", "donor_specific_shift", "distractor_shift", "target_margin_change",
+                           "nontarget_margin_change", "margin_change_b", "answer_margin_change", "joint_minus_sum",
+                           "shift", "margin", "sublayer_jump", "score", "J"})
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
             "#17becf")
 _SEED_MARKERS = ("o", "s", "^", "D", "v", "P")
@@ -99,9 +111,29 @@ def overlapping_text(fig: Figure, pad: float = 1.0) -> list[tuple[str, str]]:
     return clashes
 
 
+def fold_axis_scales(fig: Figure) -> None:
+    """Puts each axis' multiplier into its label. Matplotlib draws a scale such as "1e-5" at the end of the axis,
+    where it collides with the axis label (and an additive offset such as "+1.2" silently changes every tick), so
+    offsets are turned off, values under 0.01 or from 10^4 up are written with a multiplier rather than as
+    "-0.000150", and the multiplier ends the label as "[×1e-4]"."""
+    axes = [(ax, axis) for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)
+            if isinstance(axis.get_major_formatter(), ScalarFormatter) and axis.get_scale() in ("linear", "function")]
+    for _, axis in axes:
+        axis.get_major_formatter().set_useOffset(False)
+        axis.get_major_formatter().set_powerlimits((-2, 4))   # 1e-4 as "-1.5 [×1e-4]", not "-0.000150"
+    FigureCanvasAgg(fig).draw()
+    for ax, axis in axes:
+        scale = str(axis.get_offset_text().get_text()).strip()
+        if scale and axis.get_offset_text().get_visible():
+            axis.get_offset_text().set_visible(False)
+            label = axis.get_label_text()
+            gap = "\n" if len(label.rsplit("\n", 1)[-1]) > 32 else " "   # a long label takes it on a line of its own
+            axis.set_label_text(f"{label}{gap}[×{scale.lstrip('×')}]")
+
+
 def _save(fig: Figure, out_path, data: pd.DataFrame, dpi: int) -> PlotResult:
     stem = _stem(out_path)
-    FigureCanvasAgg(fig)
+    fold_axis_scales(fig)
     png, svg = stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".svg")
     fig.savefig(png, dpi=dpi, bbox_inches="tight")
     fig.savefig(svg, bbox_inches="tight")
@@ -119,7 +151,27 @@ def _colours(keys: Sequence, colors: Optional[Mapping]) -> dict:
 
 
 def _label(name) -> str:
-    return INTERVENTION_LABELS.get(str(name), str(name).replace("_", " "))
+    return INTERVENTION_LABELS.get(str(name), METRIC_LABELS.get(str(name), str(name).replace("_", " ")))
+
+
+def sample_note(frame: pd.DataFrame) -> str:
+    """ "n = 16 sources, 95% intervals" from a summary's n_sources and confidence columns ("" without n_sources), for
+    the second line of a figure's title."""
+    if "estimate" in frame.columns:   # rows with nothing measured (n = 0) are drawn as n/a, not counted
+        frame = frame[np.isfinite(frame["estimate"].astype(float))]
+    if "n_sources" not in frame.columns or frame["n_sources"].dropna().empty:
+        return ""
+    n = frame["n_sources"].dropna().astype(int)
+    counts = f"{n.min()}" if n.min() == n.max() else f"{n.min()}-{n.max()}"
+    conf = frame["confidence"].dropna() if "confidence" in frame.columns else pd.Series([], dtype=float)
+    level = f"{100 * float(conf.iloc[0]):.0f}%" if len(conf) and conf.nunique() == 1 else "95%"
+    return f"n = {counts} sources, {level} intervals"
+
+
+def _with_note(title: Optional[str], note: str) -> Optional[str]:
+    if not note:
+        return title
+    return f"{title}\n{note}" if title else note
 
 
 def _length_label(length: float) -> str:
@@ -251,10 +303,11 @@ def plot_intervention_effects(summary: pd.DataFrame, out_path, *, effect_metric:
                 records += [{"panel": "accuracy", "model": model, "intervention": r, "metric": metric,
                              "estimate": e, "low": lo, "high": hi, "y": yy}
                             for r, e, lo, hi, yy in zip(present, est, low, high, y)]
-        ax.set_xlim(0, 1.02)
+        ax.set_xlim(-0.04, 1.04)   # markers at 0% and 100% drawn whole, not cut by the frame
         ax.xaxis.set_major_formatter(PercentFormatter(xmax=1))
         ax.set_xlabel("recall accuracy, 95% CI (o clean, x intervened)")
         ax.grid(axis="x", alpha=0.3)
+    title = _with_note(title, sample_note(summary[summary["metric"] == effect_metric]))
     if title:
         fig.suptitle(title)
     return _save(fig, out_path, pd.DataFrame(records), dpi)
@@ -295,7 +348,7 @@ def plot_head_scan(scores: pd.DataFrame, out_path, *, selected: Optional[tuple] 
     if masked:
         grid = grid.reindex(sorted(set(grid.index) | set(masked)))
     panels = 2 if has_sources else 1
-    fig = Figure(figsize=(4.4 + 0.3 * grid.shape[1] + 3.4 * (panels - 1), 0.28 * grid.shape[0] + 2.4),
+    fig = Figure(figsize=(4.4 + 0.3 * grid.shape[1] + 3.4 * (panels - 1), 0.28 * grid.shape[0] + 2.9),
                  layout="constrained")
     axes = fig.subplots(1, panels, squeeze=False, gridspec_kw={"width_ratios": [2, 1.3][:panels]})[0]
     ax = axes[0]
@@ -303,7 +356,8 @@ def plot_head_scan(scores: pd.DataFrame, out_path, *, selected: Optional[tuple] 
     bound = float(np.nanmax(np.abs(values))) or 1.0
     image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap="RdBu_r",
                       norm=TwoSlopeNorm(0.0, -bound, bound), interpolation="nearest")
-    fig.colorbar(image, ax=ax, label=f"mean {_label(score_col)} J(l, h)")
+    unit = " (logits)" if score_col in LOGIT_METRICS else ""
+    fig.colorbar(image, ax=ax, label=f"mean {_label(score_col)} J(l, h){unit}")
     for layer in masked:
         r = list(grid.index).index(layer)
         ax.add_patch(Rectangle((-0.5, r - 0.5), grid.shape[1], 1, facecolor="0.85", hatch="///", ec="0.6", lw=0,
@@ -332,13 +386,14 @@ def plot_head_scan(scores: pd.DataFrame, out_path, *, selected: Optional[tuple] 
         ax.set_ylim(mine["rank"].max() + 0.5 if len(mine) else 2, 0.5)
         ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))   # ranks are whole numbers
         ax.set_xlabel(source_col)
-        ax.set_ylabel("rank of the selected head")
+        ax.set_ylabel(f"rank of the selected head\n(1 = best of {len(mean)})")
         wins = int((mine["rank"] == 1).sum())
         ax.set_title(f"ranked first (1) on {wins}/{len(mine)} sources")
         ax.grid(axis="y", alpha=0.3)
         rank_rows = mine[[source_col, "rank"]].rename(columns={source_col: "source"}).assign(
             kind="rank", layer=selected[0], head=selected[1])
         data = pd.concat([data, rank_rows], ignore_index=True)
+        title = _with_note(title, f"mean over n = {scores[source_col].nunique()} sources")
     if title:
         fig.suptitle(title)
     return _save(fig, out_path, data, dpi)
@@ -469,14 +524,27 @@ def plot_interval_panels(summary: pd.DataFrame, out_path, *, panels: Sequence[st
                          rows: Optional[Sequence] = None, hue_col: Optional[str] = None,
                          panel_labels: Optional[Mapping[str, str]] = None, percent: Sequence[str] = (),
                          reference: Optional[Mapping[str, float]] = None, kind: str = "points",
-                         colors: Optional[Mapping] = None, title: Optional[str] = None, dpi: int = 150) -> PlotResult:
+                         row_labels: Optional[Mapping] = None, row_name: Optional[str] = None,
+                         controls: Sequence = (), missing_labels: Optional[Mapping] = None,
+                         reference_labels: Optional[Mapping[str, str]] = None,
+                         colors: Optional[Mapping] = None,
+                         title: Optional[str] = None, dpi: int = 150) -> PlotResult:
     """One panel per metric in ``panels`` (a ``metric`` value of the tidy ``summary``, as from interp.stats.summarise).
 
     kind="points": one row per ``row_col`` value (arms, heads), the estimate with its 95% interval as a horizontal
     error bar (Fig. 5a-c, 12 style). kind="lines": x = ``row_col`` (numeric: k, layer), the estimate as a line with
     its interval as a band (Fig. 3c recovery, Fig. 11 lens). ``hue_col`` splits colours (models, tasks);
-    ``percent`` lists the metrics drawn as percentages; ``reference`` draws a dashed line per metric (0 by default for
-    points panels). Returned data: panel, hue, row, estimate, low, high.
+    ``row_labels`` names the rows (and hues) as the report does (default: the interventions registry's labels);
+    ``row_name`` names the x axis of a lines panel (default: ``row_col``); ``controls`` lists the rows that are
+    controls: a points figure draws them below the others, shaded, under a "controls" heading; ``missing_labels``
+    says why a row has no estimate (default "n/a"); ``reference_labels`` names a metric's dashed line in the legend
+    (one metric's name covers the same line on every panel);
+    ``percent`` lists the metrics drawn as percentages (points, "pp" for a change); logit metrics (LOGIT_METRICS)
+    say so on their axis; ``reference`` draws a dashed line per metric (0 by default for points panels). The title
+    gets a second line with n and the interval level when the summary has n_sources. A row without a finite
+    estimate is marked "n/a" on its panel, and a panel without any "no data", rather than left silently blank.
+
+    Returned data: panel, hue, row, estimate, low, high (the finite rows drawn).
     """
     if kind not in ("points", "lines"):
         raise ValueError(f"kind must be 'points' or 'lines', got {kind!r}")
@@ -488,65 +556,164 @@ def plot_interval_panels(summary: pd.DataFrame, out_path, *, panels: Sequence[st
         raise ValueError(f"summary has no rows for metrics {missing}; metrics present: "
                          f"{sorted(map(str, summary['metric'].unique()))}")
     data = summary[summary["metric"].isin(panels)].copy()
+    for col in ("estimate", "low", "high"):
+        data[col] = data[col].astype(float).where(np.isfinite(data[col].astype(float)))   # ±inf drawn as n/a
     _check_interval(data.dropna(subset=["estimate"]), "summary")
     row_list = list(rows) if rows is not None else _ordered(data[row_col], INTERVENTION_ORDER)
-    hues = _ordered(data[hue_col]) if hue_col else [None]
+    controls = [r for r in row_list if r in set(controls)] if kind == "points" else []
+    mains = [r for r in row_list if r not in controls]
+    row_list = mains + controls
+    hues = _ordered(data[hue_col], list(row_labels or {})) if hue_col else [None]   # the report's order
     palette = _colours(hues, colors)
     labels = dict(panel_labels or {})
+    names = dict(row_labels or {})
+    name_of = lambda value: names.get(value, _label(value))   # noqa: E731
     ref = dict(reference or {})
     n = len(panels)
     if kind == "points":
-        fig = Figure(figsize=(3.6 * n + 1.2, 0.5 * len(row_list) + 1.6))
+        fig = Figure(figsize=(3.6 * n + 1.2, 0.5 * len(row_list) + 1.9), layout="constrained")
     else:
-        fig = Figure(figsize=(4.0 * n + 0.6, 3.4))
+        fig = Figure(figsize=(4.0 * n + 0.6, 3.6 + (0.3 if hue_col and len(hues) > 1 else 0)), layout="constrained")
     axes = fig.subplots(1, n, sharey=(kind == "points"), squeeze=False)[0]
     dodge = 0.5 / max(len(hues), 1)
+    xs = sorted({float(v) for v in data[row_col]}) if kind == "lines" else []
     records = []
     for ax, metric in zip(axes, panels):
         scale = 100.0 if metric in percent else 1.0
+        drawn, absent = [], []
         for i, hue in enumerate(hues):
             sub = data[data["metric"] == metric]
             if hue_col:
                 sub = sub[sub[hue_col] == hue]
             sub = sub.set_index(row_col)
-            present = [r for r in row_list if r in sub.index and pd.notna(sub.loc[r, "estimate"])]
+            given = [r for r in row_list if r in sub.index]
+            present = [r for r in given if pd.notna(sub.loc[r, "estimate"])]
+            absent += [(r, i) for r in given if r not in present]
             if kind == "lines":
                 present = sorted(present, key=float)
             if not present:
                 continue
             est = sub.loc[present, "estimate"].to_numpy(float) * scale
-            low = sub.loc[present, "low"].to_numpy(float) * scale
-            high = sub.loc[present, "high"].to_numpy(float) * scale
-            name = _label(hue) if hue is not None else None
+            # a bound that is not finite (an interval that could not be computed): the point without its bar
+            low = np.where(np.isnan(sub.loc[present, "low"].to_numpy(float)), est / scale,
+                           sub.loc[present, "low"].to_numpy(float)) * scale
+            high = np.where(np.isnan(sub.loc[present, "high"].to_numpy(float)), est / scale,
+                            sub.loc[present, "high"].to_numpy(float)) * scale
+            name = name_of(hue) if hue is not None and len(hues) > 1 else None
             if kind == "points":
                 y = np.array([row_list.index(r) for r in present], float) + (i - (len(hues) - 1) / 2) * dodge
                 ax.errorbar(est, y, xerr=np.vstack([est - low, high - est]), fmt="o", capsize=3,
                             color=palette[hue], label=name)
             else:
                 x = np.array(present, dtype=float)
-                ax.plot(x, est, "o-", color=palette[hue], label=name)
+                # each hue its own marker and dash, the first drawn largest: equal curves (two arms both at 100%)
+                # stay visible one over the other
+                ax.plot(x, est, color=palette[hue], label=name, marker=_SEED_MARKERS[i % len(_SEED_MARKERS)],
+                        ls=("-", "--", ":", "-.")[i % 4], ms=max(3.0, 7.0 - 1.5 * i), zorder=2 + i)
                 ax.fill_between(x, low, high, color=palette[hue], alpha=0.2, lw=0)
+            drawn += list(low) + list(high) + list(est)
             records += [{"panel": metric, "hue": hue, "row": r, "estimate": e / scale, "low": lo / scale,
                          "high": hi / scale} for r, e, lo, hi in zip(present, est, low, high)]
         line = ref.get(metric, 0.0 if kind == "points" and metric not in percent else None)
         if line is not None:
-            (ax.axvline if kind == "points" else ax.axhline)(line * scale, color="0.4", lw=0.8, ls="--")
-        axis_label = labels.get(metric, _label(metric)) + (" (%)" if metric in percent else "") + ", 95% CI"
+            (ax.axvline if kind == "points" else ax.axhline)(line * scale, color="0.4", lw=0.8, ls="--",
+                                                             label=dict(reference_labels or {}).get(metric))
+            drawn.append(line * scale)
+        _value_limits(ax.set_xlim if kind == "points" else ax.set_ylim, drawn, metric, percent)
+        empty = all(rec["panel"] != metric for rec in records)
+        if empty:   # with the reason when every row gives the same one
+            why = {dict(missing_labels or {}).get(r) for r, _ in absent}
+            ax.text(0.5, 0.5, "no data" + (f"\n({why.pop()})" if len(why) == 1 and None not in why else ""),
+                    transform=ax.transAxes, ha="center", va="center", color="0.4", gid="no-data")
+            if metric in percent and "change" not in metric:
+                (ax.set_xlim if kind == "points" else ax.set_ylim)(-4.0, 104.0)
+        elif kind == "points":
+            for r, i in absent:   # a row with no estimate (e.g. no pair qualified): said, not left blank
+                y = row_list.index(r) + (i - (len(hues) - 1) / 2) * dodge
+                ax.text(0.5, y, dict(missing_labels or {}).get(r, "n/a"),
+                        transform=blended_transform_factory(ax.transAxes, ax.transData),
+                        ha="center", va="center", fontsize="small", color="0.4", gid=f"missing:{r}")
+        else:
+            measured = {float(rec["row"]) for rec in records if rec["panel"] == metric}
+            for x in sorted({float(r) for r, _ in absent} - measured):   # an x nothing was measured at
+                ax.text(x, 0.03, "n/a", transform=blended_transform_factory(ax.transData, ax.transAxes),
+                        ha="center", va="bottom", fontsize="small", color="0.4", gid=f"missing:{x:g}")
+        unit = _unit(metric, percent)
+        axis_label = labels.get(metric, _label(metric)) + (f" ({unit})" if unit else "") + ", 95%\u00a0CI"
+        axis_label = textwrap.fill(axis_label, 44 if kind == "points" else 34,   # never longer than its axis
+                                   break_on_hyphens=False)
         if kind == "points":
             ax.set_xlabel(axis_label)
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
             ax.grid(axis="x", alpha=0.3)
         else:
             ax.set_ylabel(axis_label)
-            ax.set_xlabel(_label(row_col))
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.ticklabel_format(axis="y", useOffset=False)
+            ax.set_xlabel(row_name or _label(row_col))
+            _value_ticks(ax, xs)
             ax.grid(alpha=0.3)
-        if hue_col and len(hues) > 1:
-            ax.legend(loc="best", fontsize="small", frameon=False)
+    handles, names_ = [], []
+    for ax in axes:   # hues and named reference lines, each once
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in names_:
+                handles.append(h)
+                names_.append(lab)
+    if names_:   # one legend, below the panels, where it hides no data
+        fig.legend(handles, names_, loc="outside lower center", ncols=min(len(names_), 4), fontsize="small",
+                   frameon=False)
     if kind == "points":
-        axes[0].set_yticks(range(len(row_list)), [_label(r) for r in row_list])
+        axes[0].set_yticks(range(len(row_list)), [name_of(r) for r in row_list])
         axes[0].set_ylim(len(row_list) - 0.5, -0.5)
+        if mains and controls:   # the controls apart from what they control, as in the effects figure
+            for ax in axes:
+                ax.axhline(len(mains) - 0.5, color="0.2", lw=0.8, gid="controls-separator")
+                ax.axhspan(len(mains) - 0.5, len(row_list) - 0.5, color="0.93", zorder=0)
+            axes[0].text(-0.02, len(mains) - 0.5, "controls ", transform=axes[0].get_yaxis_transform(), ha="right",
+                         va="top", fontsize="small", fontstyle="italic", color="0.3", gid="controls-heading")
+    if title:   # a title no wider than the figure (a long model path, a long verdict)
+        title = textwrap.fill(title, max(40, int(11 * fig.get_figwidth())), break_on_hyphens=False)
+    title = _with_note(title, sample_note(data))
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
     return _save(fig, out_path, pd.DataFrame(records), dpi)
+
+
+def _unit(metric: str, percent: Sequence[str]) -> str:
+    if metric in percent:
+        return "pp" if "change" in metric else "%"
+    return "logits" if metric in LOGIT_METRICS else ""
+
+
+def _value_limits(set_limits, values, metric: str, percent: Sequence[str]) -> None:
+    """Limits of a value axis: a rate drawn in percent spans 0-100% (its ticks never go past 100% or below 0); a
+    panel whose values are all equal gets a readable span around them instead of matplotlib's ±0.05 (ticks such as
+    -0.04 ... 0.04 for an all-zero panel)."""
+    values = np.asarray([v for v in values if np.isfinite(v)], float)
+    if not len(values):
+        return
+    lo, hi = float(values.min()), float(values.max())
+    if metric in percent and "change" not in metric and lo >= 0.0 and hi <= 100.0:
+        set_limits(-4.0, 104.0)
+    elif hi - lo < 1e-12:
+        half = 5.0 if metric in percent else max(1.0, 0.1 * abs(lo))
+        set_limits(lo - half, hi + half)
+
+
+def _value_ticks(ax, xs: Sequence[float]) -> None:
+    """Ticks of a lines panel's x axis (k, layer, load, gap, filler) at the values measured: a base-2 log axis when
+    they are positive and span a factor of 8 or more (loads 1-64, gaps 128-1024), never fractional ticks."""
+    if not xs:
+        return
+    if len(xs) > 1 and min(xs) > 0 and max(xs) / min(xs) >= 8:
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+    if len(xs) <= 12:
+        ax.xaxis.set_major_locator(FixedLocator(xs))
+        ax.set_xticks(xs, [f"{v:g}" for v in xs])
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    lo, hi = min(xs), max(xs)   # every measured x inside the frame, with room for its "n/a" at either end
+    if ax.get_xscale() == "log":
+        pad = 2.0 ** (0.06 * np.log2(hi / lo))
+        ax.set_xlim(lo / pad, hi * pad)
+    elif hi > lo:
+        ax.set_xlim(lo - 0.06 * (hi - lo), hi + 0.06 * (hi - lo))

@@ -332,7 +332,7 @@ def naive_head_shifts(model, pairs, heads: Optional[Sequence] = None) -> pd.Data
             clean = float(_margins(candidate_logits(clean_logits[:, qp], cand), d, r)[0])
             for l, h in head_list:
                 patches = [StateReplace(l, [h], b, dc[hook_name("hook_state", l)][:, 0]),
-                           ReadoutReplace(l, [h], b, rc[hook_name("hook_head_out", l)])]
+                           ReadoutReplace(l, model.query_heads(h), b, rc[hook_name("hook_head_out", l)])]
                 logits = run_with_patches(model, rec, patches)
                 margin = float(_margins(candidate_logits(logits[:, qp], cand), d, r)[0])
                 out.append({"source": int(pairs.source_id[i]), "pair": int(pairs.group[i]), "layer": l, "head": h,

@@ -86,6 +86,12 @@ def recurrence(
       H = n H_k; value head h reads key head h // n. The chunked and triton backends, and the fla backend's gated
       delta rule, read q and k per key head (no copy); the reference backend (and fla's GLA kernels) get them
       repeated.
+    - query groups (GLA-7B's grouped key/value heads, the mirror): q with H_q = m H heads where k, x, g and the
+      states have H; query head h m + j reads state h, and o has the H_q query heads. The reference computes the m
+      readouts of each state at every step; the other backends run once per member j of the groups, on the strided
+      view of q's j-th query heads (k, x, g and the patches are read as given, never repeated), the captures and the
+      final state from the first run only: m times the recurrence's work, as fla's repeat of k, v and g costs, and
+      no copy of any input.
     - cu_seqlens: n + 1 offsets into T (B = 1): n packed sequences, each from its own initial state (n, H, K, V)
       to its own final state (n, H, K, V); empty sequences keep their initial state. capture counts packed steps.
       The chunked, triton and fla backends run the packed batch in one call (fla: its own cu_seqlens, split only
@@ -105,6 +111,10 @@ def recurrence(
                                check_finite=check_finite, cu_seqlens=cu_seqlens, allow_growth=allow_growth)
     chosen = resolve_backend(backend, q.device)
     scale = dims.K ** -0.5 if scale is None else float(scale)
+    if dims.H_q != dims.H_k and chosen != "reference":
+        return _query_groups(q, k, x, g, a, dims, scale=scale, initial_state=initial_state, write_scale=write_scale,
+                             extra_write=extra_write, capture=positions, output_final_state=output_final_state,
+                             backend=chosen, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     dtype = compute_dtype(q)
     kwargs = dict(scale=scale, initial_state=initial_state, write_scale=write_scale,
                   extra_write=extra_write, capture=positions)
@@ -145,6 +155,21 @@ def recurrence(
     return RecurrenceOutput(o, S if output_final_state else None, states)
 
 
+def _query_groups(q, k, x, g, a, dims, *, capture, output_final_state, **kw) -> RecurrenceOutput:
+    """Query groups on a backend that reads one query per state: one run per member j, q's heads j, m + j, 2m + j,
+    ... (a strided view); the first run also returns the captures and the final state. The inputs were validated
+    and fla's options applied by the caller, so the member runs skip both."""
+    m = dims.H_q // dims.H
+    members = q.unflatten(2, (dims.H, m))
+    outs, first = [], None
+    for j in range(m):
+        r = recurrence(members[:, :, :, j], k, x, g, a, capture=capture if j == 0 else None,
+                       output_final_state=output_final_state and j == 0, check_finite=False, allow_growth=True, **kw)
+        first = r if j == 0 else first
+        outs.append(r.o)
+    return RecurrenceOutput(torch.stack(outs, 3).flatten(2, 3), first.final_state, first.states)
+
+
 def _bounds(cu_seqlens) -> list[int]:
     """cu_seqlens (a tensor or a sequence) as a list of ints (one host read for a tensor)."""
     return [int(b) for b in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
@@ -179,7 +204,7 @@ def _per_sequence(run, q, k, x, g, a, cu_seqlens, dtype, *, scale, initial_state
         finals.append(S)
         if st is not None:
             states.append(st)
-    o = torch.cat(outs, 1) if outs else x.new_zeros(1, 0, H, V).to(q.dtype)
+    o = torch.cat(outs, 1) if outs else x.new_zeros(1, 0, q.shape[2], V).to(q.dtype)
     S = None if any(f is None for f in finals) else torch.cat(finals)
     return o, S, torch.cat(states, 1) if states else None
 

@@ -19,6 +19,7 @@ class Dims:
     channel_decay: bool  # g is (B, T, H, K) rather than (B, T, H)
     H_k: int = 0         # key heads of q and k (H = n H_k: grouped value heads); H when not grouped
     n_seqs: int = 0      # packed sequences (cu_seqlens); 0 without
+    H_q: int = 0         # query heads of q and of o (H_q = m H: query groups, m queries read each state); H_k else
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -83,11 +84,17 @@ def validate(
         _check_float(name, t)
     if q.dim() != 4:
         raise ValueError(f"q must have shape (B, T, H_k, K), got {_shape(q)}")
-    B, T, Hk, K = q.shape
-    _expect("k", k, (B, T, Hk, K), "(B, T, H_k, K) like q")
+    B, T, Hq, K = q.shape
+    if k.dim() != 4 or tuple(k.shape[:2]) != (B, T) or k.shape[3] != K:
+        _expect("k", k, (B, T, Hq, K), "(B, T, H_k, K) like q")
+    Hk = k.shape[2]
     if x.dim() != 4 or tuple(x.shape[:2]) != (B, T):
         raise ValueError(f"x must have shape (B, T, H, V) = ({B}, {T}, H, V), got {_shape(x)}")
     H, V = x.shape[2], x.shape[3]
+    if Hq != Hk and (Hk != H or Hq % H):
+        raise ValueError(f"q has {Hq} heads and k {Hk}: q and k must have the same heads (grouped value heads: "
+                         f"x with a multiple of them), or k the value heads H = {H} of x and q a multiple of them "
+                         "(query groups: each state read by H_q / H consecutive query heads)")
     if H % Hk:
         raise ValueError(f"x has H = {H} value heads, not a multiple of q and k's H_k = {Hk} heads; grouped value heads "
                          "need H = n * H_k (each key head serves n consecutive value heads)")
@@ -144,7 +151,7 @@ def validate(
             raise ValueError(f"capture positions must lie in [0, {T - 1}], got {positions}")
         if positions != sorted(set(positions)):
             raise ValueError(f"capture must be a sorted list of distinct positions, got {positions}")
-    return Dims(B, T, H, K, V, channel, Hk, n_seqs), positions
+    return Dims(B, T, H, K, V, channel, Hk, n_seqs, Hq), positions
 
 
 def _expect_heads(name: str, t: torch.Tensor, shape: Sequence[int], Hk: int) -> None:

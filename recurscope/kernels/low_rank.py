@@ -49,6 +49,9 @@ def recurrence_low_rank(
                          "without an erase use kernels.recurrence")
     dims, positions = validate(q, k, x, g, a, initial_state, write_scale, extra_write, capture,
                                check_finite=check_finite)
+    if dims.H_q != dims.H_k:
+        raise ValueError(f"q has {dims.H_q} heads and k {dims.H_k}: recurrence_low_rank takes q with k's heads (query "
+                         "groups, several queries per state, run through kernels.recurrence only)")
     _check_float("b", b)
     _expect("b", b, (dims.B, dims.T, dims.H, dims.K), "(B, T, H, K) like a")
     if b.device != q.device:
@@ -175,10 +178,16 @@ def low_rank_chunked(
 
     S = (q.new_zeros(B, H, K, V, dtype=dtype) if initial_state is None
          else initial_state.to(dtype).expand(B, H, K, V))
+    # One unbind per tensor, not an index per chunk: autograd then stacks the chunks' gradients once, where N
+    # separate selects would each fill and add a gradient the size of the whole tensor (quadratic in T).
+    R0s, Ms, O0s, QBs, Qss, decays = (t.unbind(2) for t in (R0, M, O0, QB, Qs, decay_all))
+    ends_by_chunk = [e.unbind(2) for e in ends]
+    vals_by_chunk = [val.unbind(2) for _, val in writes]
     outs, captured = [], []
     for n in range(N):
-        Rn = R0[:, :, n] - M[:, :, n] @ S
-        outs.append(O0[:, :, n] - QB[:, :, n] @ (M[:, :, n] @ S) + Qs[:, :, n] @ S)
+        Mn_S = Ms[n] @ S
+        Rn = R0s[n] - Mn_S
+        outs.append(O0s[n] - QBs[n] @ Mn_S + Qss[n] @ S)
         for c in by_chunk.get(n, []):                             # S_c = e^{G_c} S_0 + sum_{s<=c} e^{G_c-G_s} (...)
             d = incl[:, :, n, c, : c + 1]                         # (B, H, c+1, K or 1)
             St = from_start[:, :, n, c, :, None] * S + (Bv[:, :, n, : c + 1] * d).transpose(-1, -2) @ Rn[..., : c + 1, :]
@@ -186,9 +195,9 @@ def low_rank_chunked(
                 St = St + (key[:, :, n, : c + 1] * d).transpose(-1, -2) @ val[:, :, n, : c + 1]
             captured.append(St)
         if n < N - 1 or final_state:
-            S = decay_all[:, :, n] * S + ends[0][:, :, n] @ Rn
-            for (key, val), end in zip(writes, ends[1:]):
-                S = S + end[:, :, n] @ val[:, :, n]
+            S = decays[n] * S + ends_by_chunk[0][n] @ Rn
+            for vals, end in zip(vals_by_chunk, ends_by_chunk[1:]):
+                S = S + end[n] @ vals[n]
     o = torch.stack(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2) * scale
     states = torch.stack(captured, dim=1) if captured else None
     return o.to(q.dtype), (S if final_state else None), states

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from recurscope.kernels.triton_recurrent import NUM_STAGES, _check_device, tile_config
+from recurscope.kernels.triton_recurrent import (NUM_STAGES, _check_device, add_writes, capture_tile, decay_tile,
+                                                 initial_tile, launch_outputs, read_out, state_tile, tile_config)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -31,12 +32,7 @@ def low_rank_fwd_kernel(
     i_b = i_bh // H
     i_h = i_bh % H
 
-    offs_k = tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < K
-    mask_v = offs_v < V
-    mask_kv = mask_k[:, None] & mask_v[None, :]
-    offs_kv = offs_k[:, None] * V + offs_v[None, :]
+    offs_k, offs_v, mask_k, mask_v, mask_kv, offs_kv = state_tile(i_v, K, V, BK, BV)
 
     row0 = i_b.to(tl.int64) * T * H + i_h      # row of (b, t=0, h) in the flattened (B*T*H) layout
     p_q = q_ptr + row0 * K + offs_k
@@ -49,45 +45,25 @@ def low_rank_fwd_kernel(
         p_g = g_ptr + row0 * K + offs_k
     else:
         p_g = g_ptr + row0
-    if HAS_WRITE_SCALE:
-        p_ws = ws_ptr + row0
-    if HAS_EXTRA_WRITE:
-        p_u = u_ptr + row0 * K + offs_k
-        p_y = y_ptr + row0 * V + offs_v
+    # Disabled features' pointers are formed but never read (their flags are constexpr).
+    p_ws = ws_ptr + row0
+    p_u = u_ptr + row0 * K + offs_k
+    p_y = y_ptr + row0 * V + offs_v
     state_base = i_bh.to(tl.int64) * K * V
 
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_INITIAL_STATE:
-        S += tl.load(h0_ptr + state_base + offs_kv, mask=mask_kv, other=0.0).to(tl.float32)
+    S = initial_tile(h0_ptr, state_base, offs_kv, mask_kv, BK, BV, HAS_INITIAL_STATE)
 
     for t in range(0, T):
         a_t = tl.load(p_a, mask=mask_k, other=0.0).to(tl.float32)
         b_t = tl.load(p_b, mask=mask_k, other=0.0).to(tl.float32)
         aS = tl.sum(a_t[:, None] * S, axis=0)                 # a_t^T S_{t-1}: read before the decay
-        if CHANNEL_DECAY:
-            g_t = tl.load(p_g, mask=mask_k, other=0.0).to(tl.float32)
-            S = S * tl.exp(g_t)[:, None]
-        else:
-            g_t = tl.load(p_g).to(tl.float32)
-            S = S * tl.exp(g_t)
+        S = decay_tile(S, p_g, mask_k, CHANNEL_DECAY)
         S = S - b_t[:, None] * aS[None, :]
         k_t = tl.load(p_k, mask=mask_k, other=0.0).to(tl.float32)
-        x_t = tl.load(p_x, mask=mask_v, other=0.0).to(tl.float32)
-        if HAS_WRITE_SCALE:
-            x_t = x_t * tl.load(p_ws).to(tl.float32)
-        S = S + k_t[:, None] * x_t[None, :]
-        if HAS_EXTRA_WRITE:
-            u_t = tl.load(p_u, mask=mask_k, other=0.0).to(tl.float32)
-            y_t = tl.load(p_y, mask=mask_v, other=0.0).to(tl.float32)
-            S = S + u_t[:, None] * y_t[None, :]
-        q_t = tl.load(p_q, mask=mask_k, other=0.0).to(tl.float32)
-        o_t = tl.sum(S * q_t[:, None], axis=0) * scale
-        tl.store(p_o, o_t.to(o_ptr.dtype.element_ty), mask=mask_v)
+        S = add_writes(S, k_t, p_x, p_ws, p_u, p_y, mask_k, mask_v, HAS_WRITE_SCALE, HAS_EXTRA_WRITE)
+        read_out(S, p_q, p_o, scale, mask_k, mask_v)
         if HAS_CAPTURE:
-            slot = tl.load(cap_slot_ptr + t)
-            if slot >= 0:
-                cap_base = ((i_b.to(tl.int64) * P + slot) * H + i_h) * K * V
-                tl.store(states_ptr + cap_base + offs_kv, S, mask=mask_kv)
+            capture_tile(S, cap_slot_ptr + t, states_ptr, i_b.to(tl.int64), P, H, i_h, K, V, offs_kv, mask_kv)
 
         p_q += H * K
         p_k += H * K
@@ -124,15 +100,8 @@ def low_rank_triton(
     u, y = (None, None) if extra_write is None else extra_write
     c = lambda t: None if t is None else t.contiguous()  # noqa: E731
     q, k, x, g, a, b, write_scale, u, y, initial_state = map(c, (q, k, x, g, a, b, write_scale, u, y, initial_state))
-    o = torch.empty(B, T, H, V, dtype=q.dtype, device=device)
-    final_state = torch.empty(B, H, K, V, dtype=torch.float32, device=device) if output_final_state else None
-    P = len(capture) if capture else 0
-    states = torch.empty(B, P, H, K, V, dtype=torch.float32, device=device) if P else None
-    cap_slot = None
-    if P:
-        cap_slot = torch.full((T,), -1, dtype=torch.int32, device=device)
-        cap_slot[torch.as_tensor(capture, dtype=torch.long, device=device)] = torch.arange(
-            P, dtype=torch.int32, device=device)
+    o, final_state, states, cap_slot, P = launch_outputs(B, T, H, K, V, B, q.dtype, device, capture,
+                                                         output_final_state)
     pick = lambda t: o if t is None else t  # noqa: E731   (never dereferenced: the flags are constexpr)
     BK, BV, num_warps = tile_config(K, V)
     low_rank_fwd_kernel[(triton.cdiv(V, BV), B * H)](

@@ -2,6 +2,9 @@
 
     S_t = (I - k_t a_t^T) Diag(exp g_t) S_{t-1} + write_scale_t k_t x_t^T + u_t y_t^T
     o_t = scale * S_t^T q_t
+
+With query groups (q with H_q = m H heads, everything else with the H state heads), query head h m + j reads
+state h: o_t[h m + j] = scale * S_t[h]^T q_t[h m + j].
 """
 from __future__ import annotations
 
@@ -15,15 +18,16 @@ def recurrence_reference(
     extra_write=None, capture: Optional[list[int]] = None, dtype: torch.dtype = torch.float32,
 ):
     """Returns (o, final_state, states) with o in q's dtype, states in `dtype`. Inputs are assumed validated."""
-    B, T, H, K = q.shape
-    V = x.shape[-1]
+    B, T, Hq, K = q.shape
+    H, V = x.shape[2], x.shape[-1]
+    m = Hq // H                                                 # queries per state (1 unless query groups)
     out_dtype = q.dtype
     f = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     q, k, x, g, a, write_scale = map(f, (q, k, x, g, a, write_scale))
     u, y = (None, None) if extra_write is None else map(f, extra_write)
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dtype).clone()
     want = set(capture or [])
-    o = q.new_empty(B, T, H, V)
+    o = q.new_empty(B, T, Hq, V)
     captured = []
     for t in range(T):
         decay = g[:, t].exp()                                   # (B, H) or (B, H, K)
@@ -36,7 +40,7 @@ def recurrence_reference(
         S = S + kt[..., :, None] * xt[..., None, :]
         if u is not None:
             S = S + u[:, t][..., :, None] * y[:, t][..., None, :]
-        o[:, t] = scale * torch.einsum("bhkv,bhk->bhv", S, q[:, t])
+        o[:, t] = scale * torch.einsum("bhkv,bhjk->bhjv", S, q[:, t].unflatten(1, (H, m))).flatten(1, 2)
         if t in want:
             captured.append(S)
     states = torch.stack(captured, dim=1) if captured else None

@@ -23,6 +23,73 @@ STATE_ENTRIES_PER_THREAD = 16
 NUM_STAGES = 1
 
 
+# ---- the pieces both fused forwards share (this kernel and kernels.low_rank_triton's), inlined by triton.jit ----
+@triton.jit
+def state_tile(i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The program's tile of a (K, V) state, K whole and V tile i_v: (offs_k, offs_v, mask_k, mask_v, mask_kv,
+    offs_kv), offs_kv the tile's flat offsets in the row-major (K, V) state."""
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    return offs_k, offs_v, mask_k, mask_v, mask_k[:, None] & mask_v[None, :], offs_k[:, None] * V + offs_v[None, :]
+
+
+@triton.jit
+def initial_tile(h0_ptr, state_base, offs_kv, mask_kv, BK: tl.constexpr, BV: tl.constexpr,
+                 HAS_INITIAL_STATE: tl.constexpr):
+    """The state tile in fp32 before step 0: zeros, plus the initial state when there is one."""
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_INITIAL_STATE:
+        S += tl.load(h0_ptr + state_base + offs_kv, mask=mask_kv, other=0.0).to(tl.float32)
+    return S
+
+
+@triton.jit
+def decay_tile(S, p_g, mask_k, CHANNEL_DECAY: tl.constexpr):
+    """Diag(exp g_t) S: g per channel (CHANNEL_DECAY) or one value per head."""
+    if CHANNEL_DECAY:
+        g_t = tl.load(p_g, mask=mask_k, other=0.0).to(tl.float32)
+        S = S * tl.exp(g_t)[:, None]
+    else:
+        g_t = tl.load(p_g).to(tl.float32)
+        S = S * tl.exp(g_t)
+    return S
+
+
+@triton.jit
+def add_writes(S, k_t, p_x, p_ws, p_u, p_y, mask_k, mask_v, HAS_WRITE_SCALE: tl.constexpr,
+               HAS_EXTRA_WRITE: tl.constexpr):
+    """S + write_scale_t k_t x_t^T (+ u_t y_t^T): the step's writes, k_t already loaded."""
+    x_t = tl.load(p_x, mask=mask_v, other=0.0).to(tl.float32)
+    if HAS_WRITE_SCALE:
+        x_t = x_t * tl.load(p_ws).to(tl.float32)
+    S = S + k_t[:, None] * x_t[None, :]
+    if HAS_EXTRA_WRITE:
+        u_t = tl.load(p_u, mask=mask_k, other=0.0).to(tl.float32)
+        y_t = tl.load(p_y, mask=mask_v, other=0.0).to(tl.float32)
+        S = S + u_t[:, None] * y_t[None, :]
+    return S
+
+
+@triton.jit
+def read_out(S, p_q, p_o, scale, mask_k, mask_v):
+    """Stores o_t = scale * S^T q_t (this tile's V entries) in o's dtype."""
+    q_t = tl.load(p_q, mask=mask_k, other=0.0).to(tl.float32)
+    o_t = tl.sum(S * q_t[:, None], axis=0) * scale
+    tl.store(p_o, o_t.to(p_o.dtype.element_ty), mask=mask_v)
+
+
+@triton.jit
+def capture_tile(S, slot_ptr, states_ptr, row, P, H: tl.constexpr, i_h, K: tl.constexpr, V: tl.constexpr,
+                 offs_kv, mask_kv):
+    """Stores the tile into states (rows, P, H, K, V) at slot_ptr's slot when it is one (>= 0; -1: no capture)."""
+    slot = tl.load(slot_ptr)
+    if slot >= 0:
+        cap_base = ((row * P + slot) * H + i_h) * K * V
+        tl.store(states_ptr + cap_base + offs_kv, S, mask=mask_kv)
+
+
 @triton.jit(do_not_specialize=["T"])
 def recurrent_fwd_kernel(
     q_ptr, k_ptr, x_ptr, g_ptr, a_ptr, ws_ptr, u_ptr, y_ptr, h0_ptr, cap_slot_ptr, cu_ptr,
@@ -40,12 +107,7 @@ def recurrent_fwd_kernel(
     i_h = i_bh % H
     i_hk = i_h // (H // HK)  # the key head of q and k (grouped value heads: H = n HK)
 
-    offs_k = tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < K
-    mask_v = offs_v < V
-    mask_kv = mask_k[:, None] & mask_v[None, :]
-    offs_kv = offs_k[:, None] * V + offs_v[None, :]
+    offs_k, offs_v, mask_k, mask_v, mask_kv, offs_kv = state_tile(i_v, K, V, BK, BV)
 
     # int64 bases: B*T*H*K can pass 2**31 on long sequences.
     if IS_VARLEN:
@@ -70,48 +132,27 @@ def recurrent_fwd_kernel(
         p_g = g_ptr + row0
     if HAS_ERASE:
         p_a = a_ptr + row0 * K + offs_k
-    if HAS_WRITE_SCALE:
-        p_ws = ws_ptr + row0
-    if HAS_EXTRA_WRITE:
-        p_u = u_ptr + row0 * K + offs_k
-        p_y = y_ptr + row0 * V + offs_v
+    # Disabled features' pointers are formed but never read (their flags are constexpr).
+    p_ws = ws_ptr + row0
+    p_u = u_ptr + row0 * K + offs_k
+    p_y = y_ptr + row0 * V + offs_v
     state_base = i_bh.to(tl.int64) * K * V  # (B, H, K, V) offset of this (b, h)
 
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_INITIAL_STATE:
-        S += tl.load(h0_ptr + state_base + offs_kv, mask=mask_kv, other=0.0).to(tl.float32)
+    S = initial_tile(h0_ptr, state_base, offs_kv, mask_kv, BK, BV, HAS_INITIAL_STATE)
 
     for t in range(0, steps):
         # Padded K rows stay zero: k, u and the initial state load 0 there, so the decay value is irrelevant.
-        if CHANNEL_DECAY:
-            g_t = tl.load(p_g, mask=mask_k, other=0.0).to(tl.float32)
-            S = S * tl.exp(g_t)[:, None]
-        else:
-            g_t = tl.load(p_g).to(tl.float32)
-            S = S * tl.exp(g_t)
+        S = decay_tile(S, p_g, mask_k, CHANNEL_DECAY)
         k_t = tl.load(p_k, mask=mask_k, other=0.0).to(tl.float32)
         if HAS_ERASE:
             a_t = tl.load(p_a, mask=mask_k, other=0.0).to(tl.float32)
             # (I - k a^T) S = S - k (a^T S): a rank-one update, never the K x K matrix.
             aS = tl.sum(a_t[:, None] * S, axis=0)
             S = S - k_t[:, None] * aS[None, :]
-        x_t = tl.load(p_x, mask=mask_v, other=0.0).to(tl.float32)
-        if HAS_WRITE_SCALE:
-            x_t = x_t * tl.load(p_ws).to(tl.float32)
-        S = S + k_t[:, None] * x_t[None, :]
-        if HAS_EXTRA_WRITE:
-            u_t = tl.load(p_u, mask=mask_k, other=0.0).to(tl.float32)
-            y_t = tl.load(p_y, mask=mask_v, other=0.0).to(tl.float32)
-            S = S + u_t[:, None] * y_t[None, :]
-        q_t = tl.load(p_q, mask=mask_k, other=0.0).to(tl.float32)
-        o_t = tl.sum(S * q_t[:, None], axis=0) * scale
-        tl.store(p_o, o_t.to(o_ptr.dtype.element_ty), mask=mask_v)
-        if HAS_CAPTURE:
-            slot = tl.load(cap_slot_ptr + t0 + t)
-            if slot >= 0:
-                # states is (B, P, H, K, V)
-                cap_base = ((i_c * P + slot) * H + i_h) * K * V
-                tl.store(states_ptr + cap_base + offs_kv, S, mask=mask_kv)
+        S = add_writes(S, k_t, p_x, p_ws, p_u, p_y, mask_k, mask_v, HAS_WRITE_SCALE, HAS_EXTRA_WRITE)
+        read_out(S, p_q, p_o, scale, mask_k, mask_v)
+        if HAS_CAPTURE:   # states is (B, P, H, K, V)
+            capture_tile(S, cap_slot_ptr + t0 + t, states_ptr, i_c, P, H, i_h, K, V, offs_kv, mask_kv)
 
         p_q += HK * K
         p_k += HK * K
@@ -153,6 +194,23 @@ def _check_device(q: torch.Tensor) -> None:
         )
 
 
+def launch_outputs(B: int, T: int, H: int, K: int, V: int, rows: int, dtype, device, capture, output_final_state):
+    """The fused forwards' outputs, allocated: o (B, T, H, V) in `dtype`, the final states (rows, H, K, V) and the
+    captured states (B, P, H, K, V) in float32 (None when not asked for), the position -> slot table of the
+    captures (T,) (-1 where nothing is captured: one scalar load per step in the kernel; None without captures),
+    and P."""
+    o = torch.empty(B, T, H, V, dtype=dtype, device=device)
+    final_state = torch.empty(rows, H, K, V, dtype=torch.float32, device=device) if output_final_state else None
+    P = len(capture) if capture else 0
+    states = torch.empty(B, P, H, K, V, dtype=torch.float32, device=device) if P else None
+    cap_slot = None
+    if P:
+        cap_slot = torch.full((T,), -1, dtype=torch.int32, device=device)
+        cap_slot[torch.as_tensor(capture, dtype=torch.long, device=device)] = torch.arange(
+            P, dtype=torch.int32, device=device)
+    return o, final_state, states, cap_slot, P
+
+
 def _launch(q, k, x, g, a, write_scale, u, y, initial_state, capture, scale, output_final_state, cu_seqlens=None):
     B, T, HK, K = q.shape
     H, V = x.shape[2], x.shape[-1]
@@ -160,18 +218,8 @@ def _launch(q, k, x, g, a, write_scale, u, y, initial_state, capture, scale, out
     device = q.device
     c = lambda t: None if t is None else t.contiguous()  # noqa: E731
     q, k, x, g, a, write_scale, u, y, initial_state = map(c, (q, k, x, g, a, write_scale, u, y, initial_state))
-
-    o = torch.empty(B, T, H, V, dtype=q.dtype, device=device)
-    final_state = torch.empty(rows, H, K, V, dtype=torch.float32, device=device) if output_final_state else None
-    P = len(capture) if capture else 0
-    states = torch.empty(B, P, H, K, V, dtype=torch.float32, device=device) if P else None
-    cap_slot = None
-    if P:
-        # Position -> slot in `states`, -1 where nothing is captured: one scalar load per step in the kernel.
-        cap_slot = torch.full((T,), -1, dtype=torch.int32, device=device)
-        cap_slot[torch.as_tensor(capture, dtype=torch.long, device=device)] = torch.arange(
-            P, dtype=torch.int32, device=device)
-
+    o, final_state, states, cap_slot, P = launch_outputs(B, T, H, K, V, rows, q.dtype, device, capture,
+                                                         output_final_state)
     # Disabled features get a stand-in pointer that the kernel never dereferences (their flags are constexpr).
     dummy = o
     pick = lambda t: dummy if t is None else t  # noqa: E731

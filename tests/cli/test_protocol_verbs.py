@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 
 from recurscope.interp.cli import main
+from recurscope.interp.plots import overlapping_text
 from recurscope.interp.protocols import VERBS
 
 TINY = ["--n-sources", "2", "--filler", "16", "--presentations", "2", "--gap", "4", "--resamples", "100",
@@ -14,7 +15,7 @@ TINY = ["--n-sources", "2", "--filler", "16", "--presentations", "2", "--gap", "
 FIGURES = {"selectivity": ["selectivity"], "coupling": ["coupling"], "neutral": ["neutral"],
            "heads": ["recovery", "nonadditivity"], "headscan": ["headscan"], "lens": ["lens"], "gate": ["gate"],
            "capacity": ["load", "gap"], "overlap": ["overlap"], "retention": ["retention"],
-           "corrector": ["corrector"], "reuse": ["reuse", "subspace"], "hybrid": ["hybrid"]}
+           "corrector": ["corrector"], "reuse": ["reuse", "subspace"], "hybrid": ["hybrid"], "topk": ["topk"]}
 #: Verbs with their own layout options instead of the shared --filler/--presentations/--gap.
 OWN_ARGS = {"gate": ["--n-sources", "2", "--fillers", "8", "16", "--resamples", "100", "--batch-size", "8"],
             "capacity": ["--n-sources", "2", "--loads", "1", "2", "--gaps", "8", "16", "--total-length", "120",
@@ -27,16 +28,34 @@ OWN_ARGS = {"gate": ["--n-sources", "2", "--fillers", "8", "16", "--resamples", 
                       "update:is_in", "--resamples", "100", "--batch-size", "8"]}
 
 
+def catch_figures(monkeypatch) -> dict:
+    """{figure name: Figure} of every figure drawn from here on (caught where plots._save writes it)."""
+    from recurscope.interp import plots
+
+    drawn, save = {}, plots._save
+
+    def keep(fig, out_path, *args, **kwargs):
+        drawn[plots._stem(out_path).name] = fig
+        return save(fig, out_path, *args, **kwargs)
+    monkeypatch.setattr(plots, "_save", keep)
+    return drawn
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-gla", "tiny-qwen35"])
 @pytest.mark.parametrize("verb", VERBS)
-def test_verb_smoke(verb, model, tmp_path, capsys):
+def test_verb_smoke(verb, model, tmp_path, capsys, monkeypatch):
     if verb == "hybrid" and model == "tiny-gla":
         pytest.skip("the cache factorial needs a hybrid; its refusal of tiny-gla: tests/interp/test_hybrid.py")
     out = tmp_path / verb
-    head = [] if verb in ("heads", "lens", "gate", "hybrid") else ["--head", "0", "1"]   # L0H1: recurrent on both models
-    dev = ["--n-dev", "2"] if verb == "heads" else []
+    head = [] if verb in ("heads", "lens", "gate", "hybrid", "topk") else ["--head", "0", "1"]   # L0H1: recurrent on both
+    dev = ["--n-dev", "2"] if verb in ("heads", "topk") else []
+    drawn = catch_figures(monkeypatch)
     assert main([verb, model, *OWN_ARGS.get(verb, TINY), *head, *dev, "--out", str(out)]) == 0
+    assert sorted(drawn) == sorted(FIGURES[verb])
+    for name, figure in drawn.items():   # every figure the verb writes, read at its saved size
+        assert overlapping_text(figure) == [], f"{verb} {name}: labels overlap"
+        assert "n = " in figure.get_suptitle(), f"{verb} {name}: the title does not say n"
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["kind"] == verb and manifest["model_name"] == model
     summary = pd.read_csv(out / f"{verb}_summary.csv")
@@ -56,11 +75,13 @@ def test_verb_refuses_a_bad_head(tmp_path, capsys):
 
 
 def test_every_verb_keeps_its_options():
-    """The runner declares each shared option once; every verb's options (names, defaults, types) equal the golden
-    list taken from the verbs before the runner, with the paper's definitions' changes: lens --n-localise (default
-    --n-sources 128), overlap --n-facts, corrector --method, and gate's App. F.2 spec (--recall; the evidence layout,
-    template and cities are fixed by the spec); and the word options of every verb that builds recall pairs (--keys,
-    --values, --on-multitoken)."""
+    """The verbs' table declares each shared option once; every verb's options (names, defaults, types) equal the
+    golden list taken from the verbs before the runner, with the paper's definitions' changes: lens --n-localise
+    (default --n-sources 128), overlap --n-facts, corrector --method, and gate's App. F.2 spec (--recall; the
+    evidence layout, template and cities are fixed by the spec); the word options of every verb that builds recall
+    pairs (--keys, --values, --on-multitoken); --layout on every verb but gate, whose layout fields
+    (--filler, --presentations, --gap, --template, hybrid's --n-facts) default to the layout's (None); and --ray
+    and --workers on every verb but corrector."""
     import argparse
     from pathlib import Path
 
@@ -75,3 +96,49 @@ def test_every_verb_keeps_its_options():
                         for a in sub.choices[verb]._actions if a.dest != "help") for verb in VERBS}
     golden = json.loads((Path(__file__).with_name("golden_protocol_options.json")).read_text())
     assert got == {verb: sorted(rows) for verb, rows in golden.items()}
+
+
+@pytest.mark.parametrize("layout, template, query", [("paper", "key_value", None), ("where_is", "is_in", "where is"),
+                                                     (None, "is_in", "where is")])   # tiny-gla records where_is
+def test_verb_layout_builds_that_layouts_prompts(layout, template, query, tmp_path, monkeypatch, capsys):
+    """--layout reaches the verb's run function as a PairSpec of that layout (default: the checkpoint's recorded
+    one), the pairs it builds are written in that layout's template, and the manifest records the layout."""
+    import types
+
+    from recurscope.interp.protocols import selectivity
+
+    seen = {}
+
+    def run(model, pairs=None, head=None, *, layout=None, n_sources=32, run_dir=None, progress=None):
+        seen["spec"] = layout
+        built = selectivity.build_selectivity_pairs(model.tokenizer, n_sources=1, model=model, layout=layout)
+        seen["text"] = model.tokenizer.decode(built.recipient_ids[0])
+        return types.SimpleNamespace(section="done")
+
+    monkeypatch.setattr(selectivity, "run_selectivity", run)
+    argv = ["selectivity", "tiny-gla", "--head", "0", "1", "--filler", "8", "--out", str(tmp_path / "o")]
+    assert main(argv + ([] if layout is None else ["--layout", layout])) == 0
+    spec = seen["spec"]
+    assert spec.layout.template == template and spec.layout.filler_tokens == 8
+    assert spec.layout.name == f"{layout or 'where_is'}+custom"          # --filler changed one field
+    assert (query in seen["text"]) if query else ("where is" not in seen["text"])
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert manifest["args"]["pair_layout"] == spec.layout.to_dict()
+
+
+def test_a_bad_layout_is_one_error_line_and_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["coupling", "tiny-gla", "--layout", "paperz", "--out", str(tmp_path / "o")])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "error:" in line] == [
+        "recurscope coupling: error: argument --layout: invalid choice: 'paperz' (choose from 'paper', 'where_is')"]
+    assert not (tmp_path / "o").exists()
+
+
+def test_every_verb_takes_layout_or_its_help_says_why_not():
+    from recurscope.interp.protocols.verbs import TABLE
+
+    assert [name for name, verb in TABLE.items() if not verb.layout] == ["gate", "topk"]
+    for name, verb in TABLE.items():
+        assert verb.layout or "--layout" in verb.note, name

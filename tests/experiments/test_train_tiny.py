@@ -117,6 +117,46 @@ def test_init_weights_statistics(train_tiny):
         assert torch.allclose(g.detach(), torch.tensor([-1e-3, -4e-2]), rtol=1e-4)
 
 
+def test_rwkv7_init_spans_the_long_memory_decays(train_tiny):
+    """RWKV-7's log-decay -0.6065 sigmoid(w_lora(x)) starts (at the bias) spread over [-0.04, -0.001] per key channel,
+    the horizons of the other tiny models; its LoRA's zero bias would forget within ~3 tokens (log w = -0.30)."""
+    tokenizer = train_tiny.build_word_tokenizer()
+    torch.manual_seed(0)
+    model = train_tiny.RecurrentLM(train_tiny.model_config("tiny-rwkv7", tokenizer))
+    train_tiny.init_weights(model)
+    for block in model.blocks:
+        mixer = block.mixer
+        logw = -0.6065306597126334 * torch.sigmoid(mixer.w_lora.lora[2].bias.detach()).view(-1, mixer.head_k)
+        assert torch.allclose(logw[:, 0], torch.full((mixer.num_heads,), -1e-3), rtol=1e-4)
+        assert torch.allclose(logw[:, -1], torch.full((mixer.num_heads,), -4e-2), rtol=1e-4)
+
+
+def test_mamba2_init_lets_the_state_readout_match_the_skip(train_tiny):
+    """Mamba-2's readout C^T S is cubic in the conv's outputs; with the ShortConvolution's N(0, 0.02) weights it was
+    ~3e-4 of the D skip (and the run stayed at chance). After init_weights the readout is at least a tenth of it, and
+    the recall loss reaches B and C's rows of in_proj with at least a tenth of the gradient x's rows get."""
+    import random
+
+    tokenizer = train_tiny.build_word_tokenizer()
+    torch.manual_seed(0)
+    model = train_tiny.RecurrentLM(train_tiny.model_config("tiny-mamba2", tokenizer))
+    train_tiny.init_weights(model)
+    batch = train_tiny.make_stage_batch(tokenizer, random.Random(0), 0, train_tiny.STAGES[0], n_recall=4)
+    mixer = model.blocks[0].mixer
+    seen = {}
+    for name in ("hook_v", "hook_head_out"):
+        getattr(mixer, name).add_hook(lambda t, hook, name=name: seen.__setitem__(name, t.detach()))
+    train_tiny.batch_losses(model, batch)["recall_loss"].backward()
+    model.reset_hooks()
+    rms = lambda t: float(t.pow(2).mean().sqrt())  # noqa: E731
+    D = float(mixer.D.detach().abs().mean())
+    assert rms(seen["hook_head_out"]) > 0.1 * D * rms(seen["hook_v"])
+    grad, inner, n = mixer.in_proj.weight.grad, mixer.intermediate, mixer.head_k
+    x_rows = grad[inner:2 * inner].norm()
+    assert grad[2 * inner:2 * inner + n].norm() > 0.1 * x_rows              # B
+    assert grad[2 * inner + n:2 * inner + 2 * n].norm() > 0.1 * x_rows      # C
+
+
 def test_qed_theta_gets_ten_times_the_learning_rate(train_tiny):
     tokenizer = train_tiny.build_word_tokenizer()
     model = train_tiny.RecurrentLM(train_tiny.model_config("tiny-qed", tokenizer))

@@ -180,7 +180,7 @@ def test_the_qed_arm_trainer_reproduces_its_run_from_before_the_shared_loop(tmp_
 def test_the_qwen35_trainer_reproduces_its_run_from_before_the_shared_loop(tmp_path, monkeypatch):
     import transformers
 
-    from experiments import train_tiny_qwen35 as q
+    from experiments import train_tiny_hf as q
 
     want = json.loads(GOLDEN.read_text())["train_tiny_qwen35"]
     # The evaluation (16 held-out sources at 512 filler tokens) is not what this test is about.
@@ -196,10 +196,10 @@ def test_the_qwen35_trainer_reproduces_its_run_from_before_the_shared_loop(tmp_p
 def test_every_trainer_runs_on_the_shared_loop():
     import inspect
 
-    from experiments import train_tiny, train_tiny_qwen35
+    from experiments import train_tiny, train_tiny_hf
     from experiments.qed import train_arms
 
-    for module in (train_tiny, train_tiny_qwen35, train_arms):
+    for module in (train_tiny, train_tiny_hf, train_arms):
         source = inspect.getsource(module)
         assert "train_loop(" in source and ".backward()" not in source, module.__name__
     assert training.train_loop.__module__ == "experiments.training"

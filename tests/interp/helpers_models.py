@@ -38,3 +38,47 @@ def tiny_model(family: str, layers: int = 2, seed: int = 0, **overrides) -> Recu
                 if hasattr(b.mixer, "qed_theta"):
                     b.mixer.qed_theta.uniform_(-1, 1)
     return model
+
+
+def assert_steps_equal_the_full_run(model, tokens, atol: float = 1e-5):
+    """Token by token through the model's cache == one forward over all of `tokens`: the logits, and every layer's
+    final state."""
+    with torch.no_grad():
+        full, full_cache = model(tokens, use_cache=True)
+        cache, steps = None, []
+        for t in range(tokens.shape[1]):
+            step, cache = model(tokens[:, t:t + 1], cache=cache, use_cache=True)
+            steps.append(step)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=atol, rtol=atol)
+    for a, b in zip(cache.layers, full_cache.layers):
+        torch.testing.assert_close(a.state, b.state, atol=atol, rtol=atol)
+
+
+def assert_write_block_is_the_state_edit_that_removes_it(model, layer: int, head: int, p: int):
+    """Blocking head h's write at step p (WriteScale 0) == replacing S_p by S_p - hook_write_key_p
+    hook_write_value_p^T there: the write is exactly that outer product, and the block carries forward (and moves
+    the logits)."""
+    from recurscope.hooks import StateReplace, WriteScale, hook_name, run_with_patches
+
+    tokens = torch.randint(0, 61, (2, 14), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        _, c = model.run_with_cache(tokens, state_positions=[p])
+        S = c[hook_name("hook_state", layer)][:, 0, head]
+        write = torch.einsum("bk,bv->bkv", c[hook_name("hook_write_key", layer)][:, p, head],
+                             c[hook_name("hook_write_value", layer)][:, p, head])
+        blocked = run_with_patches(model, tokens, [WriteScale(layer, [head], [p], 0.0)])
+        edited = run_with_patches(model, tokens, [StateReplace(layer, [head], p, S - write)])
+    torch.testing.assert_close(blocked, edited, atol=1e-5, rtol=1e-5)
+    assert (blocked - model(tokens)).abs().max() > 1e-4
+
+
+def output_of(module, model, tokens):
+    """What `module` (a projection inside `model`) returns in a forward of `tokens`: the model's own value."""
+    got = {}
+    handle = module.register_forward_hook(lambda m, args, out: got.setdefault("out", out.detach()))
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        handle.remove()
+    return got["out"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from recurscope import kernels
@@ -20,6 +21,8 @@ from recurscope.interp.bridge import TransformersBridge
 from recurscope.interp.bridge.torch_path import torch_reference_path
 from recurscope.interp.data import build_pairs, build_word_tokenizer, save_word_tokenizer
 from recurscope.interp.loading import load_model
+
+from helpers_models import output_of
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = ("qwen3_5_dense", "qwen3_5_moe", "qwen3_5_multimodal")
@@ -57,16 +60,25 @@ def _randomise(model, seed):
                 p.copy_(torch.empty(p.shape).uniform_(0.01, 0.1, generator=g).log())
 
 
-@pytest.fixture(scope="module", params=LAYOUTS)
-def checkpoint(request, tmp_path_factory):
+def tiny_checkpoint(layout: str, build, tmp_path_factory, randomise: bool = True):
+    """(layout, directory, transformers class) of a tiny random checkpoint: `build(layout, vocab)` gives transformers'
+    own model (and its class), after torch.manual_seed(0), randomised by `_randomise` (unless randomise=False), saved
+    with save_pretrained beside the word tokenizer. Every bridge test module's parametrised `checkpoint` fixture (and
+    test_hybrid's bridged layouts) build theirs with it."""
     tok = build_word_tokenizer()
     torch.manual_seed(0)
-    hf, cls = _build(request.param, len(tok))
-    _randomise(hf, 0)
-    path = tmp_path_factory.mktemp(request.param)
+    hf, cls = build(layout, len(tok))
+    if randomise:
+        _randomise(hf, 0)
+    path = tmp_path_factory.mktemp(layout)
     hf.save_pretrained(path)
     save_word_tokenizer(tok, path)
-    return request.param, path, cls
+    return layout, path, cls
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def checkpoint(request, tmp_path_factory):
+    return tiny_checkpoint(request.param, _build, tmp_path_factory)
 
 
 def _in_transformers_layout(model, state):
@@ -207,7 +219,9 @@ def _hand_swapped_suffix(ref, recipient, donor, b, parts):
                 mine.recurrent_states[0] = theirs.recurrent_states[0].clone()
             if "conv" in parts:
                 mine.conv_states[0] = theirs.conv_states[0].clone()
-        elif "kv" in parts and getattr(mine, "keys", None) is not None:   # not Nemotron-H's MLP blocks
+        # attention layers and Falcon-H1's parallel layers (state, conv and K/V in one cache layer); not Nemotron-H's
+        # MLP blocks
+        if "kv" in parts and getattr(mine, "keys", None) is not None:
             mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
     return ref(input_ids=recipient[:, b:], cache=rec, use_cache=True, position_ids=_after(recipient, b)).logits
 
@@ -406,7 +420,8 @@ def test_interventions_run_through_the_protocol(checkpoint):
 # ---- the final norm and unembedding (the logit lens, the corrector) -----------------------------------------------
 def test_unembed_of_the_last_residual_is_transformers_own_logits(checkpoint):
     """unembed (the final norm, then the LM head) of the residual leaving the last block == transformers' own logits:
-    the norm is applied once, to what the last block returns."""
+    the norm is applied once, to what the last block returns. So is final_norm(resid) @ unembed_weight.T, the linear
+    map that attribution and the corrector read (Granite-4.0-H's logits_scaling included)."""
     _, path, cls = checkpoint
     model, ref = load_model(path), _reference(path, cls)
     tokens = _tokens(model.cfg.vocab_size, seed=9)
@@ -415,10 +430,51 @@ def test_unembed_of_the_last_residual_is_transformers_own_logits(checkpoint):
         expected = ref(input_ids=tokens).logits
         _, cache = model.run_with_cache(tokens, names_filter=last)
         got = model.unembed(cache[last])
+        linear = model.final_norm(cache[last]) @ model.unembed_weight.T
         head_only = model.hf.lm_head(cache[last])
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(linear, expected, rtol=0, atol=1e-5)
     assert float((head_only - expected).abs().max()) > 1e-3   # the final norm matters in this comparison
     assert model.unembed_weight.shape == (model.cfg.vocab_size, cache[last].shape[-1])
+
+
+def _candidate_rows(model, tokens, layer, head, pos, good, bad):
+    """attribute_readout's rows with candidates (good, bad), after checking that they sum to hook_head_out."""
+    from recurscope.interp.attribution import attribute_readout
+
+    df = attribute_readout(model, tokens, layer, head, pos, candidates=(good, bad))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
+    o = cache[f"blocks.{layer}.mixer.hook_head_out"][0, pos, head]
+    np.testing.assert_allclose(np.stack(df.contribution).sum(0), o.numpy(), rtol=0,
+                               atol=1e-9 * float(o.abs().max()))
+    return df, cache
+
+
+def test_candidate_projections_follow_the_gated_norm_by_hand(checkpoint):
+    """attribution's candidate direction on a bridged Qwen3.5: z = rmsnorm(o) * weight * silu(in_proj_z(h)) per
+    value head; with the rms frozen, the head's direct logit difference through out_proj, the final norm (its weight
+    1 + w) frozen at the last residual and the LM head, by hand from transformers' own modules."""
+    _, path, _ = checkpoint
+    model = load_model(path, dtype=torch.float64)
+    model.hf.set_experts_implementation("eager")    # MoE layers: grouped_mm has no float64
+    layer, head, pos, good, bad = 1, 1, 10, 5, 17
+    tokens = _tokens(model.cfg.vocab_size, B=1, T=12, seed=3)
+    mixer = model.blocks[layer].mixer
+    cols = slice(head * mixer.head_v, (head + 1) * mixer.head_v)
+    gate = output_of(mixer.in_proj_z, model, tokens)[0, pos, cols]
+    df, cache = _candidate_rows(model, tokens, layer, head, pos, good, bad)
+    o = cache[f"blocks.{layer}.mixer.hook_head_out"][0, pos, head]
+    with torch.no_grad():
+        s = torch.rsqrt(o.pow(2).mean() + mixer.norm.variance_epsilon) * mixer.norm.weight * F.silu(gate)
+        torch.testing.assert_close(s * o, cache[f"blocks.{layer}.mixer.hook_z"][0, pos, head], rtol=1e-5, atol=1e-9)
+        written = mixer.out_proj.weight[:, cols] @ (s * o)
+        resid = cache[f"blocks.{model.cfg.num_hidden_layers - 1}.hook_resid_post"][0, pos]
+        final = model.final_norm
+        frozen = written * torch.rsqrt(resid.pow(2).mean() + final.eps) * (1 + final.weight)
+        expected = float((model.hf.lm_head.weight[good] - model.hf.lm_head.weight[bad]) @ frozen)
+    assert abs(expected) > 1e-6
+    assert df.projection.sum() == pytest.approx(expected, rel=1e-5)
 
 
 def test_lens_after_the_last_layer_is_the_model_itself(checkpoint):
@@ -479,22 +535,27 @@ def test_conv_tail_spans_reach_as_far_as_the_conv_transformers_runs(checkpoint):
 
 
 # ---- the bridge's hook tables in docs/hooks.md --------------------------------------------------------------------
-_HOOK_TOKEN = re.compile(r"`((?:blocks\.\{l\}\.)?(?:mixer\.)?hook_\w+)`")
+_HOOK_TOKEN = re.compile(r"`((?:blocks\.\{l\}\.)?(?:mixer\.|attn\.)?hook_\w+)`")
 
 
 def _documented_hooks(layout: str) -> set:
     """{(kind, name)} of the bridge's tables in docs/hooks.md, kind "model", "block" (every layer), "recurrent" or
     "attention" (a row marked "(attention)"); names as blocks.{l}.[mixer.]hook_x. The Qwen3.5 table serves every
     layout, the second table adds the rows of Qwen3-Next, OLMo-hybrid and Kimi-Linear (their other rows read as in
-    the first); Mamba-2, Nemotron-H, Bamba and Granite-4.0-H have tables of their own ("mlp block": a row marked
-    "(MLP blocks)", Nemotron-H's blocks that hold only an MLP or MoE)."""
+    the first); Mamba-2, Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1 and Zamba2 have tables of their own ("mlp
+    block": a row marked "(MLP blocks)", Nemotron-H's blocks that hold only an MLP or MoE; `attn.` names are the
+    attention beside Falcon-H1's recurrent mixer or in a use of Zamba2's shared block, kind "attention", as is
+    `hook_attn_out`, what that attention adds)."""
     text = (ROOT / "docs" / "hooks.md").read_text().split("## On transformers checkpoints (the bridge)", 1)[1]
     qwen, others = text.split("### Qwen3-Next, OLMo-hybrid and Kimi-Linear", 1)
     others, mamba = others.split("### Mamba-2", 1)
     mamba, nemotron = mamba.split("### Nemotron-H", 1)
     nemotron, bamba = nemotron.split("### Bamba", 1)
     bamba, granite = bamba.split("### Granite-4.0-H", 1)
-    own = {"mamba2": mamba, "nemotron_h": nemotron, "bamba": bamba, "granitemoehybrid": granite}
+    granite, falcon = granite.split("### Falcon-H1", 1)
+    falcon, zamba = falcon.split("### Zamba2", 1)
+    own = {"mamba2": mamba, "nemotron_h": nemotron, "bamba": bamba, "granitemoehybrid": granite, "falcon_h1": falcon,
+           "zamba2": zamba}
     tables = [qwen] if layout.startswith("qwen3_5") else [own[layout]] if layout in own else [qwen, others]
     found = set()
     for table in tables:
@@ -507,12 +568,13 @@ def _documented_hooks(layout: str) -> set:
                 if token == "hook_embed":
                     found.add(("model", token))
                     continue
-                if token.startswith("mixer."):
+                if token.startswith(("mixer.", "attn.")):
                     token = "blocks.{l}." + token
                 elif not token.startswith("blocks."):   # a bare hook_x continues the cell's first name
                     token = f"{context}.{token}"
                 context = token.rsplit(".", 1)[0]
                 kind = ("attention" if "(attention)" in cell else "recurrent") if ".mixer." in token \
+                    else "attention" if ".attn." in token or token.endswith(".hook_attn_out") \
                     else "mlp block" if "(MLP blocks)" in cell else "block"
                 found.add((kind, token))
     return found
@@ -531,6 +593,7 @@ def test_the_bridge_hook_tables_of_the_docs_are_the_models_hook_points(checkpoin
             continue
         layer, rest = int(m.group(1)), m.group(2)
         kind = ("recurrent" if layer in model.recurrent_layers else "attention") if rest.startswith("mixer.") \
+            else "attention" if rest.startswith("attn.") or rest == "hook_attn_out" \
             else "block" if layer in mixer_layers else "mlp block"
         actual.add((kind, "blocks.{l}." + rest))
     assert len(documented) >= (20 if model.attention_layers else 14)   # Mamba-2: no attention or MLP hooks
@@ -567,19 +630,15 @@ def test_scan_equals_one_full_patched_forward_per_head(checkpoint):
     _scan_against_naive(load_model(checkpoint[1]))
 
 
-def test_scan_with_attention_below_recurrent_layers(tmp_path):
+def test_scan_with_attention_below_recurrent_layers(tmp_path_factory):
     """As above on a Qwen3.5 whose attention layer sits second: the causal mask within the suffix, recorded from
     transformers' own model, then reaches the query through the recurrent layers above it."""
     import transformers as tf
 
-    tok = build_word_tokenizer()
-    torch.manual_seed(0)
     text = dict(TEXT, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
-    hf = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(vocab_size=len(tok), intermediate_size=64, **text))
-    _randomise(hf, 0)
-    hf.save_pretrained(tmp_path)
-    save_word_tokenizer(tok, tmp_path)
-    model = load_model(tmp_path)
+    _, path, _ = tiny_checkpoint("qwen3_5_dense", lambda _, vocab: (tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(
+        vocab_size=vocab, intermediate_size=64, **text)), None), tmp_path_factory)
+    model = load_model(path)
     assert model.attention_layers == [1]
     _scan_against_naive(model)
 
@@ -587,13 +646,7 @@ def test_scan_with_attention_below_recurrent_layers(tmp_path):
 # ---- bad input ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
-    tok = build_word_tokenizer()
-    torch.manual_seed(0)
-    hf, _ = _build("qwen3_5_dense", len(tok))
-    path = tmp_path_factory.mktemp("dense")
-    hf.save_pretrained(path)
-    save_word_tokenizer(tok, path)
-    return path
+    return tiny_checkpoint("qwen3_5_dense", _build, tmp_path_factory, randomise=False)[1]
 
 
 def test_scan_under_a_hook_on_the_attention_keys(dense):
@@ -716,13 +769,18 @@ def test_recurscope_scan_then_confirm_from_the_scan_on_a_tiny_qwen35(dense, tmp_
     assert (scan_dir / "figures" / "scan_heatmap.png").is_file() and (confirm_dir / "figures" / "effects.png").is_file()
 
 
-@pytest.mark.slow  # end to end
-def test_recurscope_patch_runs_the_five_interventions_on_a_tiny_qwen35(dense, capsys):
+def _patch_cli_runs_the_five_interventions(path, capsys):
+    """`recurscope patch` on the checkpoint at `path` (layer 1, head 0) exits 0 and reports the five arms."""
     from recurscope.interp.cli import main
 
-    args = ["patch", str(dense), "--layer", "1", "--head", "0", "--n-facts", "2", "--presentations", "2",
+    args = ["patch", str(path), "--layer", "1", "--head", "0", "--n-facts", "2", "--presentations", "2",
             "--filler", "12"]
     assert main(args) == 0
     out = capsys.readouterr().out
     for name in ("write_block", "donor_write", "state_swap", "output_patch", "output_restore"):
         assert name in out
+
+
+@pytest.mark.slow  # end to end
+def test_recurscope_patch_runs_the_five_interventions_on_a_tiny_qwen35(dense, capsys):
+    _patch_cli_runs_the_five_interventions(dense, capsys)

@@ -11,7 +11,8 @@ the refusal of a transformers hybrid the bridge does not know, and one CLI smoke
 import pytest
 import torch
 from test_bridge import (  # noqa: F401  (collected here with this module's checkpoint fixture)
-    _randomise, test_a_state_patch_through_nnsight_equals_run_with_patches,
+    _patch_cli_runs_the_five_interventions, tiny_checkpoint,
+    test_a_state_patch_through_nnsight_equals_run_with_patches,
     test_component_swaps_equal_the_same_swaps_in_transformers_cache,
     test_every_hook_name_is_a_module_path_and_an_nnsight_envoy, test_greedy_generate_equals_transformers_generate,
     test_conv_tail_spans_reach_as_far_as_the_conv_transformers_runs,
@@ -25,7 +26,6 @@ from test_bridge import (  # noqa: F401  (collected here with this module's chec
 )
 
 from recurscope.interp.bridge.torch_path import torch_reference_path
-from recurscope.interp.data import build_word_tokenizer, save_word_tokenizer
 from recurscope.interp.loading import load_model
 
 LAYOUTS = ("qwen3_next", "olmo_hybrid", "kimi_linear")
@@ -62,14 +62,7 @@ def _build(layout: str, vocab: int):
 
 @pytest.fixture(scope="module", params=LAYOUTS)
 def checkpoint(request, tmp_path_factory):
-    tok = build_word_tokenizer()
-    torch.manual_seed(0)
-    hf, cls = _build(request.param, len(tok))
-    _randomise(hf, 0)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
-    save_word_tokenizer(tok, path)
-    return request.param, path, cls
+    return tiny_checkpoint(request.param, _build, tmp_path_factory)
 
 
 def test_loads_the_family_of_config_json(checkpoint):
@@ -133,18 +126,5 @@ def test_refuses_an_unknown_architecture_by_name(tmp_path):
         load_model(tmp_path)
 
 
-def test_recurscope_patch_runs_on_a_tiny_kimi_linear(tmp_path, capsys):
-    from recurscope.interp.cli import main
-
-    tok = build_word_tokenizer()
-    torch.manual_seed(0)
-    hf, _ = _build("kimi_linear", len(tok))
-    _randomise(hf, 0)
-    hf.save_pretrained(tmp_path)
-    save_word_tokenizer(tok, tmp_path)
-    args = ["patch", str(tmp_path), "--layer", "1", "--head", "0", "--n-facts", "2", "--presentations", "2",
-            "--filler", "12"]
-    assert main(args) == 0
-    out = capsys.readouterr().out
-    for name in ("write_block", "donor_write", "state_swap", "output_patch", "output_restore"):
-        assert name in out
+def test_recurscope_patch_runs_on_a_tiny_kimi_linear(tmp_path_factory, capsys):
+    _patch_cli_runs_the_five_interventions(tiny_checkpoint("kimi_linear", _build, tmp_path_factory)[1], capsys)

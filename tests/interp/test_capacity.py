@@ -84,7 +84,12 @@ def test_load_curve_keeps_total_length_and_leaves_unevaluable_points_nan(word_to
 
 
 def test_high_load_layout_presents_each_fact_once():
-    assert capacity.load_layout(32)["presentations"] == 1 and capacity.load_layout(16)["presentations"] == 3
+    assert capacity.load_layout(32).layout.presentations == 1 and capacity.load_layout(16).layout.presentations == 3
+    assert capacity.load_layout(32).layout.gap_tokens == 4 and capacity.load_layout(16).layout.gap_tokens == 24
+    # below the high load, the given layout's presentations and template; above, one presentation of each fact
+    paper = capacity.load_layout(4, "paper")
+    assert (paper.layout.template, paper.layout.presentations, paper.layout.n_facts) == ("key_value", 3, 4)
+    assert capacity.load_layout(64, "paper").layout.template == "key_value"
 
 
 # ---- write-key overlap (Fig. 7c) ------------------------------------------------------------------------------

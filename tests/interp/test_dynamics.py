@@ -25,7 +25,7 @@ def model(word_tok):
 # ---- retention (Fig. 8) ---------------------------------------------------------------------------------------
 
 def test_retention_pairs_query_the_target_and_a_fixed_number_of_others(word_tok):
-    layout = {**capacity.load_layout(8), "filler_tokens": 8}
+    layout = capacity.load_layout(8).with_(filler_tokens=8)
     p = retention.retention_pairs(word_tok, layout, n_sources=3, n_nontarget=3)
     for g in set(p.group.tolist()):
         rows = (p.group == g).nonzero()[:, 0]
@@ -33,7 +33,7 @@ def test_retention_pairs_query_the_target_and_a_fixed_number_of_others(word_tok)
         assert len(set(p.queried_fact[rows].tolist())) == 4                      # distinct facts queried
         assert all(torch.equal(p.recipient_ids[rows[0], :p.query_start[rows[0]]],
                                p.recipient_ids[r, :p.query_start[r]]) for r in rows)   # one shared context
-    few = retention.retention_pairs(word_tok, {**capacity.load_layout(2), "filler_tokens": 8}, n_sources=2,
+    few = retention.retention_pairs(word_tok, capacity.load_layout(2).with_(filler_tokens=8), n_sources=2,
                                     n_nontarget=7)
     assert len(few) == 4                                                           # K - 1 = 1 other fact per pair
 

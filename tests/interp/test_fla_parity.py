@@ -10,12 +10,7 @@ fla_models = pytest.importorskip("fla.models")
 
 
 # fla's Triton kernels in the interpreter: conftest's one-config autotune and loop-counter adjustments
-pytestmark = pytest.mark.usefixtures("fla_interpreter")
-
-
-@pytest.fixture(autouse=True)
-def interpreted():
-    assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must set TRITON_INTERPRET=1 before triton loads"
+pytestmark = pytest.mark.usefixtures("fla_interpreter", "interpreted")
 
 
 def _compare(fla_model, tmp_path, T=24):
@@ -31,7 +26,9 @@ def _compare(fla_model, tmp_path, T=24):
     pkv = ref.past_key_values
     for layer in ours.recurrent_layers:
         theirs = state_from_fla(pkv[layer]["recurrent_state"])
-        assert (cache.layers[layer].state - theirs).abs().max().item() < 1e-4
+        # fla repeats k, v and the gate over a query group and keeps one identical copy of the state per query head
+        mine = cache.layers[layer].state.repeat_interleave(ours.query_group, dim=1)
+        assert (mine - theirs).abs().max().item() < 1e-4
     return ours, tokens
 
 
@@ -43,10 +40,22 @@ def test_gla_matches_fla(tmp_path, short_conv):
     _compare(fla_models.GLAForCausalLM(cfg), tmp_path)
 
 
-def test_gla_grouped_kv_heads_match_fla(tmp_path):
-    cfg = fla_models.GLAConfig(hidden_size=64, num_hidden_layers=1, num_heads=4, num_kv_heads=2, vocab_size=97,
-                               fuse_cross_entropy=False, tie_word_embeddings=True)
-    _compare(fla_models.GLAForCausalLM(cfg), tmp_path)
+@pytest.mark.parametrize("short_conv", [False, True])
+def test_gla_grouped_kv_heads_match_fla(tmp_path, short_conv):
+    """GLA-7B's layout: num_kv_heads state groups, each read by num_heads / num_kv_heads query heads. Our model keeps
+    one state per group (the unit an intervention edits); fla keeps one identical copy per query head."""
+    cfg = fla_models.GLAConfig(hidden_size=64, num_hidden_layers=2, num_heads=4, num_kv_heads=2, vocab_size=97,
+                               use_short_conv=short_conv, fuse_cross_entropy=False, tie_word_embeddings=True)
+    ours, tokens = _compare(fla_models.GLAForCausalLM(cfg), tmp_path)
+    assert ours.n_state_heads == 2 and ours.query_group == 2 and ours.heads() == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # stepping: the prefix's cache continued token by token gives the full run's logits
+    with torch.no_grad():
+        full, _ = ours(tokens, use_cache=True)
+        _, cache = ours(tokens[:, :10], use_cache=True)
+        for t in range(10, tokens.shape[1]):
+            step, cache = ours(tokens[:, t:t + 1], cache=cache, use_cache=True)
+            assert (step[:, 0] - full[:, t]).abs().max().item() < 1e-4
+        assert cache.layers[0].state.shape[1] == 2
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """The hybrid cache factorial (`recurscope hybrid`, Sec. 4.1): the full swap is the donor's own run, chunks of sources
 compute as the whole batch does, the shares are ratios of source means, the Reading judges them against the paper's
 bounds on both sides, a non-hybrid is refused in one line, and the verb runs on every hybrid layout the project
-loads: tiny-gdn-hybrid, tiny-qwen35 and tiny random checkpoints of the six bridged layouts."""
+loads: tiny-gdn-hybrid, tiny-qwen35 and tiny random checkpoints of eight bridged layouts (among them Falcon-H1 and
+Zamba2, whose layers hold a recurrent state and a KV cache in one cache layer, swapped separately)."""
 import json
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from recurscope.interp.cli import main
-from recurscope.interp.data import build_pairs, build_word_tokenizer, save_word_tokenizer
+from recurscope.interp.data import build_pairs
 from recurscope.interp.interventions import clean_run
 from recurscope.interp.loading import load_model
 from recurscope.interp.protocols import hybrid
@@ -116,19 +117,14 @@ def test_an_interrupted_run_resumes_at_the_first_source_without_rows(tmp_path, c
 def _bridged(layout, tmp_path_factory):
     import test_bridge
     import test_bridge_hybrids
+    import test_bridge_mamba
 
-    tok = build_word_tokenizer()
-    torch.manual_seed(0)
-    build = test_bridge._build if layout in test_bridge.LAYOUTS else test_bridge_hybrids._build
-    hf, _ = build(layout, len(tok))
-    test_bridge._randomise(hf, 0)
-    path = tmp_path_factory.mktemp(layout)
-    hf.save_pretrained(path)
-    save_word_tokenizer(tok, path)
-    return str(path)
+    build = next(m._build for m in (test_bridge, test_bridge_hybrids, test_bridge_mamba) if layout in m.LAYOUTS)
+    return str(test_bridge.tiny_checkpoint(layout, build, tmp_path_factory)[1])
 
 
-BRIDGED = ("qwen3_5_dense", "qwen3_5_moe", "qwen3_5_multimodal", "qwen3_next", "olmo_hybrid", "kimi_linear")
+BRIDGED = ("qwen3_5_dense", "qwen3_5_moe", "qwen3_5_multimodal", "qwen3_next", "olmo_hybrid", "kimi_linear",
+           "falcon_h1", "zamba2")
 
 
 @pytest.mark.slow

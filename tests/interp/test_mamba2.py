@@ -17,19 +17,15 @@ from recurscope.hooks import StateReplace, hook_name, run_with_patches
 from recurscope.interp.loading import load_model, save_model, state_from_fla
 from recurscope.interp.models import ModelConfig
 
-from helpers_models import tiny_model
+from helpers_models import (assert_steps_equal_the_full_run, assert_write_block_is_the_state_edit_that_removes_it,
+                            tiny_model)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     fla_mamba2 = pytest.importorskip("fla.models.mamba2")
 
-pytestmark = pytest.mark.usefixtures("fla_interpreter")
+pytestmark = pytest.mark.usefixtures("fla_interpreter", "interpreted")
 TOL = 1e-4
-
-
-@pytest.fixture(autouse=True)
-def interpreted():
-    assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must set TRITON_INTERPRET=1 before triton loads"
 
 
 def fla_model(seed=0, **overrides):
@@ -124,17 +120,8 @@ def test_hooks_hold_what_docs_hooks_md_says():
 
 
 def test_stepping_token_by_token_equals_the_full_forward():
-    model = tiny_model("mamba2")
     tokens = torch.randint(0, 61, (2, 15), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        full, full_cache = model(tokens, use_cache=True)
-        cache, steps = None, []
-        for t in range(tokens.shape[1]):
-            step, cache = model(tokens[:, t:t + 1], cache=cache, use_cache=True)
-            steps.append(step)
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
-    for a, b in zip(cache.layers, full_cache.layers):
-        torch.testing.assert_close(a.state, b.state, atol=1e-5, rtol=1e-5)
+    assert_steps_equal_the_full_run(tiny_model("mamba2"), tokens)
 
 
 def test_state_swap_equals_a_hand_edit_of_the_cache_then_the_suffix():
@@ -169,20 +156,7 @@ def test_config_errors_name_the_option():
 def test_a_write_block_equals_a_state_edit_that_removes_that_write():
     """Blocking head h's write at step p (WriteScale 0) equals replacing S_p by S_p - B_p (dt_p x_p)^T there: the
     write is exactly hook_write_key (B) times hook_write_value (dt x), and the block carries forward."""
-    from recurscope.hooks import WriteScale
-
-    model = tiny_model("mamba2")
-    tokens = torch.randint(0, 61, (2, 14), generator=torch.Generator().manual_seed(7))
-    p, layer, head = 4, 0, 6
-    with torch.no_grad():
-        _, c = model.run_with_cache(tokens, state_positions=[p])
-        S = c[hook_name("hook_state", layer)][:, 0, head]
-        write = torch.einsum("bn,bp->bnp", c[hook_name("hook_write_key", layer)][:, p, head],
-                             c[hook_name("hook_write_value", layer)][:, p, head])
-        blocked = run_with_patches(model, tokens, [WriteScale(layer, [head], [p], 0.0)])
-        edited = run_with_patches(model, tokens, [StateReplace(layer, [head], p, S - write)])
-    torch.testing.assert_close(blocked, edited, atol=1e-5, rtol=1e-5)
-    assert (blocked - model(tokens)).abs().max() > 1e-4
+    assert_write_block_is_the_state_edit_that_removes_it(tiny_model("mamba2"), layer=0, head=6, p=4)
 
 
 def test_a_transformers_mamba2_checkpoint_is_told_from_fla_s(tmp_path):

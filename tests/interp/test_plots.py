@@ -218,7 +218,7 @@ def test_head_scan_rank_ticks_are_whole_and_attention_layers_are_masked_rows(tmp
     result = P.plot_head_scan(pd.DataFrame(rows), tmp_path / "scan", masked_layers={1: "attention"},
                               title="a hybrid: state-swap donor-margin shift per head")
     heat_ax = result.figure.axes[0]
-    (rank_ax,) = [ax for ax in result.figure.axes if ax.get_ylabel() == "rank of the selected head"]
+    (rank_ax,) = [ax for ax in result.figure.axes if ax.get_ylabel().startswith("rank of the selected head")]
     labels = [t.get_text() for t in heat_ax.get_yticklabels()]
     assert labels == ["0", "1 (attention)", "2"]
     assert [p.get_gid() for p in heat_ax.patches if p.get_gid() and p.get_gid().startswith("masked")] == ["masked:1"]

@@ -43,15 +43,26 @@ def _margin_along_swap(model, pairs, i, layer, head, alpha):
     return float(z[d] - z[r])
 
 
-@pytest.mark.parametrize("family", ["gla", "gdn", "qed", "gdn_hybrid", "qwen35"])
-def test_estimate_is_the_derivative_of_the_exact_swap_along_its_direction(word_tok, pairs, family):
-    if family == "qwen35":
+def _granite(factory):
+    """test_bridge_mamba's random Granite-4.0-H (logits_scaling 2, every multiplier away from 1), in float64."""
+    from test_bridge import tiny_checkpoint
+    from test_bridge_mamba import _build, _float64
+
+    return _float64(tiny_checkpoint("granitemoehybrid", _build, factory)[1])
+
+
+@pytest.mark.parametrize("family", ["gla", "gdn", "qed", "gdn_hybrid", "qwen35", "granitemoehybrid"])
+def test_estimate_is_the_derivative_of_the_exact_swap_along_its_direction(word_tok, pairs, family, tmp_path_factory):
+    if family in ("qwen35", "granitemoehybrid"):
         from recurscope.interp.loading import load_model
 
-        model = load_model("tiny-qwen35", dtype=torch.float64)
+        model = (load_model("tiny-qwen35", dtype=torch.float64) if family == "qwen35"
+                 else _granite(tmp_path_factory))
         bridged = build_pairs(model.tokenizer, split="dev", n_sources=2, pairs_per_source=1, n_facts=2,
                               filler_tokens=16, gap_tokens=4)
         use, step, rel = bridged, 5e-2, 1e-3   # transformers' norms and softmax are float32 inside (see gradients)
+        if family == "granitemoehybrid":   # shifts of ~1e-3 (logits / 2): a longer step keeps that float32
+            step = 0.4                     # rounding below the tolerance, the curvature over it is smaller still
     else:
         model = tiny_model(family, layers=2, vocab_size=len(word_tok)).double()
         use, step, rel = pairs, 1e-4, 1e-6

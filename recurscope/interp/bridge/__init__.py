@@ -1,6 +1,6 @@
-"""The transformers bridge: Qwen3.5 (dense, MoE, multimodal layout), Qwen3-Next, OLMo-hybrid, Kimi-Linear and Mamba-2
-checkpoints in transformers' format, on recurscope's hooks, cache edits, interventions and CLI. `load_model` sends a
-transformers checkpoint here (see loader.py)."""
+"""The transformers bridge: Qwen3.5 (dense, MoE, multimodal layout), Qwen3-Next, OLMo-hybrid, Kimi-Linear, Mamba-2 and
+its hybrids (Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1, Zamba2) checkpoints in transformers' format, on recurscope's
+hooks, cache edits, interventions and CLI. `load_model` sends a transformers checkpoint here (see loader.py)."""
 from recurscope.interp.bridge.families import BRIDGE_FAMILIES, bridge_family, supported_model_types
 from recurscope.interp.bridge.model import BridgeConfig, BridgedLM, TransformersBridge
 

@@ -43,6 +43,20 @@ class BridgeFamily:
     # the MLP as a function of the block and its normed input, when it is not one module (Granite-4.0-H: the MoE plus
     # the shared MLP)
     mlp_fn: Optional[Callable] = None
+    # layer_types of decoder layers that run the recurrent mixer (linear_attr) and attention (attention_attr) side by
+    # side on the same normed input, then the MLP (Falcon-H1's "hybrid"): each is both a recurrent and an attention
+    # layer, its attention hooks are blocks.{l}.attn.hook_*, and its cache layer holds state, conv tail and K/V
+    parallel_block_types: tuple = ()
+    # layer_types of decoder layers that first run a transformer block shared by several depths, whose output feeds
+    # the recurrent mixer's input (Zamba2's "hybrid"), and where their mixer, its norm and the shared block's
+    # attention sit inside such a layer (module paths): each is both a recurrent and an attention layer, with
+    # per-use hook names blocks.{l}.attn.hook_* (each use is its own module, with tied weights), and its cache layer
+    # holds state, conv tail and K/V. The shared blocks read the token embeddings, which the layer-by-layer protocol
+    # carries in the residual's trailing channels (BridgedLM.run_layer)
+    shared_block_types: tuple = ()
+    shared_block_paths: tuple = ()
+    # names of the positional arguments after the hidden states with which the model calls each layer (Zamba2's)
+    layer_args: tuple = ()
 
 
 def _gdn_state_shape(cfg):
@@ -67,7 +81,6 @@ QWEN35_GDN = FamilySpec(
                    "a": "beta k"},
     mixer="BridgedGatedDeltaNet", mixer_module=_MIXERS,
     state_shape=_gdn_state_shape, state_heads=_gdn_state_heads,
-    readout_norm=lambda mixer: mixer.norm, readout_gate=None,
 )
 
 QWEN3_NEXT_GDN = FamilySpec(
@@ -79,7 +92,6 @@ QWEN3_NEXT_GDN = FamilySpec(
                    "g": "-exp(A_log) softplus(a + dt_bias), a split from in_proj_ba, per head", "a": "beta k"},
     mixer="BridgedQwen3NextGatedDeltaNet", mixer_module=_MIXERS,
     state_shape=_gdn_state_shape, state_heads=_gdn_state_heads,
-    readout_norm=lambda mixer: mixer.norm, readout_gate=None,
 )
 
 OLMO_HYBRID_GDN = FamilySpec(
@@ -91,7 +103,6 @@ OLMO_HYBRID_GDN = FamilySpec(
                    "g": "-exp(A_log) softplus(a_proj + dt_bias), per head", "a": "beta k"},
     mixer="BridgedOlmoHybridGatedDeltaNet", mixer_module=_MIXERS,
     state_shape=_gdn_state_shape, state_heads=_gdn_state_heads,
-    readout_norm=lambda mixer: mixer.o_norm, readout_gate=None,
 )
 
 KIMI_KDA = FamilySpec(
@@ -105,7 +116,6 @@ KIMI_KDA = FamilySpec(
                    "a": "beta k"},
     mixer="BridgedKimiDeltaAttention", mixer_module=_MIXERS,
     state_shape=lambda cfg: (cfg.linear_head_dim, cfg.linear_head_dim), state_heads=lambda cfg: cfg.linear_num_heads,
-    readout_norm=lambda mixer: mixer.o_norm, readout_gate=None,
 )
 
 MAMBA2_SSD = FamilySpec(
@@ -122,7 +132,7 @@ MAMBA2_SSD = FamilySpec(
     mixer="BridgedMamba2", mixer_module=_MIXERS,
     state_shape=lambda cfg: (cfg.state_size, cfg.head_dim), state_heads=lambda cfg: cfg.num_heads,
     absent_hooks=frozenset({"hook_erase", "hook_erase_gate", "hook_mlp_out"}),
-    readout_norm=lambda mixer: mixer.norm, readout_gate=None, mlp=False,
+    mlp=False,
 )
 
 NEMOTRON_H = FamilySpec(
@@ -136,7 +146,7 @@ NEMOTRON_H = FamilySpec(
     mixer="BridgedMamba2", mixer_module=_MIXERS,
     state_shape=lambda cfg: (cfg.ssm_state_size, cfg.mamba_head_dim), state_heads=lambda cfg: cfg.mamba_num_heads,
     absent_hooks=frozenset({"hook_erase", "hook_erase_gate"}),
-    readout_norm=lambda mixer: mixer.norm, readout_gate=None, mlp=False,
+    mlp=False,
 )
 
 BAMBA = FamilySpec(
@@ -149,7 +159,6 @@ BAMBA = FamilySpec(
     mixer="BridgedMamba2", mixer_module=_MIXERS,
     state_shape=lambda cfg: (cfg.mamba_d_state, cfg.mamba_d_head), state_heads=lambda cfg: cfg.mamba_n_heads,
     absent_hooks=frozenset({"hook_erase", "hook_erase_gate"}),
-    readout_norm=lambda mixer: mixer.norm, readout_gate=None,
 )
 
 def _granite_mlp(block, h):
@@ -167,7 +176,45 @@ GRANITE_MOE_HYBRID = FamilySpec(
     mixer="BridgedMamba2", mixer_module=_MIXERS,
     state_shape=BAMBA.state_shape, state_heads=BAMBA.state_heads,
     absent_hooks=frozenset({"hook_erase", "hook_erase_gate"}),
-    readout_norm=lambda mixer: mixer.norm, readout_gate=None,
+)
+
+FALCON_H1 = FamilySpec(
+    name="falcon_h1",
+    title="Falcon-H1: Mamba-2 SSD and attention side by side in every decoder layer, muP multipliers (transformers)",
+    weights=TRANSFORMERS_WEIGHTS,
+    config_keys=frozenset({"layers_block_type", "mamba_d_ssm", "mamba_n_heads", "mamba_d_head", "mamba_n_groups",
+                           "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_chunk_size", "mamba_conv_bias",
+                           "mamba_proj_bias", "mamba_norm_before_gate", "mamba_rms_norm", "time_step_limit",
+                           "ssm_multipliers", "ssm_in_multiplier", "ssm_out_multiplier", "attention_in_multiplier",
+                           "attention_out_multiplier", "key_multiplier", "mlp_multipliers", "embedding_multiplier",
+                           "lm_head_multiplier"}),
+    kernel_inputs=dict(MAMBA2_SSD.kernel_inputs,
+                       q="C = silu(conv1d(in_proj(ssm_in_multiplier h) * mup_vector))[C part], repeated over the "
+                         "heads of its group (contiguous)",
+                       k="B from the same split, repeated over the heads of its group (contiguous)",
+                       g="dt A, A = -exp(A_log), per head (scale 1; D skip, then gated norm or silu(z) gate, after "
+                         "the readout)"),
+    mixer="BridgedFalconH1Mamba2", mixer_module=_MIXERS,
+    state_shape=lambda cfg: (cfg.mamba_d_state, cfg.mamba_d_head), state_heads=lambda cfg: cfg.mamba_n_heads,
+    absent_hooks=frozenset({"hook_erase", "hook_erase_gate"}),
+)
+
+ZAMBA2 = FamilySpec(
+    name="zamba2",
+    title="Zamba2: Mamba-2 SSD layers, with a transformer block shared by several depths (per-use LoRA adapters) "
+          "feeding some of them (transformers)",
+    weights=TRANSFORMERS_WEIGHTS,
+    config_keys=frozenset({"layers_block_type", "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_ngroups",
+                           "n_mamba_heads", "time_step_min", "time_step_max", "time_step_floor", "use_conv_bias",
+                           "chunk_size", "add_bias_linear", "num_mem_blocks", "use_shared_attention_adapter",
+                           "adapter_rank", "use_mem_rope", "use_long_context"}),
+    kernel_inputs=dict(MAMBA2_SSD.kernel_inputs,
+                       x="dt x, dt = clamp(softplus(in_proj[dt part] + dt_bias), (time_step_min, inf)) per head, "
+                         "x = silu(conv1d(in_proj))[x part]"),
+    mixer="BridgedMamba2", mixer_module=_MIXERS,
+    state_shape=lambda cfg: (cfg.mamba_d_state, cfg.mamba_headdim), state_heads=lambda cfg: cfg.n_mamba_heads,
+    absent_hooks=frozenset({"hook_erase", "hook_erase_gate", "hook_mlp_out"}),
+    mlp=False,
 )
 
 BRIDGE_FAMILIES: tuple[BridgeFamily, ...] = (
@@ -185,6 +232,14 @@ BRIDGE_FAMILIES: tuple[BridgeFamily, ...] = (
                  mlp_norm_attr="pre_ff_layernorm", layer_returns_tuple=True),
     BridgeFamily(GRANITE_MOE_HYBRID, ("granitemoehybrid",), "mamba", "self_attn", conv_kernel_key="mamba_d_conv",
                  state_transposed=True, mlp_attr="shared_mlp", mlp_fn=_granite_mlp),
+    BridgeFamily(FALCON_H1, ("falcon_h1",), "mamba", "self_attn", final_norm_attr="final_layernorm",
+                 conv_kernel_key="mamba_d_conv", state_transposed=True, mlp_attr="feed_forward",
+                 mlp_norm_attr="pre_ff_layernorm", layer_returns_tuple=True, parallel_block_types=("hybrid",)),
+    BridgeFamily(ZAMBA2, ("zamba2",), "mamba", "self_attn", final_norm_attr="final_layernorm",
+                 conv_kernel_key="mamba_d_conv", state_transposed=True, shared_block_types=("hybrid",),
+                 shared_block_paths=("mamba_decoder.mamba", "mamba_decoder.input_layernorm",
+                                     "shared_transformer.self_attn"),
+                 layer_args=("original_hidden_states", "layer_idx", "attention_mask", "causal_mask")),
 )
 
 

@@ -23,8 +23,8 @@ def _adopt(target: torch.nn.Module, source: torch.nn.Module) -> None:
         setattr(target, name, child)
     for name, param in source.named_parameters(recurse=False):
         setattr(target, name, param)
-    for name, buf in source.named_buffers(recurse=False):
-        target.register_buffer(name, buf)
+    for name, buf in source.named_buffers(recurse=False):   # non-persistent ones (Falcon-H1's mup_vector) stay so
+        target.register_buffer(name, buf, persistent=name not in source._non_persistent_buffers_set)
 
 
 def _packed_conv(mixer, mixed: torch.Tensor, cache) -> torch.Tensor:
@@ -213,6 +213,7 @@ class BridgedMamba2(RecurrentMixer):
     copied = ("num_heads", "head_dim", "ssm_state_size", "n_groups", "intermediate_size", "conv_dim",
               "conv_kernel_size", "layer_idx", "activation", "time_step_limit", "hidden_size")
     norm_attr, out_attr = "norm", "out_proj"
+    readout_scale = 1.0
 
     def __init__(self, hf_layer: torch.nn.Module):
         super().__init__(hf_layer.layer_idx)
@@ -234,13 +235,21 @@ class BridgedMamba2(RecurrentMixer):
                                              activation=self.activation)
         return out[:, :, -T:]
 
+    def _in_proj(self, h: torch.Tensor) -> torch.Tensor:
+        """The layer's input projection: gate z, the conv input (x, B, C) and dt, concatenated."""
+        return self.in_proj(h)
+
+    def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """(B, T, H P) readout plus D skip, and the gate z -> what goes into out_proj."""
+        return self.norm(y, gate)
+
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
         if attention_mask is not None:   # transformers zeroes padded positions before the layer and after the conv
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         init = None if cache is None else cache.get_recurrent_state(self.layer_idx)   # (B, H, P, N)
         B, T, _ = hidden_states.shape
-        gate, xBC, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads],
-                                                          dim=-1)
+        gate, xBC, dt = self._in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads],
+                                                           dim=-1)
         xBC = self._conv(xBC.transpose(1, 2), cache).transpose(1, 2)
         if attention_mask is not None:
             xBC = (xBC * attention_mask[:, :, None]).to(xBC.dtype)
@@ -254,15 +263,32 @@ class BridgedMamba2(RecurrentMixer):
         dt = F.softplus(dt.to(acc) + self.dt_bias.to(acc)).clamp(*self.time_step_limit)           # (B, T, H)
         g = self.hook_decay(dt * -self.A_log.to(acc).exp())
         o, S = self._recur(q, k, dt[..., None] * v, g, None,
-                           None if init is None else init.transpose(-1, -2).to(acc), self.state_positions, 1.0)
+                           None if init is None else init.transpose(-1, -2).to(acc), self.state_positions,
+                           self.readout_scale)
         if cache is not None and S is not None:   # None when keep_final_state is off (the scan's suffix rows)
             keep = init.dtype if init is not None else S.dtype
             cache.update_recurrent_state(S.transpose(-1, -2).to(keep).contiguous(), self.layer_idx)
         o = self.hook_head_out(o)
         y = o + self.D.to(acc)[:, None] * v                                                      # the D skip
-        z = self.norm(y.reshape(B, T, -1), gate.to(acc))
+        z = self._gated_norm(y.reshape(B, T, -1), gate.to(acc))
         z = self.hook_z(z.reshape(B, T, self.num_heads, self.head_dim))
         return self.out_proj(z.reshape(B, T, -1).to(hidden_states.dtype))
+
+
+class BridgedFalconH1Mamba2(BridgedMamba2):
+    """Falcon-H1's Mamba-2 layer (`FalconH1Mixer`, the decoder layer's `mamba`): transformers' Mamba-2 with its muP
+    multipliers on the input side, in_proj(h * ssm_in_multiplier) * mup_vector (one multiplier per part: gate z, x,
+    B, C, dt; `ssm_multipliers`), and, unless `mamba_rms_norm`, no gated norm: the output is (readout + D x) *
+    silu(z). The recurrence, the state N x P and the cache are `BridgedMamba2`'s; the layer's ssm_out_multiplier is
+    applied by the block (`BridgeBlock`), after out_proj."""
+
+    copied = BridgedMamba2.copied + ("ssm_in_multiplier", "mamba_rms_norm")
+
+    def _in_proj(self, h):
+        return self.in_proj(h * self.ssm_in_multiplier) * self.mup_vector
+
+    def _gated_norm(self, y, gate):
+        return self.norm(y, gate) if self.mamba_rms_norm else y * F.silu(gate)
 
 
 # ---------------------------------------------------------------------------------------------------------------

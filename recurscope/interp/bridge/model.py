@@ -62,11 +62,23 @@ class BridgeBlock(nn.Module):
     submodules under their own names. `norm="pre"`: input_layernorm before the mixer and post_attention_layernorm
     before the MLP (Qwen3.5, Qwen3-Next, Kimi-Linear, OLMo-hybrid's linear layers); `norm="post"`:
     post_attention_layernorm on the mixer's output and post_feedforward_layernorm on the MLP's (OLMo-hybrid's
-    attention layers). hook_mixer_out and hook_mlp_out are what the layer adds to the residual stream."""
+    attention layers). hook_mixer_out and hook_mlp_out are what the layer adds to the residual stream.
+
+    `attn_attr` (a module path in the layer): the layer also runs that attention module beside its recurrent mixer,
+    and the block is both a recurrent and an attention layer, with the attention's hook points at `blocks.{l}.attn.*`
+    (`attn` is that module) and its output at `hook_attn_out`. `attn_mode="parallel"` (Falcon-H1): the attention
+    runs side by side with the mixer on the same normed input, and both outputs are added to the residual stream
+    (hook_resid_mid is the residual plus both). `attn_mode="shared"` (Zamba2's hybrid layers): the layer first runs
+    its shared transformer block (`shared_transformer`: attention and MLP over the residual concatenated with the
+    token embeddings, `original_hidden_states`), projects it by `linear` (hook_attn_out) and adds that to the mixer's
+    input only, not to the residual stream; its mixer (`mixer_attr`) and mixer norm are module paths inside the
+    layer. `arg_names`: the names of the positional arguments after the hidden states with which the family's model
+    calls each layer (Zamba2's)."""
 
     def __init__(self, hf_layer: nn.Module, mixer_attr: str, recurrent: bool, norm: str = "pre",
                  mixer_norm_attr: str = "input_layernorm", mlp_only: bool = False, mlp_attr: str = "mlp",
-                 mlp_norm_attr: str = "post_attention_layernorm", mlp_fn=None):
+                 mlp_norm_attr: str = "post_attention_layernorm", mlp_fn=None, attn_attr: Optional[str] = None,
+                 attn_mode: str = "parallel", arg_names: tuple = ()):
         super().__init__()
         if norm not in ("pre", "post"):
             raise ValueError(f"norm must be 'pre' or 'post', got {norm!r}")
@@ -80,7 +92,10 @@ class BridgeBlock(nn.Module):
         # mlp_only: the layer holds an MLP or MoE in place of a mixer (Nemotron-H's "mlp" / "moe" blocks): norm, MLP,
         # residual; hook_resid_mid is its input (no mixer, no hook_mixer_out)
         self.mlp_only = mlp_only
-        self.is_attention = not recurrent and not mlp_only
+        if attn_mode not in ("parallel", "shared"):
+            raise ValueError(f"attn_mode must be 'parallel' or 'shared', got {attn_mode!r}")
+        self.attn_attr, self.attn_mode, self.arg_names = attn_attr, attn_mode, tuple(arg_names)
+        self.is_attention = (not recurrent and not mlp_only) or attn_attr is not None
         # Mamba-2's blocks are norm, mixer, residual only; their residual stream is kept in at least float32
         # (transformers' residual_in_fp32), never narrowed
         self.mlp_attr, self.mlp_norm_attr = mlp_attr, mlp_norm_attr   # Bamba: feed_forward, pre_ff_layernorm
@@ -90,12 +105,19 @@ class BridgeBlock(nn.Module):
         # hold the scaled outputs: what the layer adds)
         self.residual_multiplier = float(getattr(hf_layer, "residual_multiplier", 1.0))
         self.residual_in_fp32 = bool(getattr(getattr(hf_layer, "config", None), "residual_in_fp32", False))
+        # Falcon-H1's muP multipliers around its two mixers: the recurrent mixer's output times ssm_out_multiplier,
+        # the attention's input times attention_in_multiplier and its output times attn_out_multiplier
+        self.mixer_out_multiplier = float(getattr(hf_layer, "ssm_out_multiplier", 1.0))
+        self.attention_in_multiplier = float(getattr(hf_layer, "attention_in_multiplier", 1.0))
+        self.attention_out_multiplier = float(getattr(hf_layer, "attn_out_multiplier", 1.0))
         # A list while BridgedLM.embed_suffix records the arguments transformers' model passes to each
         # layer (masks, rotary tables, positions); the layer then computes nothing.
         self.recorded: Optional[list] = None
         self.hook_resid_pre = HookPoint()
         if not mlp_only:
             self.hook_mixer_out = HookPoint()
+        if attn_attr is not None:
+            self.hook_attn_out = HookPoint()
         self.hook_resid_mid = HookPoint()
         if self.has_mlp or mlp_only:
             self.hook_mlp_out = HookPoint()
@@ -103,10 +125,39 @@ class BridgeBlock(nn.Module):
 
     @property
     def mixer(self) -> nn.Module:
-        return self._modules[self.mixer_attr]   # not getattr: Mamba-2's layer names its mixer `mixer` itself
+        # not getattr: Mamba-2's layer names its mixer `mixer` itself (Zamba2's hybrid layers: a path inside the layer)
+        return self._sub(self.mixer_attr)
 
-    def forward(self, *args, **kwargs):
-        out = self.block_forward(*args, **kwargs)
+    @property
+    def mixer_output_scale(self) -> float:
+        """What the block multiplies its mixer's output by before hook_mixer_out: Falcon-H1's ssm_out_multiplier in a
+        parallel block, Granite-4.0-H's residual_multiplier in a plain one, 1 in Zamba2's shared-block layers."""
+        if self.attn_attr is None:
+            return self.residual_multiplier
+        return self.mixer_out_multiplier if self.attn_mode == "parallel" else 1.0
+
+    @property
+    def attn(self) -> Optional[nn.Module]:
+        """The attention module a parallel or shared block runs beside its recurrent mixer (None in any other)."""
+        return None if self.attn_attr is None else self._sub(self.attn_attr)
+
+    @property
+    def attention(self) -> Optional[nn.Module]:
+        """The module that attends over cached K/V: `mixer` in an attention block, `attn` in a parallel block."""
+        return self.attn if self.attn_attr is not None else self.mixer if self.is_attention else None
+
+    def _sub(self, path: str) -> nn.Module:
+        module = self
+        for part in path.split("."):
+            module = module._modules[part]
+        return module
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if len(args) > len(self.arg_names):
+            raise TypeError(f"{type(self).__name__} takes {len(self.arg_names)} positional arguments after the hidden "
+                            f"states ({', '.join(self.arg_names) or 'none'}), got {len(args)}")
+        kwargs.update(zip(self.arg_names, args))
+        out = self.block_forward(hidden_states, **kwargs)
         return (out, None) if self.returns_tuple else out
 
     def block_forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
@@ -119,12 +170,16 @@ class BridgeBlock(nn.Module):
             return hidden_states
         resid = self.hook_resid_pre(hidden_states)
         pre = self.norm_layout == "pre"
-        h = getattr(self, self.mixer_norm_attr)(resid) if pre else resid
+        if self.attn_mode == "shared" and self.attn_attr is not None:
+            return self._shared_forward(resid, attention_mask, position_ids, cache, position_embeddings, kwargs)
+        h = self._sub(self.mixer_norm_attr)(resid) if pre else resid
         if self.residual_in_fp32:
             resid = resid.to(torch.promote_types(resid.dtype, torch.float32))
         if self.mlp_only:
             resid = self.hook_resid_mid(resid)
             return self.hook_resid_post(resid + self.hook_mlp_out(self.mixer(h)))
+        if self.attn_attr is not None:
+            return self._parallel_forward(resid, h, attention_mask, position_ids, cache, position_embeddings, kwargs)
         if self.is_recurrent:
             mixed = self.mixer(h, cache=cache, attention_mask=attention_mask)
         else:
@@ -135,6 +190,37 @@ class BridgeBlock(nn.Module):
         if self.residual_multiplier != 1.0:
             mixed = mixed * self.residual_multiplier
         resid = self.hook_resid_mid(resid + self.hook_mixer_out(mixed))
+        return self._mlp_forward(resid, pre)
+
+    def _parallel_forward(self, resid, h, attention_mask, position_ids, cache, position_embeddings, kwargs):
+        """Falcon-H1's layer: the recurrent mixer and the attention on the same normed input h, both outputs added to
+        the residual stream (as transformers adds them: residual + (mixer + attention)), then the MLP."""
+        mixed = self.mixer(h, cache=cache, attention_mask=kwargs.get("mamba_attention_mask"))
+        if self.mixer_out_multiplier != 1.0:
+            mixed = mixed * self.mixer_out_multiplier
+        attended, _ = self.attn(hidden_states=h * self.attention_in_multiplier if self.attention_in_multiplier != 1.0
+                                else h, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                                position_embeddings=position_embeddings)
+        if self.attention_out_multiplier != 1.0:
+            attended = attended * self.attention_out_multiplier
+        resid = self.hook_resid_mid(resid + (self.hook_mixer_out(mixed) + self.hook_attn_out(attended)))
+        return self._mlp_forward(resid, True)
+
+    def _shared_forward(self, resid, attention_mask, position_ids, cache, position_embeddings, kwargs):
+        """Zamba2's hybrid layer: its shared transformer block reads the residual and the token embeddings; its
+        output, projected by `linear`, is added to the mixer's input (before the mixer norm), not to the residual
+        stream; then the mixer, whose output is added to the residual (attention_mask is the mixer's mask,
+        causal_mask the shared attention's)."""
+        shared = self.shared_transformer(resid, original_hidden_states=kwargs["original_hidden_states"],
+                                         layer_idx=kwargs["layer_idx"], attention_mask=kwargs.get("causal_mask"),
+                                         cache=cache, position_embeddings=position_embeddings,
+                                         position_ids=position_ids)
+        fed = self.hook_attn_out(self.linear(shared))
+        mixed = self.mixer(self._sub(self.mixer_norm_attr)(resid + fed), cache=cache, attention_mask=attention_mask)
+        resid = self.hook_resid_mid(resid + self.hook_mixer_out(mixed))
+        return self._mlp_forward(resid, True)
+
+    def _mlp_forward(self, resid, pre: bool):
         if not self.has_mlp:
             return self.hook_resid_post(resid)
         h = getattr(self, self.mlp_norm_attr)(resid) if pre else resid
@@ -184,7 +270,6 @@ class _LayerView:
                 torch.cat([self.lc.values.transpose(1, 2), value_states], dim=-2))
 
 
-_HOOK_PATH = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:(\w+)\.)?(hook_\w+)$")
 _BLOCKS_KEY = re.compile(r"(?:^|\.)blocks\.\d+\.")
 
 
@@ -226,15 +311,23 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         mixer_cls = family.spec.mixer_class
         blocks = []
         for i, layer in enumerate(text.layers):
-            recurrent = self.text_layer_types[i] == "linear_attention"
+            parallel = self.text_layer_types[i] in family.parallel_block_types   # Falcon-H1: mixer and attention
+            shared = self.text_layer_types[i] in family.shared_block_types       # Zamba2: shared block, then mixer
+            recurrent = self.text_layer_types[i] == "linear_attention" or parallel or shared
             mlp_only = self.text_layer_types[i] in family.mlp_block_types
+            mixer_path, norm_path, attn_path = (family.shared_block_paths if shared else
+                                                (family.linear_attr if recurrent else family.attention_attr,
+                                                 family.mixer_norm_attr, family.attention_attr))
             if recurrent:
-                setattr(layer, family.linear_attr, mixer_cls(getattr(layer, family.linear_attr)))
-            elif not mlp_only:
-                add_attention_hooks(getattr(layer, family.attention_attr))
-            block = BridgeBlock(layer, family.linear_attr if recurrent else family.attention_attr, recurrent,
-                                "pre" if recurrent else family.attention_norm, family.mixer_norm_attr, mlp_only,
-                                family.mlp_attr, family.mlp_norm_attr, family.mlp_fn)
+                owner, _, name = mixer_path.rpartition(".")
+                owner = layer.get_submodule(owner) if owner else layer
+                setattr(owner, name, mixer_cls(getattr(owner, name)))
+            if parallel or shared or not (recurrent or mlp_only):
+                add_attention_hooks(layer.get_submodule(attn_path))
+            block = BridgeBlock(layer, mixer_path, recurrent, "pre" if recurrent else family.attention_norm,
+                                norm_path, mlp_only, family.mlp_attr, family.mlp_norm_attr, family.mlp_fn,
+                                attn_path if parallel or shared else None, "shared" if shared else "parallel",
+                                family.layer_args)
             block.returns_tuple = family.layer_returns_tuple
             text.layers[i] = block
             blocks.append(block)
@@ -257,16 +350,22 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
     def setup(self):
         """TransformerLens's setup, then the hook points renamed to recurscope's names (blocks.{l}.mixer.hook_x)."""
         super().setup()
+        # each hook point's name from the block and the module that hold it: the block's own, its mixer's (the
+        # recurrent mixer, or an attention block's attention) or the attention beside the mixer (`attn`)
+        names = {}
+        for layer, block in enumerate(self.blocks):
+            attn = block.attn
+            in_attn = set() if attn is None else {id(m) for m in attn.modules()}
+            for path, module in block.named_modules():
+                if isinstance(module, HookPoint):
+                    point = path.rsplit(".", 1)[-1]
+                    sub = "" if "." not in path else "attn." if id(module) in in_attn else "mixer."
+                    names[id(module)] = f"blocks.{layer}.{sub}{point}"
         renamed = {}
         for path, hp in self.hook_dict.items():
-            m = _HOOK_PATH.search(path)
-            if path == "hook_embed":
-                name = path
-            elif m is None:
+            name = path if path == "hook_embed" else names.get(id(hp))
+            if name is None:
                 raise RuntimeError(f"bridge: hook point {path} has no recurscope name")
-            else:
-                layer, inner, point = m.groups()
-                name = f"blocks.{layer}.{point}" if inner is None else f"blocks.{layer}.mixer.{point}"
             hp.name = name
             renamed[name] = hp
             self.mod_dict[name] = hp
@@ -290,7 +389,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
             layer = hf_cache.layers[i]
             if lc.kind == "none":   # an MLP-only block: transformers keeps no cache layer content for it
                 continue
-            if lc.kind == "recurrent":
+            if lc.kind in ("recurrent", "hybrid"):   # "hybrid": a parallel block's state, conv tail and K/V
                 for key, conv in lc.conv.items():
                     idx = int(key)
                     layer.conv_states[idx] = conv.clone()   # transformers updates its cache in place
@@ -303,7 +402,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
                     layer.is_recurrent_states_initialized[0] = True
                     layer.has_previous_state[0] = True
                 layer.device, layer.dtype = lc.state.device, lc.state.dtype
-            elif lc.keys is not None:
+            if lc.kind != "recurrent" and lc.keys is not None:
                 layer.update(lc.keys.transpose(1, 2).contiguous(), lc.values.transpose(1, 2).contiguous())
         return hf_cache
 
@@ -316,7 +415,10 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
                 state = layer.recurrent_states[0]
                 if self.bridge_family.state_transposed and state is not None:
                     state = state.transpose(-1, -2)
-                layers.append(LayerCache("recurrent", state=state, conv=conv))
+                hybrid = block.attn_attr is not None   # Falcon-H1's and Zamba2's: the state and the attention's K/V
+                kv = {} if not hybrid or layer.keys is None else \
+                    dict(keys=layer.keys.transpose(1, 2), values=layer.values.transpose(1, 2))
+                layers.append(LayerCache("hybrid" if hybrid else "recurrent", state=state, conv=conv, **kv))
             elif block.mlp_only:
                 layers.append(LayerCache("none"))
             else:
@@ -430,43 +532,74 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         finally:
             for block in self.blocks:
                 block.recorded = None
-        # Granite-4.0-H's model scales its embeddings before the first layer
+        # Granite-4.0-H's and Falcon-H1's models scale their embeddings before the first layer
         scale = float(getattr(text, "embedding_multiplier", 1.0))
         return self._embedding()(tokens) * scale, (context, cache.seen_tokens)
 
     def run_layer(self, layer: int, resid: torch.Tensor, layer_cache: LayerCache, context) -> torch.Tensor:
         kwargs, seen = context
+        if self.bridge_family.shared_block_types:
+            # Zamba2's shared blocks read the token embeddings at every use: the residual between layers carries them
+            # in its trailing channels (layer 0 takes the bare embeddings and appends them), so that rows regrouped
+            # between layers (the head scan's growing batch) keep their own
+            d = self.cfg.hidden_size
+            embeds = resid if layer == 0 else resid[..., d:]
+            per_layer = list(kwargs)
+            per_layer[layer] = dict(kwargs[layer], original_hidden_states=embeds)
+            out = self._run_block(layer, resid[..., :d], layer_cache, (per_layer, seen))
+            return torch.cat([out, embeds], dim=-1)
+        return self._run_block(layer, resid, layer_cache, context)
+
+    def _run_block(self, layer: int, resid: torch.Tensor, layer_cache: LayerCache, context) -> torch.Tensor:
+        kwargs, seen = context
         block = self.blocks[layer]
         keys = layer_cache.keys
         # Rows continuing one cached row as a batch-expanded view (the head scan's growing batch): the attention
         # function reads that row's K/V once for all rows instead of a per-row concatenation (hooked_attention).
-        shared = (not block.is_recurrent and self.bridge_family.cached_kv_to_attention and keys is not None
+        shared = (block.is_attention and self.bridge_family.cached_kv_to_attention and keys is not None
                   and keys.shape[0] > 1 and keys.stride(0) == 0 and layer_cache.values.stride(0) == 0)
+        transposed = self.bridge_family.state_transposed
         if not shared:
-            return block.block_forward(resid, cache=_LayerView(layer_cache, seen,
-                                                 state_transposed=self.bridge_family.state_transposed),
-                         **kwargs[layer])
-        block.mixer.shared_kv = (keys[:1].transpose(1, 2), layer_cache.values[:1].transpose(1, 2))
+            return block.block_forward(resid, cache=_LayerView(layer_cache, seen, state_transposed=transposed),
+                                       **kwargs[layer])
+        attention = block.attention   # the block's mixer, or the attention beside a parallel block's mixer
+        attention.shared_kv = (keys[:1].transpose(1, 2), layer_cache.values[:1].transpose(1, 2))
         try:
-            return block.block_forward(resid, cache=_LayerView(layer_cache, seen, new_kv_only=True), **kwargs[layer])
+            return block.block_forward(resid, cache=_LayerView(layer_cache, seen, new_kv_only=True,
+                                                                state_transposed=transposed), **kwargs[layer])
         finally:
-            block.mixer.shared_kv = None
+            attention.shared_kv = None
 
     def unembed(self, resid: torch.Tensor) -> torch.Tensor:
         """Logits of residual-stream vectors (..., D): the text model's final norm, then the LM head. (forward
         applies only the LM head: transformers' text model returns its hidden states already normed.)"""
-        return self._logits(getattr(self.text_model[0], self.bridge_family.final_norm_attr)(resid))
+        resid = resid[..., :self.cfg.hidden_size]   # channels beyond D: what run_layer carries (Zamba2's embeddings)
+        return self._logits(self.final_norm(resid))
+
+    @property
+    def final_norm(self) -> nn.Module:
+        """The text model's final norm, which `unembed` applies before the LM head."""
+        return getattr(self.text_model[0], self.bridge_family.final_norm_attr)
+
+    @property
+    def logit_multiplier(self) -> float:
+        """The factor transformers' forward applies to the LM head's output: 1 / Granite-4.0-H's logits_scaling times
+        Falcon-H1's lm_head_multiplier (1 for every other family)."""
+        return (float(getattr(self.text_model[0], "lm_head_multiplier", 1.0))
+                / float(getattr(self.hf, "logits_scaling", 1.0)))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head, divided by Granite-4.0-H's logits_scaling (1 for every other family)."""
+        """The LM head times logit_multiplier, as transformers' forward computes the logits."""
         logits = self.hf.lm_head(hidden)
-        scaling = float(getattr(self.hf, "logits_scaling", 1.0))
-        return logits if scaling == 1.0 else logits / scaling
+        scale = self.logit_multiplier
+        return logits if scale == 1.0 else logits * scale
 
     @property
     def unembed_weight(self) -> torch.Tensor:
-        """(vocab, D): the LM head's weight, which `unembed` applies after the final norm."""
-        return self.hf.lm_head.weight
+        """(vocab, D): the unembedding that `unembed` applies after the final norm, the LM head's weight times
+        logit_multiplier, so that final_norm(resid) @ unembed_weight.T are the model's own logits."""
+        scale = self.logit_multiplier
+        return self.hf.lm_head.weight if scale == 1.0 else self.hf.lm_head.weight * scale
 
 
 #: the earlier name (TransformerLens 4 has a `TransformerBridge` of its own)

@@ -16,7 +16,8 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-__all__ = ["PairLayout", "LAYOUTS", "DEFAULT_LAYOUT", "resolve_layout", "LAYOUT_FILE", "recorded_layout"]
+__all__ = ["PairLayout", "LAYOUTS", "DEFAULT_LAYOUT", "resolve_layout", "LAYOUT_FILE", "recorded_layout",
+           "choose_layout"]
 
 #: The file in a checkpoint directory that records the layout the model was trained and evaluated on.
 LAYOUT_FILE = "pair_layout.json"
@@ -93,3 +94,10 @@ def recorded_layout(directory) -> PairLayout | None:
     except (json.JSONDecodeError, TypeError, ValueError) as err:
         raise ValueError(f"{path}: not a pair layout ({err}); fix or delete the file (the default is "
                          f"--layout {DEFAULT_LAYOUT}).") from None
+
+
+def choose_layout(name: "str | None" = None, checkpoint_dir=None, **overrides) -> PairLayout:
+    """The layout of a command-line run: the named one (`--layout`), else the one `checkpoint_dir` records, else
+    DEFAULT_LAYOUT; `overrides` (PairLayout fields; None values ignored) change its fields."""
+    base = (resolve_layout(name) if name else recorded_layout(checkpoint_dir) or resolve_layout(DEFAULT_LAYOUT))
+    return base.with_(**overrides)

@@ -25,7 +25,7 @@ Conventions shared by every intervention:
 from recurscope.interp.interventions.clean_runs import clean_run, prefix_caches, reuse_clean_runs
 from recurscope.interp.interventions.common import (
     Collector, InterventionResult, candidate_logits, check_pairs, chunks, model_device, normalise_heads,
-    resolve_boundaries, resolve_spans, span_mask,
+    require_one_query_per_state, resolve_boundaries, resolve_spans, span_mask,
 )
 from recurscope.interp.interventions.controls import (
     RANDOM_UPDATE_KINDS, RANDOM_WRITE_VARIANTS, choose_control_heads, control_head, control_head_spec,
@@ -51,5 +51,5 @@ __all__ = [
     "random_update", "random_write", "control_head", "choose_control_heads", "spans_with_conv_tail",
     "write_block_spec", "donor_write_spec", "conv_tail_write_block_spec", "state_swap_spec", "output_patch_spec",
     "output_restore_spec", "random_update_spec", "random_write_spec", "control_head_spec", "seeded_gaussian",
-    "random_like_delta",
+    "random_like_delta", "require_one_query_per_state",
 ]

@@ -16,7 +16,7 @@ SpansArg = Union[str, torch.Tensor]
 __all__ = [
     "Head", "HeadsArg", "SpansArg", "InterventionResult", "normalise_heads", "check_pairs", "model_device",
     "resolve_boundaries", "resolve_spans", "span_mask", "by_layer", "chunks", "boundary_groups", "candidate_logits",
-    "Collector", "forward_for_hooks",
+    "Collector", "forward_for_hooks", "require_one_query_per_state",
 ]
 
 
@@ -39,6 +39,16 @@ class InterventionResult:
 
     def heads_label(self) -> str:
         return "+".join(f"L{l}H{h}" for l, h in self.heads)
+
+
+def require_one_query_per_state(model, what: str) -> None:
+    """Refuses a model whose states are each read by several query heads (GLA-7B's query groups) for an analysis
+    that reads one query head's V-dimensional readout per state."""
+    group = getattr(model, "query_group", 1)
+    if group > 1:
+        raise ValueError(f"{what} reads one query head's output per state, but each state of this model is read by "
+                         f"{group} query heads (num_kv_heads < num_heads); run it on a model with one query head per "
+                         "state, or use the state-level interventions (state_swap, write_block, donor_write)")
 
 
 def normalise_heads(model, heads: HeadsArg) -> list[Head]:

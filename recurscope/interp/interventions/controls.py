@@ -90,14 +90,15 @@ def random_update_spec(model, pairs, heads: HeadsArg, kind: str = "state_swap", 
         L, (_, V) = ctx.rec.shape[1], model.cfg.state_shape()
         noise = {}
         for layer, hs in by_layer(heads).items():
-            directions = torch.zeros(ctx.m, L, model.n_state_heads, V, dtype=torch.float64)
-            for h in hs:
+            group = model.query_group                 # a state group's readout: its query heads, each its own draw
+            directions = torch.zeros(ctx.m, L, model.n_state_heads * group, V, dtype=torch.float64)
+            for qh in [h * group + j for h in hs for j in range(group)]:
                 for i, row in enumerate(ids[ctx.rows].tolist()):
-                    g = seeded_gaussian((L, V), seed, row, layer, h)
-                    directions[i, :, h] = g / g.norm(dim=-1, keepdim=True)
+                    g = seeded_gaussian((L, V), seed, row, layer, qh)
+                    directions[i, :, qh] = g / g.norm(dim=-1, keepdim=True)
             noise[layer] = directions
         patches = copy_head_out(heads, ctx.m, 3, 1, 2, ctx.query_mask, model.n_state_heads, ctx.device,
-                                noise=noise)
+                                noise=noise, group=model.query_group)
         return SuffixRun([ctx.rec, ctx.don, ctx.rec], [R, D, R], ("clean", None, "logits"), patches)
 
     suffix = state_suffix if kind == "state_swap" else output_suffix

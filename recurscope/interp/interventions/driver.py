@@ -98,12 +98,14 @@ class SuffixContext:
 
 
 def copy_head_out(heads, m: int, n_blocks: int, src_block: int, dst_block: int, pos_mask: torch.Tensor, H: int,
-                  device, noise: Optional[dict] = None) -> list[ReadoutReplace]:
+                  device, noise: Optional[dict] = None, group: int = 1) -> list[ReadoutReplace]:
     """Readout patches that, inside one batched run of n_blocks blocks of m rows, copy block `src_block`'s o_t of
     the chosen heads at pos_mask (m, L) into block `dst_block`. Both blocks are computed in the same forward, so
     the copied value is exactly what that run produces at that layer.
 
-    noise: {layer: (m, L, H, V) unit directions}; then dst keeps its own o_t and gains
+    heads are state heads (H of them); with query groups (group = model.query_group > 1) a state group's readout is
+    the o_t of its `group` query heads h group .. h group + group - 1, all of which are copied.
+    noise: {layer: (m, L, H * group, V) unit directions, one per query head}; then dst keeps its own o_t and gains
     ||o_t(src) - o_t(block 0)|| times the direction instead (the equal-norm random control).
     """
     src_rows = slice(src_block * m, (src_block + 1) * m)
@@ -120,7 +122,8 @@ def copy_head_out(heads, m: int, n_blocks: int, src_block: int, dst_block: int, 
                 scale = (o[src_rows].double() - o[:m].double()).norm(dim=-1, keepdim=True)
                 out[dst_rows] = o[dst_rows] + (noise[layer].to(o.device) * scale).to(o.dtype)
             return out
-        patches.append(ReadoutReplace(layer, value=value, mask=head_mask(where, H, hs).to(device)))
+        query = [h * group + j for h in hs for j in range(group)]
+        patches.append(ReadoutReplace(layer, value=value, mask=head_mask(where, H * group, query).to(device)))
     return patches
 
 

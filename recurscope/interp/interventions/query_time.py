@@ -45,7 +45,8 @@ def output_patch_spec(model, pairs, heads: HeadsArg) -> SuffixSpec:
     heads = normalise_heads(model, heads)
 
     def suffix(ctx, R, D):
-        patches = copy_head_out(heads, ctx.m, 3, 1, 2, ctx.query_mask, model.n_state_heads, ctx.device)
+        patches = copy_head_out(heads, ctx.m, 3, 1, 2, ctx.query_mask, model.n_state_heads, ctx.device,
+                                group=model.query_group)
         return SuffixRun([ctx.rec, ctx.don, ctx.rec], [R, D, R], ("clean", "donor_clean", "logits"), patches)
     return SuffixSpec("output_patch", heads, resolve_boundaries(pairs, None), suffix, extra_keys=("donor_clean",))
 
@@ -62,7 +63,8 @@ def output_restore_spec(model, pairs, heads: HeadsArg, boundary=None, *, positio
     def suffix(ctx, R, D):
         swapped = swap_states(R, D, heads)
         mask = ctx.read_mask if positions == "read" else ctx.last_mask
-        patches = copy_head_out(heads, ctx.m, 3, 0, 2, mask, model.n_state_heads, ctx.device)
+        patches = copy_head_out(heads, ctx.m, 3, 0, 2, mask, model.n_state_heads, ctx.device,
+                                group=model.query_group)
         return SuffixRun([ctx.rec] * 3, [R, swapped, swapped], ("clean", "state_swap", "logits"), patches)
     return SuffixSpec(name, heads, resolve_boundaries(pairs, boundary), suffix, extra_keys=("state_swap",))
 

@@ -56,9 +56,12 @@ class RecurrentActivationCache(ActivationCache):
         return (stacked, layers) if return_labels else stacked
 
     def stack_head_readouts(self, point: str = "hook_head_out", return_labels: bool = False):
-        """The same per (layer, head): (layers x heads, B, T, V), labels "L{layer}H{head}"."""
+        """The same per (layer, query head): (layers x query heads, B, T, V), labels "L{layer}H{head}"; with query
+        groups (model.query_group = m > 1) "L{layer}H{group}q{j}", query j of state group `group`."""
         stacked, layers = self.stack_readouts(point, return_labels=True)
         heads_axis = 3 if self.has_batch_dim else 2
         per_head = stacked.movedim(heads_axis, 1).flatten(0, 1)
-        labels = [f"L{l}H{h}" for l in layers for h in range(stacked.shape[heads_axis])]
+        m = getattr(self.model, "query_group", 1)
+        name = (lambda h: f"H{h}") if m == 1 else (lambda h: f"H{h // m}q{h % m}")  # noqa: E731
+        labels = [f"L{l}{name(h)}" for l in layers for h in range(stacked.shape[heads_axis])]
         return (per_head, labels) if return_labels else per_head

@@ -12,7 +12,9 @@ import torch
 
 @dataclass
 class LayerCache:
-    kind: str                                        # "recurrent", "attention" or "none" (an MLP-only block)
+    kind: str                                        # "recurrent", "attention", "hybrid" (a block whose recurrent
+    #                                                  mixer and attention run side by side: state, conv and K/V) or
+    #                                                  "none" (an MLP-only block)
     state: Optional[torch.Tensor] = None             # (B, H, K, V)
     conv: dict = field(default_factory=dict)         # name -> (B, W-1, D) tail of conv inputs
     keys: Optional[torch.Tensor] = None              # (B, T, Hkv, D)
@@ -89,7 +91,7 @@ class RecurrentCache:
         if not 0 <= layer < len(self.layers):
             raise ValueError(f"layer {layer} is out of range: the cache has layers 0..{len(self.layers) - 1}")
         lc = self.layers[layer]
-        if lc.kind != "recurrent" or lc.state is None:
+        if lc.kind not in ("recurrent", "hybrid") or lc.state is None:
             raise ValueError(f"layer {layer} is an attention layer (or holds no state); pick a recurrent layer")
         return lc
 
@@ -133,14 +135,14 @@ class RecurrentCache:
             if not 0 <= layer < len(self.layers):
                 raise ValueError(f"layer {layer} is out of range: the cache has layers 0..{len(self.layers) - 1}")
             mine, theirs = out.layers[layer], donor.layers[layer]
-            if mine.kind == "recurrent":
+            if mine.kind in ("recurrent", "hybrid"):
                 if "state" in parts:
                     for h in (range(mine.state.shape[1]) if heads is None else heads):
                         self._check_head(mine, layer, h)
                         mine.state[:, h] = theirs.state[:, h]
                 if "conv" in parts:
                     mine.conv = {k: v.clone() for k, v in theirs.conv.items()}
-            elif "kv" in parts and mine.kind == "attention":
+            if "kv" in parts and mine.kind in ("attention", "hybrid"):
                 if heads is None:
                     mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
                 else:

@@ -112,6 +112,11 @@ class ModelConfig(TLConfigAliases):
         """Heads that carry a recurrent state (value heads for grouped GDN)."""
         return self.family.state_heads(self)
 
+    @property
+    def query_group(self) -> int:
+        """Query heads that read each state (GLA with num_kv_heads < num_heads); 1 elsewhere."""
+        return self.family.query_group(self)
+
     def state_shape(self) -> tuple[int, int]:
         return self.family.state_shape(self)
 

@@ -163,6 +163,11 @@ class RecurrentLM(ProtocolMethods, HookedRootModule):
         return self.lm_head(self.norm(resid[..., :self.cfg.hidden_size]))
 
     @property
+    def final_norm(self) -> nn.Module:
+        """The final norm, which `unembed` applies before the LM head."""
+        return self.norm
+
+    @property
     def unembed_weight(self) -> torch.Tensor:
         """(vocab, D): the LM head's weight, which `unembed` applies after the final norm."""
         return self.lm_head.weight

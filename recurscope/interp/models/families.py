@@ -106,8 +106,14 @@ class FamilySpec:
     mixer: the mixer class's name in `recurscope.interp.models.mixers` (resolved lazily: mixers import the config).
     absent_hooks: hook points of the recurrent vocabulary that this family lacks (GLA has no erase).
     state_shape / state_heads: per-head state (K, V) and the number of state-carrying heads, from a config.
+    query_group: how many consecutive query heads read each state (GLA-7B's num_kv_heads grouping: 4); 1 elsewhere.
+    A "head" of the interventions and the scan is a state group; hook_q, hook_head_out and hook_z index query heads.
     validate: messages for options the family does not implement. label: the family as `recurscope models` shows it.
-    readout_norm / readout_gate: the mixer's output path o -> norm(o) * act(gate), which attribution freezes.
+    readout_norm / readout_gate: the mixer's output path o -> norm(o) * act(gate), which attribution freezes (native
+    families; a bridged mixer's frozen scale is read off its run, attribution._bridged_map).
+    readout_map: for an output path of another form, (model, cache, layer, head, position, batch) -> (s, c, centred):
+    hook_z of that head = s * (o - centred * mean(o)) + c, every norm statistic and gate frozen at the run's values
+    (attribution.candidate_direction; the cache holds the mixer's hooks, hook_resid_pre and the last hook_resid_post).
     mlp: whether each block carries the SwiGLU MLP after its mixer (Mamba-2's blocks are norm, mixer, residual only;
     without it the block lacks hook_mlp_out, which absent_hooks then lists).
     block: the name of the family's own block class in mixer_module, for a block that is not the decoder's
@@ -124,11 +130,13 @@ class FamilySpec:
     mixer: str
     state_shape: Callable
     state_heads: Callable
+    query_group: Callable = lambda cfg: 1
     absent_hooks: frozenset = frozenset()
     validate: Callable = lambda cfg: []
     label: Optional[Callable] = None
     readout_norm: Optional[Callable] = None
     readout_gate: Optional[Callable] = None
+    readout_map: Optional[Callable] = None
     mixer_module: str = "recurscope.interp.models.mixers"
     option_defaults: Mapping[str, Any] = field(default_factory=dict)
     mlp: bool = True
@@ -201,10 +209,11 @@ GLA = FamilySpec(
     name="gla", title="Gated Linear Attention (fla)", weights=FLA_WEIGHTS,
     config_keys=frozenset({"expand_k", "expand_v", "num_kv_heads", "feature_map", "use_output_gate", "clamp_min",
                            "elementwise_affine", "gate_logit_normalizer", "gate_low_rank_dim"}),
-    kernel_inputs={"q": "q_proj (short conv), per head", "k": "k_proj (short conv), shared by num_kv_heads groups",
+    kernel_inputs={"q": "q_proj (short conv), per head", "k": "k_proj (short conv), num_kv_heads state groups, each read by num_heads / num_kv_heads query heads",
                    "x": "v = v_proj (short conv)", "g": "logsigmoid(gk_proj x) / gate_logit_normalizer, per channel",
                    "a": "none (no erase)"},
-    mixer="GLAMixer", state_shape=_gla_state_shape, state_heads=lambda cfg: cfg.num_heads,
+    mixer="GLAMixer", state_shape=_gla_state_shape, state_heads=lambda cfg: cfg.num_kv_heads or cfg.num_heads,
+    query_group=lambda cfg: cfg.num_heads // (cfg.num_kv_heads or cfg.num_heads),
     absent_hooks=frozenset({"hook_erase", "hook_erase_gate"}), validate=_gla_validate,
     readout_norm=_gla_norm, readout_gate=_gla_gate,
 )
@@ -311,10 +320,32 @@ def _mamba2_state_shape(cfg):
     return (cfg.state_size, cfg.head_dim)      # (K, V) = (N, P): B and C index the key side, x the value side
 
 
-def _mamba2_readout_norm(mixer):
-    raise ValueError("Mamba-2's gated norm normalises y * silu(z) over a group of heads (n_groups groups), so one "
-                     "head's readout has no per-head frozen scale; candidate_direction does not apply to Mamba-2: pass "
-                     "an explicit direction to attribute_readout instead")
+def _mamba2_readout_map(model, cache, layer, head, position, batch):
+    """hook_z = gated norm of y = o + D x: with the norm's group statistic r frozen (rms of y * silu(gate), or of y
+    with norm_before_gate, over the group of heads that the norm spans), z_h = s * o_h + s * D_h x_h with
+    s = r * weight_h * silu(gate_h) (r = weight = 1 without the norm)."""
+    import torch
+
+    from recurscope.hooks.points import hook_name
+
+    block = model.blocks[layer]
+    mixer = block.mixer
+    H, P = mixer.num_heads, mixer.head_v
+    h = block.attn_norm(cache[hook_name("hook_resid_pre", layer)][batch, position])
+    gate = mixer.in_proj(h)[:mixer.intermediate].double().view(H, P)
+    o = cache[hook_name("hook_head_out", layer)][batch, position].double()          # (H, P)
+    skip = mixer.D.double().reshape(H, -1) * cache[hook_name("hook_v", layer)][batch, position].double()
+    act = torch.nn.functional.silu(gate[head])
+    norm = getattr(mixer, "norm", None)
+    if norm is None:
+        s = act
+    else:
+        per_group = H // mixer.n_groups
+        heads = slice(head // per_group * per_group, (head // per_group + 1) * per_group)
+        y = (o + skip)[heads]
+        u = y if norm.norm_before_gate else y * torch.nn.functional.silu(gate[heads])
+        s = torch.rsqrt(u.pow(2).mean() + norm.eps) * norm.weight.double().view(H, P)[head] * act
+    return s, s * skip[head], False
 
 
 MAMBA2 = FamilySpec(
@@ -330,7 +361,7 @@ MAMBA2 = FamilySpec(
                    "a": "none (no erase)"},
     mixer="Mamba2Mixer", state_shape=_mamba2_state_shape, state_heads=lambda cfg: cfg.num_heads,
     absent_hooks=frozenset({"hook_erase", "hook_erase_gate", "hook_mlp_out"}), validate=_mamba2_validate,
-    readout_norm=_mamba2_readout_norm, readout_gate=None, mlp=False,
+    readout_map=_mamba2_readout_map, mlp=False,
     # conv_init, A_init_range, dt_min, dt_max, dt_init_floor and rescale_prenorm_residual only initialise weights;
     # chunk_size is fla's kernel chunk; residual_in_fp32 changes nothing in float32 (recurscope keeps the residual
     # in the model's dtype).
@@ -358,10 +389,31 @@ def _rwkv7_validate(cfg):
     return bad
 
 
-def _rwkv7_readout_norm(mixer):
-    raise ValueError("RWKV-7's readout adds the current token's bonus (r * k * r_k).sum() v to the group-normed state "
-                     "readout, so it is no norm(o) * gate of the readout alone; candidate_direction does not apply to "
-                     "RWKV-7: pass an explicit direction to attribute_readout instead")
+def _rwkv7_readout_map(model, cache, layer, head, position, batch):
+    """hook_z = (group_norm(o) + bonus) * gate: with the head's group-norm statistics frozen,
+    z = s * (o - mean o) + gate * (bias + bonus), s = gate * weight / sqrt(var(o) + eps); the bonus
+    (r * k * r_k).sum() v and the gate (g_lora of the token-shifted mixer input) do not depend on o."""
+    import torch
+
+    from recurscope.hooks.points import hook_name
+
+    block = model.blocks[layer]
+    mixer = block.mixer
+    V = mixer.head_v
+    at = lambda point: cache[hook_name(point, layer)][batch, position, head].double()  # noqa: E731
+    resid = cache[hook_name("hook_resid_pre", layer)][batch]
+    x = block.attn_norm(resid[position])
+    prev = block.attn_norm(resid[position - 1]) if position > 0 else torch.zeros_like(x)   # token_shift's zeros
+    gate = mixer.g_lora(x + (prev - x) * mixer.x_g[0, 0]).double()[head * V:(head + 1) * V]
+    o = at("hook_head_out")
+    norm = mixer.g_norm
+    s = gate * torch.rsqrt(o.var(unbiased=False) + norm.eps)
+    bias = torch.zeros_like(s)
+    if norm.affine:
+        s = s * norm.weight.double()[head * V:(head + 1) * V]
+        bias = norm.bias.double()[head * V:(head + 1) * V]
+    bonus = (at("hook_q") * at("hook_k") * mixer.r_k[head].double()).sum() * at("hook_v")
+    return s, gate * (bias + bonus), True
 
 
 def _rwkv7_final_norm(cfg):
@@ -382,7 +434,7 @@ RWKV7 = FamilySpec(
     mixer="RWKV7Mixer", mixer_module="recurscope.interp.models.rwkv7", block="RWKV7Block",
     final_norm=_rwkv7_final_norm, token_shift_reach=1,
     state_shape=lambda cfg: (cfg.head_dim, cfg.head_dim), state_heads=lambda cfg: cfg.num_heads,
-    validate=_rwkv7_validate, readout_norm=_rwkv7_readout_norm, readout_gate=None,
+    validate=_rwkv7_validate, readout_map=_rwkv7_readout_map,
     option_defaults={"decay_low_rank_dim": 64, "a_low_rank_dim": 64, "v_low_rank_dim": 16, "norm_first": True,
                      "norm_bias": True, "value_dim": None},
 )

@@ -44,6 +44,17 @@ def _repeat_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t if groups == 1 else t.repeat_interleave(groups, dim=2)
 
 
+def _readout(S: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale * S^T q at one step: S (B, H, K, V), q (B, H_q, K) with H_q = m H query heads (query groups; m = 1
+    otherwise), query head h m + j reading state h, or q (B, H_k, K) with H = n H_k (grouped value heads: value head
+    h reads key head h // n). Returns (B, max(H, H_q), V) in S's dtype."""
+    H, Hq = S.shape[1], q.shape[1]
+    if Hq < H:
+        q, Hq = q.repeat_interleave(H // Hq, dim=1), H
+    o = torch.einsum("bhkv,bhjk->bhjv", S, q.to(S.dtype).unflatten(1, (H, Hq // H)))
+    return scale * o.flatten(1, 2)
+
+
 class RecurrentMixer(nn.Module):
     """Shared plumbing: hook points, write patches, state patches that carry forward, output norm and o_proj.
 
@@ -54,7 +65,15 @@ class RecurrentMixer(nn.Module):
       points, runs `self._recur(...)` and returns `self._finish(o, gate, ...)`;
     - `o_norm`, the per-head output norm, applied as o_norm(o, gate) when `forward` passes a gate and o_norm(o)
       when it passes None, and `o_proj`, the output projection.
+
+    Two class attributes tell readers of the hooks (interp.attribution) the kernel a mixer runs: `readout_scale`,
+    the scale of o_t = scale S_t^T q_t (None: head_k ** -0.5), and `low_rank_transition`, True where the transition
+    is "decay plus low-rank" (kernels.recurrence_low_rank, b = hook_erase * hook_erase_gate) rather than
+    (I - k a^T) Diag(exp g).
     """
+
+    readout_scale: Optional[float] = None
+    low_rank_transition: bool = False
 
     def __init__(self, layer: int = 0):
         super().__init__()
@@ -93,7 +112,7 @@ class RecurrentMixer(nn.Module):
         is what the recurrence reads even where it equals its input, so that its gradient is the loss's gradient
         with respect to that quantity: backward hooks fire and `retain_grad` works (docs/gradients.md).
         """
-        B, T, H = x.shape[:3]              # value heads: q and k may hold fewer (grouped value heads)
+        B, T, H = x.shape[:3]              # state heads; q may hold a multiple of them (query groups)
         scale_dtype = _acc(q)   # write scales in at least float32, float64 in a float64 model
         u, ws = k, None
         if is_intercepted(self.hook_write_key):
@@ -247,7 +266,13 @@ class RecurrentMixer(nn.Module):
 
 
 class GLAMixer(RecurrentMixer):
-    """Gated Linear Attention: g = logsigmoid(gk_proj x) / 16 per channel, no erase, x = v."""
+    """Gated Linear Attention: g = logsigmoid(gk_proj x) / 16 per channel, no erase, x = v.
+
+    With num_kv_heads < num_heads (GLA-7B) k, v and the gate have num_kv_heads heads and each of their states is read
+    by `query_group` = num_heads / num_kv_heads consecutive query heads: the state hooks, the write hooks, hook_k,
+    hook_v and hook_decay index the num_kv_heads state groups, hook_q, hook_head_out and hook_z the query heads
+    (query head h m + j reads state group h). fla repeats k, v and the gate and keeps num_heads identical states;
+    here the group's one state is the unit an intervention edits."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__(layer)
@@ -255,7 +280,7 @@ class GLAMixer(RecurrentMixer):
         d = cfg.hidden_size
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads or cfg.num_heads
-        self.groups = self.num_heads // self.num_kv_heads
+        self.groups = self.query_group = self.num_heads // self.num_kv_heads
         key_dim, value_dim = int(round(d * cfg.expand_k)), int(round(d * cfg.expand_v))
         self.head_k, self.head_v = key_dim // cfg.num_heads, value_dim // cfg.num_heads
         kd, vd = key_dim // self.groups, value_dim // self.groups
@@ -291,10 +316,10 @@ class GLAMixer(RecurrentMixer):
         k = self._conv_or_act("k", self.k_proj(h), layer_cache, new_conv)
         v = self._conv_or_act("v", self.v_proj(h), layer_cache, new_conv)
         gk = self.gk_proj(h)
-        q = _split_heads(q, self.head_k)
-        k = _repeat_heads(_split_heads(k, self.head_k), self.groups)
-        v = _repeat_heads(_split_heads(v, self.head_v), self.groups)
-        gk = _repeat_heads(_split_heads(gk, self.head_k), self.groups)
+        q = _split_heads(q, self.head_k)                 # num_heads query heads
+        k = _split_heads(k, self.head_k)                 # num_kv_heads state groups, never repeated
+        v = _split_heads(v, self.head_v)
+        gk = _split_heads(gk, self.head_k)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         g = F.logsigmoid(gk.to(_acc(gk))) / self.gate_logit_normalizer
         if self.clamp_min is not None:
@@ -509,6 +534,8 @@ class Mamba2Mixer(RecurrentMixer):
     mamba_ssm and the gated norm's groups do.
     """
 
+    readout_scale = 1.0
+
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__(layer)
         del self.hook_erase                  # no erase term
@@ -559,7 +586,7 @@ class Mamba2Mixer(RecurrentMixer):
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)          # (B, T, H)
         g = self.hook_decay(dt * -self.A_log.float().exp())
         init = None if layer_cache is None else layer_cache.state
-        o, S = self._recur(q, k, dt[..., None] * v.float(), g, None, init, state_positions, 1.0)
+        o, S = self._recur(q, k, dt[..., None] * v.float(), g, None, init, state_positions, self.readout_scale)
         o = self.hook_head_out(o)
         D = self.D.float().reshape(self.num_heads, -1)                                    # (H, 1) or (H, P)
         y = o + D * v.float()                                                             # the D skip

@@ -12,7 +12,8 @@ Both the native `RecurrentLM` (fla format) and the `BridgedLM` (transformers for
   needs besides its cache (positions, masks, rotary tables); it depends only on the tokens' length and the cache's,
   so it serves any number of rows continuing a cache of that length;
 - `unembed(resid)`, the final norm then the LM head on residual-stream vectors (also the logit lens and the
-  corrector), and `unembed_weight`, that LM head's (vocab, D) weight;
+  corrector), `final_norm`, that norm (a module), and `unembed_weight`, the (vocab, D) matrix with
+  unembed(resid) = final_norm(resid) @ unembed_weight.T (the LM head's weight times any output multiplier);
 - `heads()`, the (layer, head) inventory of recurrent heads, and `check_head`;
 - `tokenizer`; plus `cfg.vocab_size`, `cfg.state_shape()`, `n_state_heads`, `recurrent_layers`, `attention_layers`,
   `family` (its FamilySpec) and TransformerLens's `hooks()` / `hook_dict` with recurscope's hook names.
@@ -138,6 +139,9 @@ class RecurrentModel(Protocol):
     def unembed(self, resid: torch.Tensor) -> torch.Tensor: ...
 
     @property
+    def final_norm(self) -> torch.nn.Module: ...
+
+    @property
     def unembed_weight(self) -> torch.Tensor: ...
 
 
@@ -162,7 +166,19 @@ class ProtocolMethods(TransformerLensMethods):
 
     @property
     def n_state_heads(self) -> int:
+        """Heads that carry a state: the unit every intervention and the scan name as a "head" (a state group read
+        by `query_group` query heads where the family groups its queries, GLA-7B)."""
         return self.cfg.state_heads
+
+    @property
+    def query_group(self) -> int:
+        """Query heads that read each state (hook_q, hook_head_out and hook_z have n_state_heads * query_group)."""
+        return int(getattr(self.cfg, "query_group", 1))
+
+    def query_heads(self, head: int) -> list[int]:
+        """The query heads (indices into hook_head_out / hook_z) that read state group `head`."""
+        m = self.query_group
+        return list(range(head * m, (head + 1) * m))
 
     def _recurrent_mixers(self) -> list:
         return [b.mixer for b in self.blocks if b.is_recurrent]

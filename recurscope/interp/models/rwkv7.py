@@ -62,6 +62,9 @@ class RWKV7Mixer(RecurrentMixer):
     head), hook_erase_gate = iclr (the in-context learning rate, b = kk * iclr). The write is k v^T (the paper's
     v kappa^T in the V x K orientation), so hook_write_scale = 0 on a span zeroes the fact's write there."""
 
+    readout_scale = 1.0
+    low_rank_transition = True
+
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__(layer)
         self.hook_erase_gate = HookPoint()   # iclr: (B, T, H, K)
@@ -116,7 +119,7 @@ class RWKV7Mixer(RecurrentMixer):
         iclr = self.hook_erase_gate(_split_heads(iclr, self.head_dim))
         kk = self.hook_erase(kk)
         init = None if layer_cache is None else layer_cache.state
-        o, S = self._recur(q, k, v, g, kk, init, state_positions, 1.0, b=kk * iclr)
+        o, S = self._recur(q, k, v, g, kk, init, state_positions, self.readout_scale, b=kk * iclr)
         o = self.hook_head_out(o.to(h.dtype))
         B, T = o.shape[:2]
         normed = self.g_norm(o.reshape(B * T, -1)).view(B, T, self.num_heads, self.head_v)

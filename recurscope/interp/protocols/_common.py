@@ -3,13 +3,14 @@ section. The pair builders, interventions, statistics, figures and result direct
 (interp.data, interp.interventions, interp.stats, interp.plots, interp.results); nothing here re-implements them."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import pandas as pd
 
 from recurscope.interp import interventions as iv
+from recurscope.interp.data.layout import PairLayout, resolve_layout
 from recurscope.interp.results import RunDir
 
 Head = tuple[int, int]
@@ -33,19 +34,70 @@ class ProtocolResult:
     run_dir: Optional[RunDir] = None
 
 
-def pair_kwargs(filler: int = 512, presentations: int = 3, n_facts: int = 4, template: str = "is_in",
-                vocab: str = "cities", seed: int = 0, gap_tokens: int = 24, keys=None, values=None,
-                on_multitoken: str = "filter") -> dict:
-    """The layout of §3.3 (K = 4 facts, 3 presentations, 512 filler tokens) as build_pairs keyword arguments."""
-    out = dict(filler_tokens=filler, presentations=presentations, n_facts=n_facts, template=template, vocab=vocab,
-               seed=seed, gap_tokens=gap_tokens)
-    if on_multitoken != "filter":   # build_pairs' default; left out so that default layouts read as before
-        out["on_multitoken"] = on_multitoken
-    if keys is not None:
-        out["keys"] = keys
-    if values is not None:
-        out["values"] = values
-    return out
+#: The layout of a protocol called as a library function with no layout: the §3.3 layout as the bundled checkpoints
+#: record it (4 bindings x 3 presentations, 512 filler tokens, the "where is KEY? KEY is in" query). The command line
+#: resolves its own (--layout, else the checkpoint's pair_layout.json, else the paper's; runner.pair_spec_from_args).
+PROTOCOL_LAYOUT = "where_is"
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """The recall pairs a protocol builds, apart from the split and the sources: the prompt layout (a PairLayout,
+    interp.data.layout) and the words (vocab, or keys/values lists, and what to do with words that are not single
+    tokens) under `seed`. kwargs() gives them to build_pairs and its variants."""
+
+    layout: PairLayout = field(default_factory=lambda: resolve_layout(PROTOCOL_LAYOUT))
+    vocab: str = "cities"
+    keys: Optional[tuple] = None
+    values: Optional[tuple] = None
+    on_multitoken: str = "filter"
+    seed: int = 0
+
+    def with_(self, **changes) -> "PairSpec":
+        """A copy with PairLayout fields (n_facts, presentations, filler_tokens, gap_tokens, lead_tokens, template;
+        None ignored, as PairLayout.with_) and word fields (vocab, keys, values, on_multitoken, seed) changed."""
+        fields = {k for k in PairLayout.__dataclass_fields__ if k != "name"}
+        unknown = sorted(set(changes) - fields - set(self.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"{unknown} are not PairSpec or PairLayout fields")
+        layout = self.layout.with_(**{k: v for k, v in changes.items() if k in fields})
+        return replace(self, layout=layout, **{k: v for k, v in changes.items() if k not in fields and k != "layout"})
+
+    def record(self) -> dict:
+        """The spec as flat JSON fields, for a manifest: the layout's fields (without its name; lead_tokens where
+        set) and the words."""
+        layout = self.layout
+        out = dict(filler_tokens=layout.filler_tokens, presentations=layout.presentations, n_facts=layout.n_facts,
+                   template=layout.template, vocab=self.vocab, seed=self.seed, gap_tokens=layout.gap_tokens)
+        if layout.lead_tokens is not None:
+            out["lead_tokens"] = layout.lead_tokens
+        if self.on_multitoken != "filter":
+            out["on_multitoken"] = self.on_multitoken
+        for name in ("keys", "values"):
+            if getattr(self, name) is not None:
+                out[name] = list(getattr(self, name))
+        return out
+
+    def kwargs(self) -> dict:
+        """build_pairs keyword arguments."""
+        out = dict(layout=self.layout, vocab=self.vocab, seed=self.seed)
+        if self.on_multitoken != "filter":   # build_pairs' default
+            out["on_multitoken"] = self.on_multitoken
+        if self.keys is not None:
+            out["keys"] = list(self.keys)
+        if self.values is not None:
+            out["values"] = list(self.values)
+        return out
+
+
+def pair_spec(layout: "PairSpec | PairLayout | str | None" = None, **changes) -> PairSpec:
+    """A PairSpec from a PairSpec, a PairLayout, a layout name (interp.data.layout.LAYOUTS) or None
+    (PROTOCOL_LAYOUT), with `changes` (PairSpec.with_)."""
+    if isinstance(layout, dict):
+        raise TypeError("a protocol's layout is a PairSpec, a PairLayout or a layout name, not build_pairs keyword "
+                        "arguments: e.g. pair_spec('where_is', filler_tokens=128)")
+    spec = layout if isinstance(layout, PairSpec) else PairSpec(resolve_layout(layout or PROTOCOL_LAYOUT))
+    return spec.with_(**changes)
 
 
 def max_length(model) -> Optional[int]:
@@ -53,18 +105,19 @@ def max_length(model) -> Optional[int]:
     return getattr(model.cfg, "max_position_embeddings", None) if model.attention_layers else None
 
 
-def rank_heads(model, *, n_dev: int = 16, layout: Optional[dict] = None, batch_size: int = 96) -> pd.DataFrame:
+def rank_heads(model, *, n_dev: int = 16, layout: "PairSpec | PairLayout | str | None" = None,
+               batch_size: int = 96) -> pd.DataFrame:
     """Every recurrent head ranked by J on `n_dev` dev sources (interp.scan.run_scan): the frozen ranking."""
     from recurscope.interp.data import build_pairs
     from recurscope.interp.scan import run_scan
 
-    layout = dict(layout or pair_kwargs())
-    dev = build_pairs(model.tokenizer, split="dev", n_sources=n_dev, max_length=max_length(model), **layout)
+    dev = build_pairs(model.tokenizer, split="dev", n_sources=n_dev, max_length=max_length(model),
+                      **pair_spec(layout).kwargs())
     return run_scan(model, dev, batch_size=batch_size).heads
 
 
 def frozen_head(model, head: Optional[Sequence[int]] = None, from_scan=None, *, n_dev: int = 16,
-                layout: Optional[dict] = None) -> tuple[Head, pd.DataFrame | None]:
+                layout: "PairSpec | PairLayout | str | None" = None) -> tuple[Head, pd.DataFrame | None]:
     """The head a protocol intervenes on, never chosen on the evaluation sources: `head` as given, else the top head
     of a scan directory (`from_scan`), else the winner of a fresh scan on `n_dev` dev sources. Returns (head, the
     scan's per-head table or None)."""
@@ -81,22 +134,22 @@ def frozen_head(model, head: Optional[Sequence[int]] = None, from_scan=None, *, 
     return (int(table.iloc[0]["layer"]), int(table.iloc[0]["head"])), table
 
 
-def frozen_setup(model, pairs, head, from_scan, *, n_dev: int, layout: Optional[dict], seed: int,
-                 build: Callable[[dict], object]):
-    """What a single-head protocol starts from: the §3.3 layout (overridden by `layout`), the frozen head with the
-    scan table it came from (frozen_head) and the evaluation pairs (`build(layout)` when `pairs` is None).
-    Returns (layout, head, scan table or None, pairs)."""
-    layout = {**pair_kwargs(seed=seed), **(layout or {})}
+def frozen_setup(model, pairs, head, from_scan, *, n_dev: int, layout: "PairSpec | PairLayout | str | None",
+                 seed: int, build: Callable[[PairSpec], object]):
+    """What a single-head protocol starts from: the pairs' spec (pair_spec(layout) under the run's `seed`), the
+    frozen head with the scan table it came from (frozen_head) and the evaluation pairs (`build(spec)` when `pairs`
+    is None). Returns (spec, head, scan table or None, pairs)."""
+    layout = pair_spec(layout, seed=seed)
     chosen, scan_heads = frozen_head(model, head, from_scan, n_dev=n_dev, layout=layout)
     return layout, chosen, scan_heads, (build(layout) if pairs is None else pairs)
 
 
 def heldout_pairs(model, n_sources: int):
-    """build(layout) for frozen_setup: held-out swap pairs (build_pairs) of `n_sources` sources."""
+    """build(spec) for frozen_setup: held-out swap pairs (build_pairs) of `n_sources` sources."""
     from recurscope.interp.data import build_pairs
 
-    return lambda layout: build_pairs(model.tokenizer, split="heldout", n_sources=n_sources,
-                                      max_length=max_length(model), **layout)
+    return lambda spec: build_pairs(model.tokenizer, split="heldout", n_sources=n_sources,
+                                    max_length=max_length(model), **spec.kwargs())
 
 
 def head_label(heads) -> str:
@@ -166,10 +219,86 @@ def logged_arms_on(executor: Callable, run_dir: Optional[RunDir], table: str, ar
         if progress:
             progress(f"{arm}: {len(todo)} source units on Ray")
         executor(pairs, todo, partial(unit, arm=arm), on_rows)
-    if log is not None:
-        rows = log.read()
-        return rows[rows["arm"].isin(list(arms))].sort_values(["arm", "row"]).reset_index(drop=True)
-    return pd.concat(frames, ignore_index=True)
+    rows = log.read() if log is not None else pd.concat(frames, ignore_index=True)
+    order = {a: i for i, a in enumerate(arms)}             # the in-process order: arm by arm, rows in order
+    rows = rows[rows["arm"].isin(list(arms))]
+    return rows.sort_values(["arm", "row"], key=lambda c: c.map(order) if c.name == "arm" else c,
+                            kind="stable").reset_index(drop=True)
+
+
+def arm_records(model, pairs, arms: Sequence[str], *, fn: Callable) -> list[dict]:
+    """A named unit for --ray (logged_arms_on_ray): fn(model, pairs, arm) (a picklable callable giving the arm's
+    rows as a DataFrame) for every arm of the unit, as row records."""
+    return pd.concat([fn(model, pairs, arm) for arm in arms], ignore_index=True).to_dict("records")
+
+
+def arm_frame(model, pairs, keys: Sequence[str], *, fn: Callable) -> pd.DataFrame:
+    """arm_records as one DataFrame, its dtypes kept (unit_frames: rows that go to no row log)."""
+    return pd.concat([fn(model, pairs, key) for key in keys], ignore_index=True)
+
+
+def logged_arms_on_ray(executor: Callable, run_dir: Optional[RunDir], table: str, key: Sequence[str],
+                       arms: Sequence[str], fn: Callable, pairs=None, progress: Optional[Callable[[str], None]] = None,
+                       unit_of: Optional[Callable[[str], object]] = None) -> pd.DataFrame:
+    """logged_arms with whole arms as units, run by `executor(pairs, units, compute, on_rows)` (the CLI's --ray):
+    fn(model, pairs, arm) is the arm's computation, the same function the in-process run calls (so the rows are
+    its rows exactly: the same batches, the same seeds); arms with the same unit_of(arm) (default: each arm alone)
+    form one unit, e.g. the arms of one load that share its pairs. This process alone appends each unit's rows to
+    the row log `table` (first key column: the arm), arms already logged are skipped, and the rows come back in the
+    order of `arms`, as the in-process run returns them."""
+    from functools import partial
+
+    log = None if run_dir is None else run_dir.table(table, key=list(key))
+    done = set() if log is None else {k[0] for k in log.done_keys()}
+    todo = [a for a in arms if a not in done]
+    groups: dict = {}
+    for arm in todo:
+        groups.setdefault(arm if unit_of is None else unit_of(arm), []).append(arm)
+    frames = []
+
+    def on_rows(unit, records):
+        if log is not None:
+            log.append(records)
+        frames.append(pd.DataFrame.from_records(records))
+    if groups:
+        if progress:
+            progress(f"{len(todo)} arms in {len(groups)} units on Ray")
+        executor(pairs, [tuple(g) for g in groups.values()], partial(arm_records, fn=fn), on_rows)
+    rows = log.read() if log is not None else pd.concat(frames, ignore_index=True)
+    order = {a: i for i, a in enumerate(arms)}
+    rows = rows[rows[key[0]].isin(list(arms))]
+    return rows.sort_values(key[0], key=lambda c: c.map(order), kind="stable").reset_index(drop=True)
+
+
+def unit_frames(model, keys: Sequence[str], fn: Callable, pairs=None, progress: Optional[Callable[[str], None]] = None,
+                executor: Optional[Callable] = None) -> pd.DataFrame:
+    """fn(model, pairs, key) for every key, concatenated in the order of `keys`, without a row log: in this process,
+    or with `executor` (the CLI's --ray) one unit per key on Ray workers."""
+    if executor is None:
+        frames = []
+        for key in keys:
+            if progress:
+                progress(key)
+            frames.append(fn(model, pairs, key))
+        return pd.concat(frames, ignore_index=True)
+    from functools import partial
+
+    done: dict = {}
+    if progress:
+        progress(f"{len(keys)} units on Ray")
+    executor(pairs, [(key,) for key in keys], partial(arm_frame, fn=fn),
+             lambda unit, frame: done.__setitem__(unit[0], frame))
+    return pd.concat([done[key] for key in keys], ignore_index=True)
+
+
+def run_arms(model, run_dir: Optional[RunDir], table: str, key: Sequence[str], arms: Sequence[str], fn: Callable,
+             pairs=None, progress: Optional[Callable[[str], None]] = None, executor: Optional[Callable] = None,
+             unit_of: Optional[Callable[[str], object]] = None) -> pd.DataFrame:
+    """The rows of every arm, fn(model, pairs, arm) each: in this process (logged_arms) or, with `executor` (the
+    CLI's --ray), on Ray workers with whole arms as units (logged_arms_on_ray); either resumes the other."""
+    if executor is not None:
+        return logged_arms_on_ray(executor, run_dir, table, key, arms, fn, pairs, progress, unit_of)
+    return logged_arms(run_dir, table, key, arms, lambda arm: fn(model, pairs, arm), progress)
 
 
 def ci_text(summary: pd.DataFrame, where: dict, metric: str, pct: bool = False, digits: int = 2) -> str:

@@ -15,6 +15,7 @@ Paper (GLA-340M, GDN-340M): recall falls about 30-40 pp from K = 1 to K = 16; fr
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -23,34 +24,34 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, logged_arms,
-                                                 max_length, pair_kwargs)
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, add_gate_option, finish
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, run_arms,
+                                                 max_length, pair_spec, PairSpec)
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
+from recurscope.interp.protocols.verbs import GAPS, LOADS   # the verb's defaults, written once
 from recurscope.interp.verdicts import Claim, judge, measure_from
 
-__all__ = ["LOADS", "GAPS", "load_layout", "fixed_length_filler", "loss_contrasts", "run_capacity", "reading", "VERB"]
+__all__ = ["LOADS", "GAPS", "load_layout", "fixed_length_filler", "loss_contrasts", "run_capacity", "reading"]
 
-LOADS = (1, 2, 4, 8, 16, 32, 64)
-GAPS = (128, 256, 512, 1024)
 #: K at and above which the high-load layout (one presentation per fact, 4-token gaps) is used.
 HIGH_LOAD = 32
 METRICS = ("clean_correct", "donor_margin_shift")
 
 
-def load_layout(k: int, *, template: str = "is_in", vocab: str = "cities", seed: int = 0) -> dict:
-    """build_pairs keyword arguments (without filler) for K facts: the §3.3 layout below HIGH_LOAD, else one
-    presentation per fact with 4-token gaps."""
+def load_layout(k: int, layout=None) -> PairSpec:
+    """The pairs (a PairSpec; its filler is set by the caller) for K facts: `layout` (a PairSpec, PairLayout or
+    layout name; default the §3.3 layout) with K facts below HIGH_LOAD, else the high-load layout, one presentation
+    per fact with 4-token gaps."""
     if k >= HIGH_LOAD:
-        return pair_kwargs(n_facts=k, presentations=1, gap_tokens=4, template=template, vocab=vocab, seed=seed)
-    return pair_kwargs(n_facts=k, presentations=3, gap_tokens=24, template=template, vocab=vocab, seed=seed)
+        return pair_spec(layout, n_facts=k, presentations=1, gap_tokens=4)
+    return pair_spec(layout, n_facts=k)
 
 
-def fixed_length_filler(tokenizer, layout: dict, total_length: int) -> int:
+def fixed_length_filler(tokenizer, layout: PairSpec, total_length: int) -> int:
     """The filler before the query that makes a sequence of `layout` exactly `total_length` tokens long; raises
     ValueError when the facts alone are longer."""
     filler = total_length - _bare_length(tokenizer, layout)
     if filler < 0:
-        raise ValueError(f"K={layout['n_facts']} needs {-filler} more tokens than the fixed total length "
+        raise ValueError(f"K={layout.layout.n_facts} needs {-filler} more tokens than the fixed total length "
                          f"{total_length}")
     return filler
 
@@ -92,49 +93,70 @@ def _nan_rows(arm: str, reason: str) -> pd.DataFrame:
                          "donor_margin_shift": [np.nan], "reason": [reason]})
 
 
-def run_capacity(model, head: Optional[Sequence[int]] = None, *, from_scan=None, loads: Sequence[int] = LOADS,
-                 gaps: Sequence[int] = GAPS, total_length: Optional[int] = None, n_sources: int = 32,
-                 n_dev: int = 16, template: str = "is_in", vocab: str = "cities", seed: int = 0,
-                 batch_size: int = 16, n_resamples: int = 9999, run_dir=None, model_name: str = "model",
-                 gate_threshold: Optional[float] = None, progress=None) -> ProtocolResult:
-    """Load curve at `total_length` tokens (default: the K = 16 layout with 128 filler tokens) and gap curve at K = 4.
-    The head is `head`, else the top of `from_scan`, else the winner of a scan on `n_dev` dev sources.
-    gate_threshold: when set, every condition passes the capability gate (protocols.gate) first; where it refuses,
-    the state-swap shift is NaN with the gate's reason and only the clean recall is reported."""
-    from recurscope.interp.protocols.gate import capability_gate
-    from recurscope.interp.data import build_pairs
+@dataclass(frozen=True)
+class ConditionArm:
+    """One condition of the load and gap curves, its pairs built and state-swapped on the frozen head: called as
+    (model, pairs, arm) in this process or, under --ray, on a worker (a picklable unit, _common.run_arms)."""
 
-    base = pair_kwargs(template=template, vocab=vocab, seed=seed)
-    chosen, _ = frozen_head(model, head, from_scan, n_dev=n_dev, layout=base)
-    tok = model.tokenizer
-    if total_length is None:
-        total_length = 128 + _bare_length(tok, load_layout(16, template=template, vocab=vocab, seed=seed))
-    conditions = {}
-    for k in loads:
-        conditions[f"load:{k}"] = ("load", int(k), load_layout(int(k), template=template, vocab=vocab, seed=seed), None)
-    for g in gaps:
-        conditions[f"gap:{g}"] = ("gap", int(g), {**load_layout(4, template=template, vocab=vocab, seed=seed),
-                                                   "filler_tokens": int(g)}, None)
+    conditions: dict
+    total_length: int
+    n_sources: int
+    chosen: tuple
+    batch_size: int
+    gate_threshold: Optional[float]
+    n_resamples: int
+    seed: int
 
-    def compute(arm):
-        series, x, layout, _ = conditions[arm]
+    def __call__(self, model, pairs, arm: str) -> pd.DataFrame:
+        from recurscope.interp.data import build_pairs
+        from recurscope.interp.protocols.gate import capability_gate
+
+        tok, total_length, batch_size = model.tokenizer, self.total_length, self.batch_size
+        series, x, layout, _ = self.conditions[arm]
         try:
             if series == "load":
-                layout = {**layout, "filler_tokens": fixed_length_filler(tok, layout, total_length)}
-            pairs = build_pairs(tok, split="heldout", n_sources=n_sources, max_length=max_length(model), **layout)
+                layout = layout.with_(filler_tokens=fixed_length_filler(tok, layout, total_length))
+            pairs = build_pairs(tok, split="heldout", n_sources=self.n_sources, max_length=max_length(model),
+                                **layout.kwargs())
         except ValueError as err:                    # not evaluable here: NaN with the reason, never 0
             return _nan_rows(arm, str(err).split(";")[0])
-        frame = example_metrics(pairs, iv.state_swap(model, pairs, [chosen], batch_size=batch_size),
+        frame = example_metrics(pairs, iv.state_swap(model, pairs, [self.chosen], batch_size=batch_size),
                                 intervention="state_swap")
         reason = ""
-        if gate_threshold is not None:
-            g = capability_gate(model, pairs, threshold=gate_threshold, condition=f"{series} {x}",
-                                batch_size=batch_size, n_resamples=min(n_resamples, 2000), seed=seed)
+        if self.gate_threshold is not None:
+            g = capability_gate(model, pairs, threshold=self.gate_threshold, condition=f"{series} {x}",
+                                batch_size=batch_size, n_resamples=min(self.n_resamples, 2000), seed=self.seed)
             reason = "" if g.passed else g.describe()
         return pd.DataFrame({"arm": arm, "row": frame["row"], "source": frame["source"],
                              "clean_correct": frame["clean_correct"], "donor_margin_shift": frame["donor_margin_shift"],
                              "reason": reason, "length": int(pairs.recipient_ids.shape[1])})
-    rows = logged_arms(run_dir, "capacity_rows", ("arm", "row"), list(conditions), compute, progress)
+
+
+def run_capacity(model, head: Optional[Sequence[int]] = None, *, from_scan=None, loads: Sequence[int] = LOADS,
+                 gaps: Sequence[int] = GAPS, total_length: Optional[int] = None, n_sources: int = 32,
+                 n_dev: int = 16, layout=None, seed: int = 0, batch_size: int = 16, n_resamples: int = 9999,
+                 run_dir=None, model_name: str = "model", gate_threshold: Optional[float] = None,
+                 progress=None, executor=None) -> ProtocolResult:
+    """Load curve at `total_length` tokens (default: the K = 16 layout with 128 filler tokens) and gap curve at K = 4.
+    The head is `head`, else the top of `from_scan`, else the winner of a scan on `n_dev` dev sources. layout: the
+    pairs' layout and words (a PairSpec, PairLayout or layout name; default the §3.3 layout), under `seed`.
+    gate_threshold: when set, every condition passes the capability gate (protocols.gate) first; where it refuses,
+    the state-swap shift is NaN with the gate's reason and only the clean recall is reported. executor: the CLI's
+    --ray runner; each condition is then one unit on a Ray worker."""
+    base = pair_spec(layout, seed=seed)
+    chosen, _ = frozen_head(model, head, from_scan, n_dev=n_dev, layout=base)
+    tok = model.tokenizer
+    if total_length is None:
+        total_length = 128 + _bare_length(tok, load_layout(16, base))
+    conditions = {}
+    for k in loads:
+        conditions[f"load:{k}"] = ("load", int(k), load_layout(int(k), base), None)
+    for g in gaps:
+        conditions[f"gap:{g}"] = ("gap", int(g), load_layout(4, base).with_(filler_tokens=int(g)), None)
+
+    compute = ConditionArm(conditions, total_length, n_sources, chosen, batch_size, gate_threshold, n_resamples, seed)
+    rows = run_arms(model, run_dir, "capacity_rows", ("arm", "row"), list(conditions), compute, progress=progress,
+                    executor=executor)
     rows["reason"] = rows["reason"].fillna("")
     records, source_frames = [], []
     for arm, (series, x, _, _) in conditions.items():
@@ -165,24 +187,27 @@ def run_capacity(model, head: Optional[Sequence[int]] = None, *, from_scan=None,
     summary = pd.concat([pd.DataFrame(records), loss_contrasts(sources, loads, gaps, n_resamples=n_resamples,
                                                                seed=seed)], ignore_index=True)
     info = {"head": chosen, "total_length": int(total_length), "loads": [int(k) for k in loads],
-            "gaps": [int(g) for g in gaps], "n_sources": n_sources, "template": template, "vocab": vocab}
+            "gaps": [int(g) for g in gaps], "n_sources": n_sources, "template": base.layout.template,
+            "vocab": base.vocab}
     result = ProtocolResult("capacity", rows, sources, summary, info=info)
     figures = []
+    axis_names = {"load": "facts K (fixed sequence length)", "gap": "filler tokens before the query (K = 4)"}
     for series, label in (("load", "facts K at fixed length"), ("gap", "filler before the query, K = 4")):
         part = summary[summary["series"] == series]
         if part["estimate"].notna().any():
             figures.append(FigureSpec(series, part, dict(
                 row_col="x", panels=list(METRICS), kind="lines", percent=["clean_correct"],
+                row_name=axis_names[series],
                 panel_labels={"clean_correct": "clean recall",
                               "donor_margin_shift": f"state-swap shift, {head_label(chosen)}"},
                 title=f"{model_name}: {label}")))
     return finish(result, run_dir, lambda r: capacity_section(r, model_name), figures)
 
 
-def _bare_length(tokenizer, layout: dict) -> int:
+def _bare_length(tokenizer, layout: PairSpec) -> int:
     from recurscope.interp.data import build_pairs
 
-    bare = build_pairs(tokenizer, split="heldout", n_sources=1, **{**layout, "filler_tokens": 0})
+    bare = build_pairs(tokenizer, split="heldout", n_sources=1, **layout.with_(filler_tokens=0).kwargs())
     return int(bare.recipient_ids.shape[1])
 
 
@@ -221,13 +246,3 @@ def reading(s: pd.DataFrame) -> list[str]:
                      Claim.positive("load costs more recall than the gap"),
                      "The load loss minus the gap loss (paired over sources)"))
     return out
-
-
-def _options(p) -> None:
-    p.add_argument("--loads", type=int, nargs="*", default=list(LOADS))
-    p.add_argument("--gaps", type=int, nargs="*", default=list(GAPS))
-    add_gate_option(p, None, "refuse the state-swap shift of any condition under this clean recall (capability gate)")
-
-
-VERB = Verb("capacity", "clean recall and state-swap shift against load K and gap (§4.2, Fig. 7a-b)", run_capacity,
-            filler=False, presentations=None, gap=None, fixed_length=True, options=_options)

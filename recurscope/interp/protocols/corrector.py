@@ -35,18 +35,19 @@ from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import summarise_metrics
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, logged_arms,
-                                                 max_length, pair_kwargs)
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+                                                 max_length, pair_spec)
+from recurscope.interp.protocols.verbs import CORRECTOR_METHODS
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import Claim, judge, measure_from
 from recurscope.interp.protocols.capacity import _bare_length, fixed_length_filler, load_layout
 
 __all__ = ["ARMS", "METHODS", "PAPER", "Corrector", "source_keys", "collect_features", "fit_corrector",
-           "random_corrector", "corrected_logits", "corrector_logits", "run_corrector", "VERB"]
+           "random_corrector", "corrected_logits", "corrector_logits", "run_corrector"]
 
 ARMS = ("corrector", "random_map", "control_head")
 LABELS = {"corrector": "corrector (frozen head)", "random_map": "random map, equal norm",
           "control_head": "corrector on the control head"}
-METHODS = ("logits_and_state", "residual")
+METHODS = CORRECTOR_METHODS
 METRICS = ("clean_correct", "correct", "accuracy_change", "rescued", "broken")
 #: Residual-norm multiples tried for alpha on dev.
 ALPHAS = (0.0, 0.03125, 0.0625, 0.125, 0.25, 0.5, 1.0)
@@ -107,6 +108,7 @@ def collect_features(model, pairs, heads: Sequence[tuple], *, batch_size: int = 
     """One clean forward per chunk: the readout (hook_head_out) of each head at query_pos, the residual leaving the
     last block there, and the clean candidate logits."""
     iv.check_pairs(model, pairs)
+    iv.require_one_query_per_state(model, "the corrector's readout features")
     W_U = model.unembed_weight.detach().double().cpu()
     device = iv.model_device(model)
     last = hook_name("hook_resid_post", model.cfg.num_hidden_layers - 1)
@@ -278,22 +280,22 @@ def _rows(arm, pairs, clean: torch.Tensor, z: torch.Tensor) -> pd.DataFrame:
 
 def run_corrector(model, head: Optional[Sequence[int]] = None, *, from_scan=None, k: int = 64,
                   total_length: Optional[int] = None, n_sources: int = 32, n_fit: int = 32, pairs_per_source: int = 8,
-                  rank: int = 4, n_dev: int = 16, template: str = "is_in",
-                  vocab: str = "cities", seed: int = 0, batch_size: int = 16, n_resamples: int = 9999, run_dir=None,
+                  rank: int = 4, n_dev: int = 16, layout=None, seed: int = 0, batch_size: int = 16, n_resamples: int = 9999, run_dir=None,
                   model_name: str = "model", method: str = "logits_and_state", progress=None) -> ProtocolResult:
     """Fits the corrector on `n_fit` dev sources and evaluates it, with its controls, on `n_sources` held-out
-    sources; K = `k` facts at `total_length` tokens (default: capacity.py's fixed length)."""
+    sources; K = `k` facts at `total_length` tokens (default: capacity.py's fixed length). layout: the pairs'
+    layout and words (a PairSpec, PairLayout or layout name; default the §3.3 layout), under `seed`."""
     from recurscope.interp.data import build_pairs
 
-    chosen, scan_heads = frozen_head(model, head, from_scan, n_dev=n_dev,
-                                     layout=pair_kwargs(template=template, vocab=vocab, seed=seed))
+    base = pair_spec(layout, seed=seed)
+    chosen, scan_heads = frozen_head(model, head, from_scan, n_dev=n_dev, layout=base)
     control = iv.choose_control_heads(model, [chosen], scan_heads)[0]
     tok = model.tokenizer
     if total_length is None:
-        total_length = 128 + _bare_length(tok, load_layout(16, template=template, vocab=vocab, seed=seed))
-    layout = load_layout(int(k), template=template, vocab=vocab, seed=seed)
-    layout = {**layout, "filler_tokens": fixed_length_filler(tok, layout, total_length)}
-    common = dict(max_length=max_length(model), pairs_per_source=pairs_per_source, **layout)
+        total_length = 128 + _bare_length(tok, load_layout(16, base))
+    spec = load_layout(int(k), base)
+    spec = spec.with_(filler_tokens=fixed_length_filler(tok, spec, total_length))
+    common = dict(max_length=max_length(model), pairs_per_source=pairs_per_source, **spec.kwargs())
     fit_pairs = build_pairs(tok, split="dev", n_sources=n_fit, **common)
     test_pairs = build_pairs(tok, split="heldout", n_sources=n_sources, **common)
     cache: dict = {}
@@ -322,7 +324,7 @@ def run_corrector(model, head: Optional[Sequence[int]] = None, *, from_scan=None
                                      rescued=("rescued", "sum"), broken=("broken", "sum")).reset_index()
     info = {"head": chosen, "control_head": control, "k": int(k), "total_length": int(total_length),
             "n_sources": n_sources, "n_fit": n_fit, "pairs_per_source": pairs_per_source, "rank": rank,
-            "template": template, "vocab": vocab, "counts": counts.to_dict("records"), "method": method,
+            "template": base.layout.template, "vocab": base.vocab, "counts": counts.to_dict("records"), "method": method,
             "chosen": {a: {"ridge": float(rows.loc[rows["arm"] == a, "ridge"].iloc[0]),
                            "multiple": float(rows.loc[rows["arm"] == a, "multiple"].iloc[0])}
                        for a in ("corrector", "control_head") if {"ridge", "multiple"} <= set(rows.columns)}, "fit_sources": len(source_keys(fit_pairs)),
@@ -332,7 +334,8 @@ def run_corrector(model, head: Optional[Sequence[int]] = None, *, from_scan=None
         row_col="arm", rows=list(ARMS), panels=["correct", "accuracy_change", "rescued", "broken"],
         percent=["correct", "accuracy_change", "rescued", "broken"],
         panel_labels={"correct": "accuracy after", "accuracy_change": "accuracy change",
-                      "rescued": "rescued (of the wrong)", "broken": "broken (of the right)"},
+                      "rescued": "rescued (of the wrong)", "broken": "broken (of the right)"}, row_labels=LABELS,
+        controls=["random_map", "control_head"],
         title=f"{model_name}: state-feature corrector ({method}), K = {k}, head {head_label(chosen)}"))
     return finish(result, run_dir, lambda r: corrector_section(r, model_name), [figure])
 
@@ -384,17 +387,3 @@ def reading(s: pd.DataFrame, info: dict) -> list:
         out.append(judge(measure_from(s, {"arm": arm}, "accuracy_change", "pp"), Claim.near_zero("a control"),
                          f"The {LABELS[arm]}'s accuracy change"))
     return out
-
-
-def _options(p) -> None:
-    p.add_argument("--n-fit", type=int, default=32, help="dev sources the corrector is fitted on")
-    p.add_argument("--pairs-per-source", type=int, default=8)
-    p.add_argument("--k", type=int, default=64, help="facts in the high-load layout")
-    p.add_argument("--rank", type=int, default=4)
-    p.add_argument("--method", choices=METHODS, default="logits_and_state",
-                   help="logits_and_state: the paper's (four-way logits with state features); residual: a variant")
-
-
-VERB = Verb("corrector", "a low-rank state-feature corrector fitted on dev sources, applied on held-out sources at "
-            "high load (App. F.1)", run_corrector, filler=False, presentations=None, gap=None, fixed_length=True,
-            options=_options)

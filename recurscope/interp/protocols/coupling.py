@@ -15,6 +15,7 @@ move it less, and the full edit is weak.
 from __future__ import annotations
 
 import random
+from functools import partial
 from typing import Optional, Sequence
 
 import pandas as pd
@@ -22,12 +23,12 @@ import torch
 
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import ProtocolResult, ci_text, frozen_setup, head_label
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+from recurscope.interp.protocols._common import ProtocolResult, ci_text, frozen_setup, head_label, source_units
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import Claim, judge, measure_from
 from recurscope.interp.protocols.selectivity import build_selectivity_pairs
 
-__all__ = ["ARMS", "split_parallel", "run_coupling", "reading", "VERB"]
+__all__ = ["ARMS", "split_parallel", "run_coupling", "reading"]
 
 ARMS = ("full", "parallel", "orthogonal", "random_full", "random_parallel", "random_orthogonal")
 LABELS = {"full": "full Δ_A", "parallel": "part of Δ_A parallel to Δ_B", "orthogonal": "orthogonal remainder",
@@ -76,76 +77,107 @@ def _donor_for_fact(pairs, row: int, fact: int, seed: int) -> tuple[torch.Tensor
     return ids, new_index
 
 
+def coupling_group(model, pairs, g: int, head, seed: int) -> list[dict]:
+    """The rows of one pair (group g) of four-fact pairs: for each other fact B, B's answer margin on the clean
+    recipient state and on the recipient state edited by each arm, with cos(Δ_A, Δ_B) and the norms. One prefix
+    batch and one suffix batch of this pair alone, so a pair's rows do not depend on the others."""
+    layer, h = head
+    device = iv.model_device(model)
+    with torch.no_grad():
+        rows_g = torch.nonzero(pairs.group == g)[:, 0]
+        target_row = int(rows_g[pairs.is_target[rows_g]][0])
+        fact_a = int(pairs.target_fact[target_row])
+        b_rows = [int(i) for i in rows_g if int(pairs.queried_fact[i]) != fact_a]
+        b = int(pairs.query_start[target_row]) - 1
+        # One prefix batch: recipient, donor changing A, and one donor per B.
+        edited = [_donor_for_fact(pairs, i, int(pairs.queried_fact[i]), seed) for i in b_rows]
+        prefix = torch.stack([pairs.recipient_ids[target_row], pairs.donor_ids[target_row],
+                              *[e[0] for e in edited]])[:, :b + 1].to(device)
+        _, cache = model(prefix, use_cache=True)
+        S = cache.head_state(layer, h).double()                       # (2 + nB, K, V)
+        nB = len(b_rows)
+        delta_a = (S[1] - S[0]).expand(nB, *S.shape[1:])
+        delta_b = S[2:] - S[0]
+        parallel, orthogonal = split_parallel(delta_a, delta_b)
+        cos = _frobenius_cos(delta_a, delta_b)
+        edits = {"full": delta_a, "parallel": parallel, "orthogonal": orthogonal}
+        for part in ("full", "parallel", "orthogonal"):
+            noise = torch.stack([iv.seeded_gaussian(S.shape[1:], seed,
+                                                    int(g) * 64 + j * 8 + _ARM_CODE["random_" + part], layer, h)
+                                 for j in range(nB)])
+            scale = edits[part].flatten(1).norm(dim=1) / noise.flatten(1).norm(dim=1)
+            edits["random_" + part] = noise * scale[:, None, None]
+        # Suffix runs: for each B, its query on the clean recipient cache and on each edited cache.
+        recipient = cache.select([0] * (nB * (1 + len(ARMS))))
+        states = [S[0].expand(nB, *S.shape[1:])] + [S[0] + edits[arm] for arm in ARMS]
+        recipient.set_head_state(layer, h, torch.cat(states).to(recipient.layers[layer].state.dtype))
+        suffix = pairs.recipient_ids[b_rows, b + 1:].repeat(1 + len(ARMS), 1).to(device)
+        logits, _ = model(suffix, cache=recipient, use_cache=True)
+        qp = (pairs.query_pos[b_rows] - (b + 1)).repeat(1 + len(ARMS)).to(device)
+        cand = pairs.candidate_ids[b_rows].repeat(1 + len(ARMS), 1)
+        z = iv.candidate_logits(logits[torch.arange(len(qp), device=device), qp], cand)
+        r = pairs.recipient_answer_index[b_rows].repeat(1 + len(ARMS))
+        margin = _answer_margin(z, r).reshape(1 + len(ARMS), nB)
+        correct = (z.argmax(1) == r).reshape(1 + len(ARMS), nB)
+        new_rows = []
+        for j, i in enumerate(b_rows):
+            for k, arm in enumerate(ARMS, 1):
+                new_rows.append({
+                    "pair": int(g), "source": int(pairs.source_id[i]), "row": i, "fact_a": fact_a,
+                    "fact_b": int(pairs.queried_fact[i]), "arm": arm, "cos_ab": float(cos[j]),
+                    "norm_delta_a": float(delta_a[j].norm()), "norm_delta_b": float(delta_b[j].norm()),
+                    "norm_edit": float(edits[arm][j].norm()), "clean_margin_b": float(margin[0, j]),
+                    "margin_b": float(margin[k, j]), "margin_change_b": float(margin[k, j] - margin[0, j]),
+                    "clean_correct_b": float(correct[0, j]), "correct_b": float(correct[k, j])})
+    return new_rows
+
+
+def coupling_unit(model, pairs, rows, *, head, seed: int) -> list[dict]:
+    """A unit for --ray: the rows of every pair (group) among `rows` (one source's rows, indexing the whole batch)."""
+    groups = sorted({int(pairs.group[i]) for i in rows})
+    return [r for g in groups for r in coupling_group(model, pairs, g, head, seed)]
+
+
+def _arm_order(column):
+    return column.map({a: i for i, a in enumerate(ARMS)}) if column.name == "arm" else column
+
+
 def run_coupling(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_dir=None, from_scan=None,
-                 n_sources: int = 32, n_dev: int = 16, layout: Optional[dict] = None, seed: int = 0,
-                 n_resamples: int = 9999, model_name: str = "model", progress=None) -> ProtocolResult:
-    """Rows: one per (pair, fact B != A, arm) with B's answer-margin change, cos(Δ_A, Δ_B) and the norms."""
+                 n_sources: int = 32, n_dev: int = 16, layout=None, seed: int = 0,
+                 n_resamples: int = 9999, model_name: str = "model", progress=None, executor=None) -> ProtocolResult:
+    """Rows: one per (pair, fact B != A, arm) with B's answer-margin change, cos(Δ_A, Δ_B) and the norms.
+    executor: the CLI's --ray runner; each source's pairs are then one unit on a Ray worker."""
     layout, chosen, _, pairs = frozen_setup(
         model, pairs, head, from_scan, n_dev=n_dev, layout=layout, seed=seed,
-        build=lambda lay: build_selectivity_pairs(model.tokenizer, n_sources=n_sources, model=model, **lay))
+        build=lambda lay: build_selectivity_pairs(model.tokenizer, n_sources=n_sources, model=model, layout=lay))
     iv.check_pairs(model, pairs)
-    layer, h = chosen
-    device = iv.model_device(model)
     log = None if run_dir is None else run_dir.table("coupling_rows", key=["pair", "fact_b", "arm"])
     done = set() if log is None else {k[0] for k in log.done_keys()}
     collected = []
     groups = sorted(set(pairs.group.tolist()))
-    with torch.no_grad():
-        for gi, g in enumerate(groups):
-            if g in done:
-                continue
-            if progress:
-                progress(f"pair {gi + 1}/{len(groups)}")
-            rows_g = torch.nonzero(pairs.group == g)[:, 0]
-            target_row = int(rows_g[pairs.is_target[rows_g]][0])
-            fact_a = int(pairs.target_fact[target_row])
-            b_rows = [int(i) for i in rows_g if int(pairs.queried_fact[i]) != fact_a]
-            b = int(pairs.query_start[target_row]) - 1
-            # One prefix batch: recipient, donor changing A, and one donor per B.
-            edited = [_donor_for_fact(pairs, i, int(pairs.queried_fact[i]), seed) for i in b_rows]
-            prefix = torch.stack([pairs.recipient_ids[target_row], pairs.donor_ids[target_row],
-                                  *[e[0] for e in edited]])[:, :b + 1].to(device)
-            _, cache = model(prefix, use_cache=True)
-            S = cache.head_state(layer, h).double()                       # (2 + nB, K, V)
-            nB = len(b_rows)
-            delta_a = (S[1] - S[0]).expand(nB, *S.shape[1:])
-            delta_b = S[2:] - S[0]
-            parallel, orthogonal = split_parallel(delta_a, delta_b)
-            cos = _frobenius_cos(delta_a, delta_b)
-            edits = {"full": delta_a, "parallel": parallel, "orthogonal": orthogonal}
-            for part in ("full", "parallel", "orthogonal"):
-                noise = torch.stack([iv.seeded_gaussian(S.shape[1:], seed,
-                                                        int(g) * 64 + j * 8 + _ARM_CODE["random_" + part], layer, h)
-                                     for j in range(nB)])
-                scale = edits[part].flatten(1).norm(dim=1) / noise.flatten(1).norm(dim=1)
-                edits["random_" + part] = noise * scale[:, None, None]
-            # Suffix runs: for each B, its query on the clean recipient cache and on each edited cache.
-            recipient = cache.select([0] * (nB * (1 + len(ARMS))))
-            states = [S[0].expand(nB, *S.shape[1:])] + [S[0] + edits[arm] for arm in ARMS]
-            recipient.set_head_state(layer, h, torch.cat(states).to(recipient.layers[layer].state.dtype))
-            suffix = pairs.recipient_ids[b_rows, b + 1:].repeat(1 + len(ARMS), 1).to(device)
-            logits, _ = model(suffix, cache=recipient, use_cache=True)
-            qp = (pairs.query_pos[b_rows] - (b + 1)).repeat(1 + len(ARMS)).to(device)
-            cand = pairs.candidate_ids[b_rows].repeat(1 + len(ARMS), 1)
-            z = iv.candidate_logits(logits[torch.arange(len(qp), device=device), qp], cand)
-            r = pairs.recipient_answer_index[b_rows].repeat(1 + len(ARMS))
-            margin = _answer_margin(z, r).reshape(1 + len(ARMS), nB)
-            correct = (z.argmax(1) == r).reshape(1 + len(ARMS), nB)
-            new_rows = []
-            for j, i in enumerate(b_rows):
-                for k, arm in enumerate(ARMS, 1):
-                    new_rows.append({
-                        "pair": int(g), "source": int(pairs.source_id[i]), "row": i, "fact_a": fact_a,
-                        "fact_b": int(pairs.queried_fact[i]), "arm": arm, "cos_ab": float(cos[j]),
-                        "norm_delta_a": float(delta_a[j].norm()), "norm_delta_b": float(delta_b[j].norm()),
-                        "norm_edit": float(edits[arm][j].norm()), "clean_margin_b": float(margin[0, j]),
-                        "margin_b": float(margin[k, j]), "margin_change_b": float(margin[k, j] - margin[0, j]),
-                        "clean_correct_b": float(correct[0, j]), "correct_b": float(correct[k, j])})
+    if executor is not None:     # --ray: one unit per source, this process the only writer
+        todo = [u for u in source_units(pairs) if any(int(pairs.group[i]) not in done for i in u)]
+
+        def on_rows(unit, records):
+            records = [r for r in records if r["pair"] not in done]
             if log is not None:
-                log.append(new_rows)
-            collected.extend(new_rows)
+                log.append(records)
+            collected.extend(records)
+        if progress:
+            progress(f"{len(todo)} source units on Ray")
+        executor(pairs, todo, partial(coupling_unit, head=chosen, seed=seed), on_rows)
+    for gi, g in enumerate([] if executor is not None else groups):
+        if g in done:
+            continue
+        if progress:
+            progress(f"pair {gi + 1}/{len(groups)}")
+        new_rows = coupling_group(model, pairs, g, chosen, seed)
+        if log is not None:
+            log.append(new_rows)
+        collected.extend(new_rows)
     rows = log.read() if log is not None else pd.DataFrame(collected)
-    rows = rows[rows["pair"].isin(groups)].reset_index(drop=True)
+    rows = rows[rows["pair"].isin(groups)].sort_values(["pair", "row", "arm"], key=_arm_order, kind="stable")
+    rows = rows.reset_index(drop=True)
     metrics = ["margin_change_b", "cos_ab", "norm_edit"]
     sources = rows.groupby(["arm", "source"])[metrics].mean().reset_index()
     summary = stats.summarise(rows, metrics, by=["arm"], n_resamples=n_resamples, seed=seed)
@@ -153,6 +185,8 @@ def run_coupling(model, pairs=None, head: Optional[Sequence[int]] = None, *, run
     result = ProtocolResult("coupling", rows, sources, summary, info=info)
     figure = FigureSpec("coupling", summary, dict(row_col="arm", rows=list(ARMS), panels=["margin_change_b"],
                                                   panel_labels={"margin_change_b": "change in B's margin"},
+                                                  row_labels=LABELS,
+                                                  controls=[a for a in ARMS if a.startswith("random")],
                                                   title=f"{model_name}: Frobenius coupling, head {head_label(chosen)}"))
     return finish(result, run_dir, lambda r: coupling_section(r, model_name), [figure])
 
@@ -184,6 +218,3 @@ def reading(s: pd.DataFrame) -> list[str]:
             out.append(f"The edit \"{LABELS[arm]}\" moves it by {m.text()} (reported without a verdict: the paper gives no "
                        "number).")
     return out
-
-
-VERB = Verb("coupling", "Frobenius coupling of two facts' state changes (§2.4, Fig. 5c)", run_coupling)

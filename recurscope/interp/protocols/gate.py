@@ -26,15 +26,16 @@ import torch
 
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import ProtocolResult, ci_text, max_length
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+from recurscope.interp.protocols._common import ProtocolResult, ci_text, max_length, unit_frames
+from recurscope.interp.protocols import verbs
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import measure_from
 
 __all__ = ["GATE_THRESHOLD", "NATURAL_TEMPLATE", "GATE_CITIES", "PHRASINGS", "CapabilityGateError", "GateResult",
-           "capability_gate", "require_capability", "top1_correct", "run_gate", "VERB"]
+           "capability_gate", "require_capability", "top1_correct", "run_gate"]
 
 #: The paper's preset: recipient and donor clean recall both >= 80%.
-GATE_THRESHOLD = 0.8
+GATE_THRESHOLD = verbs.GATE_THRESHOLD
 NATURAL_TEMPLATE = "natural_lives"
 PAPER = {128: (0.719, 0.688), 512: (0.563, 0.531)}
 #: 31 cities, single tokens in common BPE vocabularies; run_gate keeps those this tokenizer holds as one token.
@@ -155,23 +156,22 @@ def _answer(pairs, side: str, recall: str):
     return pairs.candidate_ids[torch.arange(len(pairs)), idx], None
 
 
-def run_gate(model, *, fillers: Sequence[int] = (128, 512), vocab=GATE_CITIES, n_sources: int = 32,
-             gap_tokens: int = 24, recall: str = "vocabulary", threshold: float = GATE_THRESHOLD, seed: int = 0,
-             batch_size: int = 16, n_resamples: int = 9999, run_dir=None, model_name: str = "model") -> ProtocolResult:
-    """The App. F.2 gate at every filler length on held-out sources: per item, recipient and donor are right only
-    when both phrasings are; the evidence-removed control reads the recipient's answer with the evidence gone."""
-    from recurscope.interp.data import build_neutral_pairs, build_pairs
+@dataclass(frozen=True)
+class GateFiller:
+    """The gate's rows at one filler length (the key, a string): both phrasings for recipient, donor and the
+    evidence-removed control. Called in this process or, under --ray, on a worker (_common.unit_frames)."""
 
-    threshold = _check_threshold(threshold)
-    if recall not in ("vocabulary", "candidates"):
-        raise ValueError(f"recall must be 'vocabulary' (the paper's) or 'candidates', got {recall!r}")
-    common = dict(split="heldout", n_sources=n_sources, n_facts=1, presentations=1, gap_tokens=gap_tokens,
-                  vocab=vocab, seed=seed, max_length=max_length(model), on_multitoken="filter")
-    frames, used = [], {}
-    for filler in fillers:
-        pairs = build_pairs(model.tokenizer, filler_tokens=int(filler), template=NATURAL_TEMPLATE, **common)
-        neutral = build_neutral_pairs(model.tokenizer, filler_tokens=int(filler), template=NATURAL_TEMPLATE, **common)
-        used = {"kept": len(vocab) - len(pairs.report.get("dropped_values", {})), "of": len(vocab)}
+    common: dict
+    recall: str
+    batch_size: int
+
+    def __call__(self, model, pairs, key: str) -> pd.DataFrame:
+        from recurscope.interp.data import build_neutral_pairs, build_pairs
+
+        filler, recall, batch_size = int(key), self.recall, self.batch_size
+        pairs = build_pairs(model.tokenizer, filler_tokens=filler, template=NATURAL_TEMPLATE, **self.common)
+        neutral = build_neutral_pairs(model.tokenizer, filler_tokens=filler, template=NATURAL_TEMPLATE,
+                                      **self.common)
         per_phrasing = []
         for question in PHRASINGS:
             rec, don, qpos = _ask(model.tokenizer, pairs, question)
@@ -182,11 +182,30 @@ def run_gate(model, *, fillers: Sequence[int] = (128, 512), vocab=GATE_CITIES, n
                                                        batch_size=batch_size)
             per_phrasing.append(correct)
         c0, c1 = per_phrasing
-        frames.append(pd.DataFrame({"filler": int(filler), "source": pairs.source_id.numpy(),
-                                    **{f"{k}_correct": (c0[k] & c1[k]).float().numpy() for k in c0},
-                                    **{f"{k}_correct_phrasing{i}": c[k].float().numpy()
-                                       for i, c in enumerate((c0, c1), 1) for k in c}}))
-    rows = pd.concat(frames, ignore_index=True)
+        return pd.DataFrame({"filler": filler, "source": pairs.source_id.numpy(),
+                             **{f"{k}_correct": (c0[k] & c1[k]).float().numpy() for k in c0},
+                             **{f"{k}_correct_phrasing{i}": c[k].float().numpy()
+                                for i, c in enumerate((c0, c1), 1) for k in c}})
+
+
+def run_gate(model, *, fillers: Sequence[int] = (128, 512), vocab=GATE_CITIES, n_sources: int = 32,
+             gap_tokens: int = 24, recall: str = "vocabulary", threshold: float = GATE_THRESHOLD, seed: int = 0,
+             batch_size: int = 16, n_resamples: int = 9999, run_dir=None, model_name: str = "model",
+             executor=None) -> ProtocolResult:
+    """The App. F.2 gate at every filler length on held-out sources: per item, recipient and donor are right only
+    when both phrasings are; the evidence-removed control reads the recipient's answer with the evidence gone.
+    executor: the CLI's --ray runner; each filler length is then one unit on a Ray worker."""
+    from recurscope.interp.data import build_pairs
+
+    threshold = _check_threshold(threshold)
+    if recall not in ("vocabulary", "candidates"):
+        raise ValueError(f"recall must be 'vocabulary' (the paper's) or 'candidates', got {recall!r}")
+    common = dict(split="heldout", n_sources=n_sources, n_facts=1, presentations=1, gap_tokens=gap_tokens,
+                  vocab=vocab, seed=seed, max_length=max_length(model), on_multitoken="filter")
+    last = build_pairs(model.tokenizer, filler_tokens=int(fillers[-1]), template=NATURAL_TEMPLATE, **common)
+    used = {"kept": len(vocab) - len(last.report.get("dropped_values", {})), "of": len(vocab)}
+    rows = unit_frames(model, [str(int(f)) for f in fillers], GateFiller(common, recall, batch_size),
+                       executor=executor)
     metrics = [c for c in rows.columns if c.endswith(("_correct", "_phrasing1", "_phrasing2"))]
     summary = stats.summarise(rows, metrics, by=["filler"], n_resamples=n_resamples, seed=seed, proportions=metrics)
     point = summary.set_index(["filler", "metric"])["estimate"]
@@ -200,7 +219,8 @@ def run_gate(model, *, fillers: Sequence[int] = (128, 512), vocab=GATE_CITIES, n
     figure = FigureSpec("gate", summary, dict(
         row_col="filler", panels=["recipient_correct", "donor_correct", "evidence_removed_correct"], kind="lines",
         percent=["recipient_correct", "donor_correct", "evidence_removed_correct"],
-        reference={"recipient_correct": threshold, "donor_correct": threshold},
+        reference={"recipient_correct": threshold, "donor_correct": threshold}, row_name="filler tokens",
+        reference_labels={"recipient_correct": f"the {100 * threshold:.0f}% gate"},
         panel_labels={"recipient_correct": "recipient recall", "donor_correct": "donor recall",
                       "evidence_removed_correct": "evidence removed"},
         title=f"{model_name}: App. F.2 capability gate"))
@@ -248,19 +268,7 @@ def gate_section(result: ProtocolResult, model_name: str) -> Section:
     return Section(f"Capability gate (App. F.2): {model_name}", intro, [table], reading)
 
 
-def _options(p) -> None:
-    p.add_argument("--fillers", type=int, nargs="+", default=[128, 512])
-    p.add_argument("--recall", choices=("vocabulary", "candidates"), default="vocabulary",
-                   help="vocabulary: full-vocabulary top-1 (the paper's); candidates: top-1 among four (easier)")
-    p.add_argument("--threshold", type=float, default=GATE_THRESHOLD)
-
-
-def _from_args(model, args, run_dir, progress) -> ProtocolResult:
+def _from_args(model, args, run_dir, progress, executor=None) -> ProtocolResult:
     return run_gate(model, fillers=args.fillers, n_sources=args.n_sources, gap_tokens=args.gap, recall=args.recall,
                     threshold=args.threshold, seed=args.seed, batch_size=args.batch_size,
-                    n_resamples=args.resamples, run_dir=run_dir, model_name=args.model)
-
-
-VERB = Verb("gate", "the App. F.2 capability gate: one evidence sentence, two phrasings, full-vocabulary top-1 "
-            "against a preset threshold, with an evidence-removed control", run_gate, from_args=_from_args,
-            head=False, ranking=False, filler=False, presentations=None, template="", options=_options)
+                    n_resamples=args.resamples, run_dir=run_dir, model_name=args.model, executor=executor)

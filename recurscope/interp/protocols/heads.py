@@ -14,6 +14,7 @@ Paper: GLA-340M's top-1 head recovers 94.7% of the all-head shift; GLA-7B needs 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import pandas as pd
@@ -21,13 +22,13 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, head_label, logged_arms, max_length,
-                                                 pair_kwargs, rank_heads)
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish, layout_from_args
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, head_label, max_length, run_arms,
+                                                 pair_spec, rank_heads)
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import Claim, judge, measure_from
 from recurscope.interp.scan import all_heads
 
-__all__ = ["run_heads", "top_k_sizes", "reading", "VERB"]
+__all__ = ["run_heads", "top_k_sizes", "swap_arms", "arm_rows", "recovery_records", "frozen_ranking", "reading"]
 
 #: Above this many heads, single-head write blocks run for the hub and the second head only (the all-heads sum
 #: would cost one run per head).
@@ -45,7 +46,39 @@ def top_k_sizes(n_heads: int) -> list[int]:
     return ks + [n_heads]
 
 
-def _ranking(model, ranking: Optional[pd.DataFrame], n_dev: int, layout: dict) -> list[tuple[int, int]]:
+def swap_arms(order: list) -> dict:
+    """The joint top-k state-swap arms of a frozen ranking: {"swap:top<k>": ("state_swap", the top k heads)}."""
+    return {f"swap:top{k}": ("state_swap", order[:k]) for k in top_k_sizes(len(order))}
+
+
+def arm_rows(model, pairs, kind: str, heads: list, arm: str, batch_size: int) -> pd.DataFrame:
+    """One joint intervention (`kind`, an interventions function) of `heads` on the target rows of `pairs`: the
+    donor-margin shift and the correct answer's margin change per row."""
+    frame = example_metrics(pairs, getattr(iv, kind)(model, pairs, heads, batch_size=batch_size), intervention=kind)
+    frame = frame[frame["is_target"].astype(bool)]
+    return pd.DataFrame({"arm": arm, "row": frame["row"], "source": frame["source"],
+                         "shift": frame["donor_margin_shift"], "answer_margin_change": frame["target_margin_change"],
+                         "n_heads": len(heads)})
+
+
+def recovery_records(wide: pd.DataFrame, ks: list, *, n_resamples: int, seed: int, prefix: str = "") -> list:
+    """recovery(k) = shift(top k) / shift(all), a ratio of source means with a source-bootstrap interval, and each
+    arm's shift; `wide` holds one column per arm ("<prefix>swap:top<k>") and "source"."""
+    src = wide["source"].to_numpy()
+    all_arm = f"{prefix}swap:top{ks[-1]}"
+    out = []
+    for k in ks:
+        arm = f"{prefix}swap:top{k}"
+        for metric, ci in (("shift", stats.source_bootstrap_ci(wide[arm], src, n_resamples=n_resamples, seed=seed)),
+                           ("recovery", stats.source_ratio_ci(wide[arm], wide[all_arm], src,
+                                                              n_resamples=n_resamples, seed=seed))):
+            out.append({"analysis": "recovery", "unit": f"top{k}", "metric": metric, "estimate": ci.estimate,
+                        "low": ci.low, "high": ci.high, "n_sources": ci.n_sources, "method": ci.method, "k": k})
+    return out
+
+
+def frozen_ranking(model, ranking: Optional[pd.DataFrame], n_dev: int, layout) -> list[tuple[int, int]]:
+    """Every recurrent head (state group), best J first: `ranking` (a scan's scan_heads) or a fresh dev scan."""
     if ranking is None:
         ranking = rank_heads(model, n_dev=n_dev, layout=layout)
     ranking = ranking.sort_values("J", ascending=False, kind="stable")
@@ -56,37 +89,45 @@ def _ranking(model, ranking: Optional[pd.DataFrame], n_dev: int, layout: dict) -
     return order
 
 
+@dataclass(frozen=True)
+class HeadSetArm:
+    """One arm of the head-structure protocol: a write block or state swap of a set of heads over the pairs, called
+    as (model, pairs, arm) in this process or, under --ray, on a worker (a picklable unit, _common.run_arms)."""
+
+    arms: dict
+    batch_size: int
+
+    def __call__(self, model, pairs, arm: str) -> pd.DataFrame:
+        kind, heads = self.arms[arm]
+        return arm_rows(model, pairs, kind, heads, arm, self.batch_size)
+
+
 def run_heads(model, pairs=None, *, ranking: Optional[pd.DataFrame] = None, run_dir=None, n_dev: int = 32,
-              n_sources: int = 64, layout: Optional[dict] = None, seed: int = 0, batch_size: int = 16,
-              n_resamples: int = 9999, model_name: str = "model", progress=None) -> ProtocolResult:
+              n_sources: int = 64, layout=None, seed: int = 0, batch_size: int = 16,
+              n_resamples: int = 9999, model_name: str = "model", progress=None, executor=None) -> ProtocolResult:
     """ranking: a per-head table with layer, head, J (a scan's scan_heads); default: a fresh scan on n_dev dev
-    sources. pairs: held-out swap pairs (default: n_sources held-out sources, target queries)."""
+    sources. pairs: held-out swap pairs (default: n_sources held-out sources, target queries, in `layout`: a
+    PairSpec, PairLayout or layout name, default the §3.3 layout, under `seed`). executor: the CLI's --ray runner;
+    each arm is then one unit on a Ray worker (the ranking's scan, when no ranking is given, runs here)."""
     from recurscope.interp.data import build_pairs
 
-    layout = {**pair_kwargs(seed=seed), **(layout or {})}
-    order = _ranking(model, ranking, n_dev, layout)
+    layout = pair_spec(layout, seed=seed)
+    order = frozen_ranking(model, ranking, n_dev, layout)
     if len(order) < 2:
         raise ValueError("head structure needs at least two recurrent heads")
     if pairs is None:
         pairs = build_pairs(model.tokenizer, split="heldout", n_sources=n_sources, max_length=max_length(model),
-                            **layout)
+                            **layout.kwargs())
     hub, second = order[0], order[1]
     singles = order if len(order) <= MAX_SINGLE_RUNS else [hub, second]
     arms = {f"block:{head_label(h)}": ("write_block", [h]) for h in singles}
     arms["block:hub+second"] = ("write_block", [hub, second])
     arms["block:all"] = ("write_block", order)
     ks = top_k_sizes(len(order))
-    for k in ks:
-        arms[f"swap:top{k}"] = ("state_swap", order[:k])
+    arms.update(swap_arms(order))
 
-    def compute(arm):
-        kind, heads = arms[arm]
-        frame = example_metrics(pairs, getattr(iv, kind)(model, pairs, heads, batch_size=batch_size), intervention=kind)
-        frame = frame[frame["is_target"].astype(bool)]
-        return pd.DataFrame({"arm": arm, "row": frame["row"], "source": frame["source"],
-                             "shift": frame["donor_margin_shift"], "answer_margin_change": frame["target_margin_change"],
-                             "n_heads": len(heads)})
-    rows = logged_arms(run_dir, "heads_rows", ("arm", "row"), list(arms), compute, progress)
+    rows = run_arms(model, run_dir, "heads_rows", ("arm", "row"), list(arms), HeadSetArm(arms, batch_size), pairs,
+                    progress, executor)
     wide = rows.pivot(index=["row", "source"], columns="arm", values="shift").reset_index()
     # Fig. 3c reads write blocks by the change in the correct answer's margin (z_r - max other candidate).
     answer = rows.pivot(index=["row", "source"], columns="arm", values="answer_margin_change").reset_index()
@@ -113,13 +154,7 @@ def run_heads(model, pairs=None, *, ranking: Optional[pd.DataFrame] = None, run_
     add("hub_vs_all", "hub", "hub_minus_all",
         stats.paired_source_bootstrap_ci(answer[f"block:{head_label(hub)}"], answer["block:all"], src,
                                          n_resamples=n_resamples, seed=seed))
-    all_arm = f"swap:top{len(order)}"
-    for k in ks:
-        arm = f"swap:top{k}"
-        add("recovery", f"top{k}", "shift", stats.source_bootstrap_ci(wide[arm], src, n_resamples=n_resamples, seed=seed),
-            k=k)
-        add("recovery", f"top{k}", "recovery", stats.source_ratio_ci(wide[arm], wide[all_arm], src, n_resamples=n_resamples,
-                                                             seed=seed), k=k)
+    records += recovery_records(wide, ks, n_resamples=n_resamples, seed=seed)
     summary = pd.DataFrame(records)
     sources = rows.groupby(["arm", "source"])["shift"].mean().reset_index()
     info = {"ranking": order, "hub": hub, "second": second, "n_sources": int(rows["source"].nunique()),
@@ -133,7 +168,8 @@ def run_heads(model, pairs=None, *, ranking: Optional[pd.DataFrame] = None, run_
                    title=f"{model_name}: write-block non-additivity")),
                FigureSpec("recovery", summary[summary["analysis"] == "recovery"], dict(
                    row_col="k", panels=["recovery", "shift"], kind="lines", percent=["recovery"],
-                   reference={"recovery": 1.0},
+                   row_name="k (top-k heads swapped jointly)",
+                   reference={"recovery": 1.0}, reference_labels={"recovery": "the all-head swap"},
                    panel_labels={"recovery": "recovery(k)", "shift": "joint state-swap shift"},
                    title=f"{model_name}: joint top-k state swap"))]
     return finish(result, run_dir, lambda r: heads_section(r, model_name), figures)
@@ -175,7 +211,7 @@ def reading(s: pd.DataFrame, n_heads: int) -> list[str]:
     return out
 
 
-def _from_args(model, args, run_dir, progress) -> ProtocolResult:
+def _from_args(model, args, run_dir, progress, executor=None) -> ProtocolResult:
     ranking = None
     if args.from_scan:
         from pathlib import Path
@@ -185,10 +221,6 @@ def _from_args(model, args, run_dir, progress) -> ProtocolResult:
         heads_from_scan(args.from_scan, model)                      # refuses a scan of another checkpoint
         ranking = pd.read_csv(Path(args.from_scan) / "scan_heads.csv")
     return run_heads(model, ranking=ranking, run_dir=run_dir, n_dev=args.n_dev, n_sources=args.n_sources,
-                     layout=layout_from_args(args), seed=args.seed, batch_size=args.batch_size,
-                     n_resamples=args.resamples, model_name=args.model, progress=progress)
-
-
-VERB = Verb("heads", "write-block non-additivity and joint top-k recovery (Fig. 3c, App. E.2)", run_heads, from_args=_from_args,
-            n_sources=64, head=False, n_dev=32,
-            from_scan_help="a scan directory whose ranking to freeze (default: a fresh scan on --n-dev dev sources)")
+                     layout=args.pair_spec, seed=args.seed, batch_size=args.batch_size,
+                     n_resamples=args.resamples, model_name=args.model, progress=progress,
+                     executor=executor)

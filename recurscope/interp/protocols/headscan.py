@@ -15,6 +15,8 @@ exceed 0.25 logit; write-vs-read Spearman 0.173 [-0.014, 0.320] (GLA), 0.149 [-0
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
 from typing import Optional, Sequence
 
 import numpy as np
@@ -23,38 +25,109 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import ProtocolResult, frozen_setup, head_label, heldout_pairs
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+from recurscope.interp.protocols._common import (ProtocolResult, arm_records, frozen_setup, head_label, heldout_pairs,
+                                                 source_units)
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import Claim, Measure, judge
 from recurscope.interp.scan import all_heads, run_scan
 
-__all__ = ["THRESHOLD", "write_scan", "joint_threshold_fraction", "run_headscan", "reading", "VERB"]
+__all__ = ["THRESHOLD", "write_scan", "joint_threshold_fraction", "run_headscan", "reading"]
 
 THRESHOLD = 0.25        # logits: a head "matters" in a scan when its mean shift exceeds this (App. C)
 
 
+@dataclass(frozen=True)
+class WriteHead:
+    """The write scan's rows of one head ("layer:head"): the donor-margin shift of a donor write of that head alone
+    on every target row. Called in this process or, under --ray, on a worker (_common.arm_records)."""
+
+    batch_size: int
+
+    def __call__(self, model, pairs, key: str) -> pd.DataFrame:
+        layer, head = (int(x) for x in key.split(":"))
+        f = example_metrics(pairs, iv.donor_write(model, pairs, [(layer, head)], batch_size=self.batch_size))
+        f = f[f["is_target"].astype(bool)]
+        return pd.DataFrame({"layer": layer, "head": head, "row": f["row"], "source": f["source"],
+                             "pair": f["pair"], "shift": f["donor_margin_shift"]})
+
+
 def write_scan(model, pairs, heads: Optional[Sequence] = None, *, batch_size: int = 16, run_dir=None,
-               progress=None) -> pd.DataFrame:
-    """One row per (target example, head): the donor-margin shift of a donor write of that head alone."""
+               progress=None, executor=None) -> pd.DataFrame:
+    """One row per (target example, head): the donor-margin shift of a donor write of that head alone. executor:
+    the CLI's --ray runner; each head is then one unit on a Ray worker (this process the only writer)."""
     heads = all_heads(model) if heads is None else iv.normalise_heads(model, heads)
     log = None if run_dir is None else run_dir.table("write_scan_rows", key=["layer", "head", "row"])
     done = set() if log is None else {(k[0], k[1]) for k in log.done_keys()}
     frames = []
-    for layer, head in heads:
-        if (layer, head) in done:
-            continue
+    compute = WriteHead(batch_size)
+    todo = [(layer, head) for layer, head in heads if (layer, head) not in done]
+
+    def on_rows(unit, records):
+        if log is not None:
+            log.append(records)
+        frames.append(pd.DataFrame.from_records(records))
+    if executor is not None and todo:
+        if progress:
+            progress(f"write scan: {len(todo)} head units on Ray")
+        executor(pairs, [(f"{l}:{h}",) for l, h in todo], partial(arm_records, fn=compute), on_rows)
+    for layer, head in ([] if executor is not None else todo):
         if progress:
             progress(f"write scan {head_label((layer, head))}")
-        f = example_metrics(pairs, iv.donor_write(model, pairs, [(layer, head)], batch_size=batch_size))
-        f = f[f["is_target"].astype(bool)]
-        frame = pd.DataFrame({"layer": layer, "head": head, "row": f["row"], "source": f["source"],
-                              "pair": f["pair"], "shift": f["donor_margin_shift"]})
-        if log is not None:
-            log.append(frame.to_dict("records"))
-        frames.append(frame)
+        on_rows(None, compute(model, pairs, f"{layer}:{head}").to_dict("records"))
     rows = log.read() if log is not None else pd.concat(frames, ignore_index=True)
-    keep = set(heads)
-    return rows[[(l, h) in keep for l, h in zip(rows["layer"], rows["head"])]].reset_index(drop=True)
+    order = {h: i for i, h in enumerate(heads)}
+    rank = [order.get((int(l), int(h)), len(order)) for l, h in zip(rows["layer"], rows["head"])]
+    rows = rows.assign(_order=rank)
+    return rows[rows["_order"] < len(order)].sort_values("_order", kind="stable").drop(columns="_order")\
+        .reset_index(drop=True)
+
+
+def read_scan_unit(model, pairs, rows, *, batch_size: int) -> list[dict]:
+    """A read-scan unit for --ray: every head's state swap on one source's rows (scan.scan_rows on them), the rows
+    numbered as in the whole batch."""
+    from recurscope.interp.scan import SCAN_KEY, scan_rows
+
+    frame = scan_rows(model, pairs.select(list(rows)), None, batch_size).sort_values(list(SCAN_KEY), kind="stable")
+    frame["row"] = [rows[i] for i in frame["row"]]
+    return frame.to_dict("records")
+
+
+def read_scan(model, pairs, run_dir=None, *, batch_size: int, executor=None) -> pd.DataFrame:
+    """The read scan (App. C): every head's state swap (scan.run_scan, row log "read_scan_rows"). executor: the CLI's
+    --ray runner; each source's rows are then one unit on a Ray worker, equal to the in-process rows to float
+    tolerance (the scan's suffix batches group other rows)."""
+    if executor is None:
+        return run_scan(model, pairs, run_dir, batch_size=batch_size, table="read_scan_rows").rows
+    from recurscope.interp.scan import SCAN_KEY, summarise_scan
+
+    table = "read_scan_rows"
+    log = None if run_dir is None else run_dir.table(table, key=list(SCAN_KEY))
+    done = set() if log is None else log.done_keys()
+    collected: list = []
+    target = {i for i in range(len(pairs)) if bool(pairs.is_target[i]) and int(pairs.donor_answer_index[i]) >= 0}
+    groups = {int(pairs.group[i]) for i in target}
+    heads = all_heads(model)
+
+    def keys(unit):
+        return {(int(pairs.source_id[i]), int(pairs.group[i]), l, h) for i in unit for l, h in heads}
+    units = [u for u in (tuple(i for i in unit if i in target) for unit in source_units(pairs))
+             if u and not keys(u) <= done]
+
+    def on_rows(unit, records):
+        new = [r for r in records if tuple(r[k] for k in SCAN_KEY) not in done]
+        if log is not None:
+            log.append(new)
+        done.update(tuple(r[k] for k in SCAN_KEY) for r in new)
+        collected.extend(new)
+    if units:
+        executor(pairs, units, partial(read_scan_unit, batch_size=batch_size), on_rows)
+    frame = log.read() if log is not None else pd.DataFrame(collected)
+    frame = frame[frame["pair"].isin(groups)].sort_values(list(SCAN_KEY), kind="stable").reset_index(drop=True)
+    result = summarise_scan(frame)
+    if run_dir is not None:
+        run_dir.write_table("read_scan_heads", result.heads)
+        run_dir.write_table(table, frame)
+    return result.rows
 
 
 def joint_threshold_fraction(scores: pd.DataFrame, *, threshold: float = THRESHOLD, n_resamples: int = 2000,
@@ -85,15 +158,17 @@ def joint_threshold_fraction(scores: pd.DataFrame, *, threshold: float = THRESHO
 
 
 def run_headscan(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_dir=None, from_scan=None,
-                 n_sources: int = 32, n_dev: int = 16, layout: Optional[dict] = None, seed: int = 0,
+                 n_sources: int = 32, n_dev: int = 16, layout=None, seed: int = 0,
                  batch_size: int = 16, n_resamples: int = 2000, model_name: str = "model",
-                 progress=None) -> ProtocolResult:
+                 progress=None, executor=None) -> ProtocolResult:
+    """The write scan and the read scan of every head on held-out pairs. executor: the CLI's --ray runner (the
+    write scan's units are heads, the read scan's sources)."""
     layout, chosen, _, pairs = frozen_setup(model, pairs, head, from_scan, n_dev=n_dev, layout=layout, seed=seed,
                                             build=heldout_pairs(model, n_sources))
-    writes = write_scan(model, pairs, batch_size=batch_size, run_dir=run_dir, progress=progress)
+    writes = write_scan(model, pairs, batch_size=batch_size, run_dir=run_dir, progress=progress, executor=executor)
     if progress:
         progress("read scan (every head's state swap)")
-    reads = run_scan(model, pairs, run_dir, batch_size=max(batch_size, 1) * 6, table="read_scan_rows").rows
+    reads = read_scan(model, pairs, run_dir, batch_size=max(batch_size, 1) * 6, executor=executor)
     rows = pd.concat([writes.assign(scan="write")[["scan", "source", "pair", "layer", "head", "shift"]],
                       reads.assign(scan="read")[["scan", "source", "pair", "layer", "head", "shift"]]],
                      ignore_index=True)
@@ -126,30 +201,31 @@ def run_headscan(model, pairs=None, head: Optional[Sequence[int]] = None, *, run
     result = ProtocolResult("headscan", rows, scores, summary, info=info)
     if run_dir is not None:
         run_dir.write_table("headscan_heads", per_head)
-    figure = FigureSpec("headscan", draw=lambda path: _figure(per_head, chosen, path, model_name))
+    figure = FigureSpec("headscan", draw=lambda path: _figure(per_head, chosen, path, model_name,
+                                                              int(scores["source"].nunique())))
     return finish(result, run_dir, lambda r: headscan_section(r, model_name), [figure])
 
 
-def _figure(per_head: pd.DataFrame, chosen, out, model_name: str):
-    """Fig. 10 style: write score against read score, one point per head, the frozen head marked."""
+def _figure(per_head: pd.DataFrame, chosen, out, model_name: str, n_sources: int):
+    """Fig. 10 style: write score against read score, one point per head (mean over sources), the frozen head
+    marked, the 0.25-logit threshold of both scans drawn and named; the legend below the axes, off the points."""
     from matplotlib.figure import Figure
 
     from recurscope.interp.plots import _save
 
     wide = per_head.pivot(index=["layer", "head"], columns="scan", values="J").reset_index()
-    fig = Figure(figsize=(4.4, 4.0))
+    fig = Figure(figsize=(4.6, 4.8), layout="constrained")
     ax = fig.subplots()
-    ax.scatter(wide["write"], wide["read"], s=18, color="#1f77b4", label="heads")
+    ax.scatter(wide["write"], wide["read"], s=18, color="#1f77b4", label=f"heads ({len(wide)})")
     sel = (wide["layer"] == chosen[0]) & (wide["head"] == chosen[1])
     ax.scatter(wide.loc[sel, "write"], wide.loc[sel, "read"], s=60, facecolor="none", edgecolor="#d62728",
                label=f"frozen head {head_label(chosen)}")
-    for axis in (ax.axvline, ax.axhline):
-        axis(THRESHOLD, color="0.5", lw=0.8, ls="--")
+    ax.axvline(THRESHOLD, color="0.5", lw=0.8, ls="--", label=f"{THRESHOLD:g}-logit threshold")
+    ax.axhline(THRESHOLD, color="0.5", lw=0.8, ls="--")
     ax.set_xlabel("write scan: donor-write shift (logits)")
     ax.set_ylabel("read scan: state-swap shift (logits)")
-    ax.legend(fontsize="small", frameon=False)
-    ax.set_title(f"{model_name}: held-out all-head scans")
-    fig.tight_layout()
+    fig.legend(loc="outside lower center", ncols=2, fontsize="small", frameon=False)
+    fig.suptitle(f"{model_name}: held-out all-head scans\nmean over n = {n_sources} sources")
     return _save(fig, out, wide, 150).png
 
 
@@ -193,7 +269,3 @@ def reading(summary: pd.DataFrame, n_heads: int) -> list[str]:
         out.append(f"With {n_heads} heads, the fractions move in steps of {100 / n_heads:.0f}% and a Spearman "
                    "correlation over so few points says little; the wider checkpoints are the real test.")
     return out
-
-
-VERB = Verb("headscan", "held-out all-head write and read scans (App. C, Fig. 10)", run_headscan,
-            defaults={"resamples": 2000})

@@ -26,11 +26,11 @@ from recurscope.interp import stats
 from recurscope.interp.interventions.clean_runs import prefix_caches
 from recurscope.interp.interventions.common import candidate_logits, model_device
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import ProtocolResult, ci_text, max_length, pair_kwargs
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+from recurscope.interp.protocols._common import ProtocolResult, ci_text, max_length, pair_spec
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import Claim, Measure, judge, measure_from
 
-__all__ = ["ARMS", "PARTS", "require_hybrid", "cache_factorial", "shares", "run_hybrid", "reading", "VERB"]
+__all__ = ["ARMS", "PARTS", "require_hybrid", "cache_factorial", "shares", "run_hybrid", "reading"]
 
 #: The cache parts each arm takes from the donor (RecurrentCache.swap_from parts).
 PARTS = {"recurrent": ("state", "conv"), "kv": ("kv",), "both": ("state", "conv", "kv")}
@@ -191,19 +191,20 @@ def factorial_rows(model, pairs, *, run_dir=None, batch_size: int = 16, table: s
         .reset_index(drop=True)
 
 
-def build_factorial_pairs(model, *, n_sources: int, layout: dict, task: str = "recall", total_length: int = 4096):
+def build_factorial_pairs(model, *, n_sources: int, layout=None, task: str = "recall", total_length: int = 4096):
     """The held-out pairs of one task (TASKS): §3.3 four-fact recall, the entity update (the target re-bound at its
-    last presentation; the donor's new value differs) or single-needle retrieval (build_niah_pairs)."""
+    last presentation; the donor's new value differs) or single-needle retrieval (build_niah_pairs). layout: a
+    PairSpec, PairLayout or layout name (recall and update; niah takes only its seed)."""
     from recurscope.interp.data import build_pairs
 
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    layout = pair_spec(layout)
     if task == "niah":
-        return build_niah_pairs(model.tokenizer, n_sources=n_sources, total_length=total_length,
-                                seed=layout.get("seed", 0))
+        return build_niah_pairs(model.tokenizer, n_sources=n_sources, total_length=total_length, seed=layout.seed)
     variant = "update" if task == "update" else "swap"
     return build_pairs(model.tokenizer, split="heldout", n_sources=n_sources, max_length=max_length(model),
-                       variant=variant, **layout)
+                       variant=variant, **layout.kwargs())
 
 
 def build_niah_pairs(tokenizer, *, n_sources: int, total_length: int, seed: int = 0, n_candidates: int = 4):
@@ -254,7 +255,7 @@ def build_niah_pairs(tokenizer, *, n_sources: int, total_length: int, seed: int 
 
 
 def run_hybrid(model, pairs=None, *, run_dir=None, task: str = "recall", n_sources: int = 128,
-               layout: Optional[dict] = None, total_length: Optional[int] = None, seed: int = 0,
+               layout=None, total_length: Optional[int] = None, seed: int = 0,
                batch_size: int = 16, n_resamples: int = 9999, model_name: str = "model",
                progress=None, executor: Optional[Callable] = None) -> ProtocolResult:
     """The factorial on one task (TASKS): `pairs` as given, else held-out pairs of the task in `layout` (recall,
@@ -263,7 +264,7 @@ def run_hybrid(model, pairs=None, *, run_dir=None, task: str = "recall", n_sourc
     require_hybrid(model)
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-    layout = {**pair_kwargs(seed=seed), **(layout or {})}
+    layout = pair_spec(layout, seed=seed)
     limit = max_length(model)
     if total_length is None:
         total_length = min(4096, limit or 4096)
@@ -377,24 +378,8 @@ def reading(s: pd.DataFrame, task: str = "recall", chance: Optional[float] = Non
     return out
 
 
-def _options(p) -> None:
-    p.add_argument("--task", choices=list(TASKS), default="recall",
-                   help="recall: §3.3 four-fact recall (Sec. 4.1); update: entity update, niah: RULER single-NIAH "
-                        "(Table 2)")
-    p.add_argument("--n-facts", type=int, default=4, help="facts bound per sequence (K; recall and update)")
-    p.add_argument("--total-length", type=int, default=None,
-                   help="niah: tokens per sequence (default the smaller of 4096 and the model's positions)")
-
-
 def _from_args(model, args, run_dir, progress, executor=None) -> ProtocolResult:
-    from recurscope.interp.protocols.runner import layout_from_args
-
-    layout = {**layout_from_args(args), "n_facts": args.n_facts}
-    return run_hybrid(model, run_dir=run_dir, task=args.task, n_sources=args.n_sources, layout=layout,
+    return run_hybrid(model, run_dir=run_dir, task=args.task, n_sources=args.n_sources,
+                      layout=args.pair_spec.with_(n_facts=args.n_facts),
                       total_length=args.total_length, seed=args.seed, batch_size=args.batch_size,
                       n_resamples=args.resamples, model_name=args.model, progress=progress, executor=executor)
-
-
-VERB = Verb("hybrid", "hybrid cache factorial: recurrent caches, attention KV, both (Sec. 4.1, Fig. 6); --task update "
-            "or niah: Table 2", run_hybrid, from_args=_from_args, n_sources=128, head=False, ranking=False,
-            options=_options, check=require_hybrid, ray=True)

@@ -17,7 +17,7 @@ Paper: GLA layer 21's recurrent sublayer takes retention from 28.9% to 95.3% (GD
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -26,11 +26,11 @@ import torch
 from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import ProtocolResult, max_length, pair_kwargs
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+from recurscope.interp.protocols._common import PairSpec, ProtocolResult, max_length, pair_spec, unit_frames
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import Claim, judge, measure_from
 
-__all__ = ["TASKS", "SIDES", "lens_rows", "localise", "run_lens", "reading", "VERB"]
+__all__ = ["TASKS", "SIDES", "lens_rows", "localise", "run_lens", "reading"]
 
 TASKS = ("retention", "update")
 #: Where the lens reads, per layer: before it, after its mixer (the sublayer lens) and after the whole layer.
@@ -94,23 +94,36 @@ def _jumps(rows: pd.DataFrame, n_resamples: int, seed: int) -> pd.DataFrame:
     return pd.DataFrame(records)
 
 
-def run_lens(model, *, run_dir=None, n_sources: int = 128, n_localise: int = 96, layout: Optional[dict] = None,
-             seed: int = 0, batch_size: int = 16, n_resamples: int = 9999, model_name: str = "model",
-             progress=None) -> ProtocolResult:
-    """Localises the layer on `n_localise` dev sources and confirms on `n_sources` held-out sources (separate
-    sources by construction: the dev and held-out splits share none)."""
-    from recurscope.interp.data import build_pairs, build_update_pairs
+@dataclass(frozen=True)
+class LensUnit:
+    """The lens rows of one split and task ("split:task": localisation on dev, confirmation held out), its pairs
+    built here: called in this process or, under --ray, on a worker (a picklable unit, _common.unit_frames)."""
 
-    layout = {**pair_kwargs(seed=seed), **(layout or {})}
-    frames = []
-    for split, n in (("dev", n_localise), ("heldout", n_sources)):
-        for task in TASKS:
-            if progress:
-                progress(f"{task} ({'localisation' if split == 'dev' else 'confirmation'})")
-            build = build_pairs if task == "retention" else build_update_pairs
-            pairs = build(model.tokenizer, split=split, n_sources=n, max_length=max_length(model), **layout)
-            frames.append(lens_rows(model, pairs, batch_size=batch_size, task=task).assign(split=split))
-    rows = pd.concat(frames, ignore_index=True)
+    layout: PairSpec
+    n_sources: dict
+    batch_size: int
+
+    def __call__(self, model, pairs, key: str) -> pd.DataFrame:
+        from recurscope.interp.data import build_pairs, build_update_pairs
+
+        split, task = key.split(":", 1)
+        build = build_pairs if task == "retention" else build_update_pairs
+        pairs = build(model.tokenizer, split=split, n_sources=self.n_sources[split], max_length=max_length(model),
+                      **self.layout.kwargs())
+        return lens_rows(model, pairs, batch_size=self.batch_size, task=task).assign(split=split)
+
+
+def run_lens(model, *, run_dir=None, n_sources: int = 128, n_localise: int = 96, layout=None,
+             seed: int = 0, batch_size: int = 16, n_resamples: int = 9999, model_name: str = "model",
+             progress=None, executor=None) -> ProtocolResult:
+    """Localises the layer on `n_localise` dev sources and confirms on `n_sources` held-out sources (separate
+    sources by construction: the dev and held-out splits share none). layout: the pairs' layout and words (a
+    PairSpec, PairLayout or layout name; default the §3.3 layout), under `seed`. executor: the CLI's --ray runner;
+    each (split, task) is then one unit on a Ray worker."""
+    layout = pair_spec(layout, seed=seed)
+    keys = [f"{split}:{task}" for split in ("dev", "heldout") for task in TASKS]
+    rows = unit_frames(model, keys, LensUnit(layout, {"dev": n_localise, "heldout": n_sources}, batch_size),
+                       progress=progress, executor=executor)
     recurrent = sorted(model.recurrent_layers)
     layer = localise(rows[rows["split"] == "dev"], recurrent)
     confirm = rows[rows["split"] == "heldout"]
@@ -131,8 +144,9 @@ def run_lens(model, *, run_dir=None, n_sources: int = 128, n_localise: int = 96,
     figure = FigureSpec("lens", curve, dict(
         row_col="position", panels=["correct"], hue_col="task", kind="lines", percent=["correct"],
         reference={"correct": 0.25}, panel_labels={"correct": "4-way lens accuracy"},
-        title=f"{model_name}: logit lens on {info['n_sources']} confirmation sources (0 = embedding, l = after "
-              "layer l - 1)"))
+        reference_labels={"correct": "chance (1 in 4)"},
+        row_name="position (0 = embedding, l = after layer l - 1)",
+        title=f"{model_name}: logit lens on the confirmation sources"))
     return finish(result, run_dir, lambda r: lens_section(r, model_name), [figure])
 
 
@@ -183,12 +197,3 @@ def reading(s: pd.DataFrame, info: dict) -> list[str]:
         if m is not None and m.defined:
             out.append(f"After the last layer, update queries read {what} on {m.text()} (chance 25%).")
     return out
-
-
-def _options(p) -> None:
-    p.add_argument("--n-localise", type=int, default=96, help="dev sources the layer is localised on (separate "
-                   "from the --n-sources held-out confirmation sources)")
-
-
-VERB = Verb("lens", "logit lens per layer and recurrent sublayer, localised on dev and confirmed held out (App. C, "
-            "Fig. 11)", run_lens, n_sources=128, head=False, ranking=False, options=_options)

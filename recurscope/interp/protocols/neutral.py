@@ -18,11 +18,11 @@ from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics
 from recurscope.interp import stats
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_setup, head_label, logged_arms,
-                                                 logged_arms_on, max_length, pair_kwargs)
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+                                                 logged_arms_on, max_length, pair_spec)
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import Claim, judge, measure_from
 
-__all__ = ["ARMS", "run_neutral", "build_neutral_all_pairs", "reading", "VERB"]
+__all__ = ["ARMS", "run_neutral", "build_neutral_all_pairs", "reading"]
 
 ARMS = ("state_swap", "random_update")
 LABELS = {"state_swap": "state swap (neutral donor)", "random_update": "equal-norm random update"}
@@ -31,12 +31,13 @@ METRICS = ("target_clean_accuracy", "target_accuracy", "target_accuracy_change",
 PAPER = "GLA 91.8% -> 7.6% (+2.15 pp on the others); GDN 96.1% -> 37.1% (+1.11 pp)"
 
 
-def build_neutral_all_pairs(tokenizer, *, n_sources: int = 32, split: str = "heldout", model=None, **layout):
-    """Neutral-donor pairs with every fact queried, in the §3.3 layout unless overridden."""
+def build_neutral_all_pairs(tokenizer, *, n_sources: int = 32, split: str = "heldout", model=None, layout=None):
+    """Neutral-donor pairs with every fact queried, in `layout` (a PairSpec, PairLayout or layout name; default the
+    §3.3 layout)."""
     from recurscope.interp.data import build_neutral_pairs
 
     return build_neutral_pairs(tokenizer, split=split, n_sources=n_sources, queries="all",
-                               max_length=None if model is None else max_length(model), **{**pair_kwargs(), **layout})
+                               max_length=None if model is None else max_length(model), **pair_spec(layout).kwargs())
 
 
 def neutral_rows(frame: pd.DataFrame) -> pd.DataFrame:
@@ -73,12 +74,12 @@ def neutral_unit(model, pairs, rows, *, arm: str, head, seed: int, batch_size: i
 
 
 def run_neutral(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_dir=None, from_scan=None,
-                n_sources: int = 32, n_dev: int = 16, layout: Optional[dict] = None, seed: int = 0,
+                n_sources: int = 32, n_dev: int = 16, layout=None, seed: int = 0,
                 batch_size: int = 16, n_resamples: int = 9999, model_name: str = "model",
                 progress=None, executor=None) -> ProtocolResult:
     layout, chosen, _, pairs = frozen_setup(
         model, pairs, head, from_scan, n_dev=n_dev, layout=layout, seed=seed,
-        build=lambda lay: build_neutral_all_pairs(model.tokenizer, n_sources=n_sources, model=model, **lay))
+        build=lambda lay: build_neutral_all_pairs(model.tokenizer, n_sources=n_sources, model=model, layout=lay))
     if set(pairs.variants) != {"neutral"}:
         raise ValueError("neutral suppression needs neutral-donor pairs: build them with build_neutral_pairs(..., "
                          "queries='all')")
@@ -100,7 +101,8 @@ def run_neutral(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_
     figure = FigureSpec("neutral", summary, dict(
         row_col="arm", rows=list(ARMS), panels=["target_clean_accuracy", "target_accuracy", "others_accuracy_change",
                                                 "nontarget_margin_change"],
-        percent=["target_clean_accuracy", "target_accuracy", "others_accuracy_change"],
+        percent=["target_clean_accuracy", "target_accuracy", "others_accuracy_change"], row_labels=LABELS,
+        controls=["random_update"],
         title=f"{model_name}: neutral suppression, head {head_label(chosen)}"))
     return finish(result, run_dir, lambda r: neutral_section(r, model_name), [figure])
 
@@ -132,6 +134,3 @@ def reading(s: pd.DataFrame) -> list[str]:
     out.append(judge(measure_from(s, {"arm": "random_update"}, "target_accuracy_change", "pp"), Claim.near_zero(),
                      "The equal-norm random update's change in target accuracy"))
     return out
-
-
-VERB = Verb("neutral", "neutral suppression of the target fact (App. D.1, Fig. 12)", run_neutral, ray=True)

@@ -14,6 +14,8 @@ Paper: the aligned key lowers the target margin by 0.27-0.44 logits; both contro
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
 from typing import Optional, Sequence
 
 import pandas as pd
@@ -23,17 +25,16 @@ from recurscope.hooks.patches import WriteReplace, head_mask
 from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, source_means, summarise_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_setup, head_label, heldout_pairs,
-                                                 pair_kwargs)
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish, layout_from_args
+from recurscope.interp.protocols._common import (PairSpec, ProtocolResult, arm_records, ci_text, frozen_setup,
+                                                 head_label, heldout_pairs, pair_spec)
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import Claim, judge, measure_from
 
 __all__ = ["ARMS", "interfering_spans", "target_direction", "replace_keys", "overlap_patches", "overlap_write",
-           "run_overlap", "reading", "VERB"]
+           "run_overlap", "reading"]
 
 ARMS = ("aligned", "orthogonal", "control_head:aligned")
-#: Figure labels (plain text: the figures turn underscores into spaces).
-SHORT = {"aligned": "aligned key", "orthogonal": "orthogonalised key", "control_head:aligned": "control head, aligned key"}
+#: How the report and the figure name each arm.
 LABELS = {"aligned": "aligned key ‖u_t‖·û_A", "orthogonal": "orthogonalised key, same norm",
           "control_head:aligned": "control head, aligned key"}
 METRICS = ("target_margin_change", "clean_correct", "correct")
@@ -99,44 +100,79 @@ def overlap_write(model, pairs, head, mode: str = "aligned", *, batch_size: int 
     return iv.run_intervention(model, pairs, spec, batch_size=batch_size)
 
 
+@dataclass(frozen=True)
+class LoadArm:
+    """One (load K, arm) of the overlap protocol, "K:arm": the pairs of load K (`pairs` for the first load, else
+    built) and the arm's write on the frozen or control head, target rows only. Called in this process through
+    frame(), or under --ray on a worker (a picklable unit, _common.arm_records)."""
+
+    layout: PairSpec
+    n_sources: int
+    first_load: int
+    chosen: tuple
+    control: tuple
+    batch_size: int
+
+    def frame(self, model, batch, k: int, arm: str) -> pd.DataFrame:
+        on, mode = (self.control, arm.split(":", 1)[1]) if arm.startswith("control_head:") else (self.chosen, arm)
+        frame = example_metrics(batch, overlap_write(model, batch, on, mode, batch_size=self.batch_size),
+                                intervention=arm)
+        frame = frame[frame["is_target"].astype(bool)].copy()
+        frame.insert(0, "arm", arm)
+        frame.insert(0, "n_facts", k)
+        return frame
+
+    def __call__(self, model, pairs, key: str) -> pd.DataFrame:
+        k, arm = int(key.split(":", 1)[0]), key.split(":", 1)[1]
+        batch = pairs if k == self.first_load else heldout_pairs(model, self.n_sources)(self.layout.with_(n_facts=k))
+        return self.frame(model, batch, k, arm)
+
+
 def run_overlap(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_dir=None, from_scan=None,
-                n_sources: int = 32, n_dev: int = 16, layout: Optional[dict] = None,
+                n_sources: int = 32, n_dev: int = 16, layout=None,
                 loads: Optional[Sequence[int]] = None, seed: int = 0, batch_size: int = 16, n_resamples: int = 9999,
-                model_name: str = "model", progress=None) -> ProtocolResult:
+                model_name: str = "model", progress=None, executor=None) -> ProtocolResult:
     """The three arms at each load K in `loads` (default: the layout's n_facts, 4), on held-out pairs with K facts;
     the head is frozen once, on the first load's layout. Rows carry n_facts; the row log is keyed by
-    (n_facts, arm, row), so an interrupted run resumes at the first (load, arm) without rows."""
-    base = {**pair_kwargs(seed=seed), **(layout or {})}
-    loads = [int(k) for k in (loads if loads is not None else [base["n_facts"]])]
+    (n_facts, arm, row), so an interrupted run resumes at the first (load, arm) without rows. executor: the CLI's
+    --ray runner; each (load, arm) is then one unit on a Ray worker."""
+    base = pair_spec(layout, seed=seed)
+    loads = [int(k) for k in (loads if loads is not None else [base.layout.n_facts])]
     if not loads or min(loads) < 2 or len(set(loads)) != len(loads):
         raise ValueError(f"--n-facts needs distinct loads of at least 2 facts (an interfering fact); got {loads}")
-    if pairs is not None and (len(loads) > 1 or loads[0] != base["n_facts"]):
+    if pairs is not None and (len(loads) > 1 or loads[0] != base.layout.n_facts):
         raise ValueError("given pairs have one load: pass loads=None (or build pairs per load)")
     layout, chosen, scan_heads, first = frozen_setup(model, pairs, head, from_scan, n_dev=n_dev,
-                                                     layout={**base, "n_facts": loads[0]}, seed=seed,
+                                                     layout=base.with_(n_facts=loads[0]), seed=seed,
                                                      build=heldout_pairs(model, n_sources))
     control = iv.choose_control_heads(model, [chosen], scan_heads)[0]
     log = None if run_dir is None else run_dir.table("overlap_rows", key=["n_facts", "arm", "row"])
     done = set() if log is None else {(int(k[0]), k[1]) for k in log.done_keys()}
-    frames, spans_per_row = [], {}
+    frames, spans_per_row, batches = [], {}, {}
+    compute = LoadArm(layout, n_sources, loads[0], chosen, control, batch_size)
     for k in loads:
-        batch = first if k == loads[0] else heldout_pairs(model, n_sources)({**layout, "n_facts": k})
-        spans_per_row[k] = float((interfering_spans(batch)[..., 0] >= 0).sum(1).float().mean())
-        for arm in ARMS:
-            if (k, arm) in done:
-                continue
-            if progress:
-                progress(f"K={k} {arm}")
-            on, mode = (control, arm.split(":", 1)[1]) if arm.startswith("control_head:") else (chosen, arm)
-            frame = example_metrics(batch, overlap_write(model, batch, on, mode, batch_size=batch_size),
-                                    intervention=arm)
-            frame = frame[frame["is_target"].astype(bool)].copy()
-            frame.insert(0, "arm", arm)
-            frame.insert(0, "n_facts", k)
+        batches[k] = first if k == loads[0] else heldout_pairs(model, n_sources)(layout.with_(n_facts=k))
+        spans_per_row[k] = float((interfering_spans(batches[k])[..., 0] >= 0).sum(1).float().mean())
+    todo = [(k, arm) for k in loads for arm in ARMS if (k, arm) not in done]
+    if executor is not None and todo:     # --ray: one (load, arm) unit each, this process the only writer
+        def on_rows(unit, records):
             if log is not None:
-                log.append(frame.to_dict("records"))
-            frames.append(frame)
+                log.append(records)
+            frames.append(pd.DataFrame.from_records(records))
+        if progress:
+            progress(f"{len(todo)} (load, arm) units on Ray")
+        executor(first, [(f"{k}:{arm}",) for k, arm in todo], partial(arm_records, fn=compute), on_rows)
+    for k, arm in ([] if executor is not None else todo):
+        if progress:
+            progress(f"K={k} {arm}")
+        frame = compute.frame(model, batches[k], k, arm)
+        if log is not None:
+            log.append(frame.to_dict("records"))
+        frames.append(frame)
     rows = pd.concat(frames, ignore_index=True) if log is None else log.read()
+    order = {(k, arm): i for i, (k, arm) in enumerate((k, arm) for k in loads for arm in ARMS)}
+    rank = [order.get((int(k), a), len(order)) for k, a in zip(rows["n_facts"], rows["arm"])]
+    rows = rows.assign(_order=rank).sort_values("_order", kind="stable").drop(columns="_order")   # as computed
     rows = rows[rows["n_facts"].isin(loads)].reset_index(drop=True)
     sources = source_means(rows, METRICS, by=("n_facts", "arm"))
     summary = summarise_metrics(rows, METRICS, by=("n_facts", "arm"), n_resamples=n_resamples, seed=seed)
@@ -144,14 +180,16 @@ def run_overlap(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_
             "interfering_per_row": spans_per_row, "loads": loads}
     result = ProtocolResult("overlap", rows, sources, summary, info=info)
     title = f"{model_name}: write-key overlap, head {head_label(chosen)}"
-    labels = {"target_margin_change": "target margin change (logits)"}
+    labels = {"target_margin_change": "target margin change"}
     if len(loads) == 1:
-        figure = FigureSpec("overlap", summary.assign(arm=summary["arm"].map(SHORT)), dict(
-            row_col="arm", rows=[SHORT[a] for a in ARMS], panels=["target_margin_change"], panel_labels=labels,
+        figure = FigureSpec("overlap", summary, dict(
+            row_col="arm", rows=list(ARMS), row_labels=LABELS, controls=["control_head:aligned"],
+            panels=["target_margin_change"], panel_labels=labels,
             title=f"{title}, K = {loads[0]}"))
     else:
-        figure = FigureSpec("overlap", summary.assign(arm=summary["arm"].map(SHORT)), dict(
-            row_col="n_facts", hue_col="arm", kind="lines", panels=["target_margin_change", "correct"],
+        figure = FigureSpec("overlap", summary, dict(
+            row_col="n_facts", hue_col="arm", row_labels=LABELS, row_name="facts K", kind="lines",
+            panels=["target_margin_change", "correct"],
             percent=["correct"], panel_labels={**labels, "correct": "recall after"},
             title=f"{title}, against the load K"))
     return finish(result, run_dir, lambda r: overlap_section(r, model_name), [figure])
@@ -188,16 +226,8 @@ def reading(s: pd.DataFrame) -> list[str]:
     return out
 
 
-def _options(p) -> None:
-    p.add_argument("--n-facts", type=int, nargs="+", default=[4], metavar="K",
-                   help="facts K in the context, one run per load (the paper's Fig. 7c: 4), e.g. --n-facts 2 4 8")
-
-
-def _from_args(model, args, run_dir, progress) -> ProtocolResult:
+def _from_args(model, args, run_dir, progress, executor=None) -> ProtocolResult:
     return run_overlap(model, head=args.head, from_scan=args.from_scan, n_sources=args.n_sources, n_dev=args.n_dev,
-                       layout=layout_from_args(args), loads=args.n_facts, seed=args.seed, batch_size=args.batch_size,
-                       n_resamples=args.resamples, run_dir=run_dir, model_name=args.model, progress=progress)
-
-
-VERB = Verb("overlap", "write-key overlap: interfering writes aligned with the target's write direction (§4.2, "
-            "Fig. 7c)", run_overlap, from_args=_from_args, options=_options)
+                       layout=args.pair_spec, loads=args.n_facts, seed=args.seed, batch_size=args.batch_size,
+                       n_resamples=args.resamples, run_dir=run_dir, model_name=args.model, progress=progress,
+                       executor=executor)

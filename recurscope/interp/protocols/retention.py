@@ -18,6 +18,7 @@ low load; GDN's break rate stays under 2%, GLA's near or above 5%.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -26,13 +27,13 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, summarise_metrics
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, logged_arms,
-                                                 max_length, pair_kwargs, pooled_break_rate)
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, add_gate_option, finish
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, run_arms,
+                                                 max_length, pair_spec, PairSpec, pooled_break_rate)
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import AGREES, Claim, control_verdict, judge, measure_from
 from recurscope.interp.protocols.capacity import HIGH_LOAD, LOADS, _bare_length, fixed_length_filler, load_layout
 
-__all__ = ["LOADS", "ARMS", "METRICS", "PAPER", "retention_pairs", "shift_kept", "run_retention", "reading", "VERB"]
+__all__ = ["LOADS", "ARMS", "METRICS", "PAPER", "retention_pairs", "shift_kept", "run_retention", "reading"]
 
 ARMS = ("state_swap", "random_update")
 LABELS = {"state_swap": "state swap", "random_update": "equal-norm random update"}
@@ -44,17 +45,19 @@ PAPER = {"recall_k32": "47% / 60% / 69% (GLA-340M / GDN-340M / GDN-1.3B)",
 NEGLIGIBLE_SHIFT = 0.25
 
 
-def retention_pairs(tokenizer, layout: dict, *, n_sources: int, n_nontarget: int = 7, seed: int = 0,
+def retention_pairs(tokenizer, layout, *, n_sources: int, n_nontarget: int = 7, seed: int = 0,
                     max_len: Optional[int] = None):
-    """Multi-fact pairs of `layout` with, per pair, its target row and up to `n_nontarget` non-target rows drawn
+    """Multi-fact pairs of `layout` (a PairSpec, PairLayout or layout name) with, per pair, its target row and up to `n_nontarget` non-target rows drawn
     once under `seed` (all of them when K - 1 <= n_nontarget): at K = 64 every row costs a forward, so not every
     fact is queried."""
     from recurscope.interp.data import build_multifact_pairs
 
     if not isinstance(n_nontarget, int) or n_nontarget < 0:
         raise ValueError(f"n_nontarget must be an integer >= 0; got {n_nontarget!r}")
-    pairs = build_multifact_pairs(tokenizer, split="heldout", n_sources=n_sources, max_length=max_len, **layout)
-    rng = random.Random(f"retention-rows/{seed}/{layout['n_facts']}")
+    layout = pair_spec(layout)
+    pairs = build_multifact_pairs(tokenizer, split="heldout", n_sources=n_sources, max_length=max_len,
+                                  **layout.kwargs())
+    rng = random.Random(f"retention-rows/{seed}/{layout.layout.n_facts}")
     keep = []
     for g in sorted(set(pairs.group.tolist())):
         rows = [i for i in range(len(pairs)) if int(pairs.group[i]) == g]
@@ -82,61 +85,87 @@ def _nan_rows(arm: str, reason: str) -> pd.DataFrame:
                          **{m: [np.nan] for m in METRICS}, "reason": [reason]})
 
 
-def run_retention(model, head: Optional[Sequence[int]] = None, *, from_scan=None, loads: Sequence[int] = LOADS,
-                  total_length: Optional[int] = None, n_sources: int = 16, n_nontarget: int = 7, n_dev: int = 16,
-                  template: str = "is_in", vocab: str = "cities", seed: int = 0, batch_size: int = 16,
-                  n_resamples: int = 9999, gate_threshold: Optional[float] = None, run_dir=None,
-                  model_name: str = "model", progress=None) -> ProtocolResult:
-    """The three measures of Fig. 8 at every K of `loads` on `n_sources` held-out sources. The head is `head`, else
-    the top of `from_scan`, else the winner of a scan on `n_dev` dev sources. total_length: the fixed sequence length
-    (default: the K = 16 layout with 128 filler tokens, as capacity.py). gate_threshold: when set, a K whose clean
-    recall the capability gate refuses keeps its recall but reports no edit shift or break rate."""
-    from recurscope.interp.protocols.gate import capability_gate
+@dataclass(frozen=True)
+class LoadArm:
+    """One arm ("K:arm") of the retention curve: the pairs of load K (built once per K and instance, with the
+    capability gate where set) and the arm's intervention on the frozen head. Called as (model, pairs, arm) in this
+    process or, under --ray, on a worker that computes every arm of one K (a picklable unit, _common.run_arms)."""
 
-    bad = [k for k in loads if not isinstance(k, (int, np.integer)) or k < 1]
-    if bad:
-        raise ValueError(f"loads must be integers >= 1 (numbers of facts K); got {bad}")
-    chosen, _ = frozen_head(model, head, from_scan, n_dev=n_dev, layout=pair_kwargs(template=template, vocab=vocab,
-                                                                                     seed=seed))
-    tok = model.tokenizer
-    if total_length is None:
-        total_length = 128 + _bare_length(tok, load_layout(16, template=template, vocab=vocab, seed=seed))
-    arms = [f"{int(k)}:{arm}" for k in loads for arm in ARMS]
-    built: dict = {}
+    base: PairSpec
+    total_length: int
+    n_sources: int
+    n_nontarget: int
+    chosen: tuple
+    batch_size: int
+    gate_threshold: Optional[float]
+    n_resamples: int
+    seed: int
+    built: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def pairs_for(k: int):
-        if k not in built:
+    def pairs_for(self, model, k: int):
+        from recurscope.interp.protocols.gate import capability_gate
+
+        if k not in self.built:
+            tok = model.tokenizer
             try:
-                layout = load_layout(k, template=template, vocab=vocab, seed=seed)
-                layout = {**layout, "filler_tokens": fixed_length_filler(tok, layout, total_length)}
-                pairs = retention_pairs(tok, layout, n_sources=n_sources, n_nontarget=n_nontarget, seed=seed,
-                                        max_len=max_length(model))
+                spec = load_layout(k, self.base)
+                spec = spec.with_(filler_tokens=fixed_length_filler(tok, spec, self.total_length))
+                pairs = retention_pairs(tok, spec, n_sources=self.n_sources, n_nontarget=self.n_nontarget,
+                                        seed=self.seed, max_len=max_length(model))
                 refused = ""
-                if gate_threshold is not None:
-                    g = capability_gate(model, pairs, threshold=gate_threshold, condition=f"K = {k}",
-                                        batch_size=batch_size, n_resamples=min(n_resamples, 2000), seed=seed)
+                if self.gate_threshold is not None:
+                    g = capability_gate(model, pairs, threshold=self.gate_threshold, condition=f"K = {k}",
+                                        batch_size=self.batch_size, n_resamples=min(self.n_resamples, 2000),
+                                        seed=self.seed)
                     refused = "" if g.passed else g.describe()
-                built[k] = (pairs, refused)
+                self.built[k] = (pairs, refused)
             except ValueError as err:                    # not evaluable here: NaN with the reason, never 0
-                built[k] = (None, str(err).split(";")[0])
-        return built[k]
+                self.built[k] = (None, str(err).split(";")[0])
+        return self.built[k]
 
-    def compute(arm_key):
+    def __call__(self, model, pairs, arm_key: str) -> pd.DataFrame:
         k, arm = int(arm_key.split(":")[0]), arm_key.split(":", 1)[1]
-        pairs, reason = pairs_for(k)
+        pairs, reason = self.pairs_for(model, k)
         if pairs is None:
             return _nan_rows(arm_key, reason)
         if arm == "state_swap":
-            result = iv.state_swap(model, pairs, [chosen], batch_size=batch_size)
+            result = iv.state_swap(model, pairs, [self.chosen], batch_size=self.batch_size)
         else:
-            result = iv.random_update(model, pairs, [chosen], kind="state_swap", seed=seed, batch_size=batch_size)
+            result = iv.random_update(model, pairs, [self.chosen], kind="state_swap", seed=self.seed,
+                                      batch_size=self.batch_size)
         frame = example_metrics(pairs, result, intervention=arm)
         if reason:                                       # refused by the gate: recall only
             frame[["donor_margin_shift", "donor_answer", "nontarget_break"]] = np.nan
         frame.insert(0, "arm", arm_key)
         frame["reason"] = reason
         return frame[["arm", "row", "source", "is_target", *METRICS, "reason"]]
-    rows = logged_arms(run_dir, "retention_rows", ("arm", "row"), arms, compute, progress)
+
+
+def run_retention(model, head: Optional[Sequence[int]] = None, *, from_scan=None, loads: Sequence[int] = LOADS,
+                  total_length: Optional[int] = None, n_sources: int = 16, n_nontarget: int = 7, n_dev: int = 16,
+                  layout=None, seed: int = 0, batch_size: int = 16,
+                  n_resamples: int = 9999, gate_threshold: Optional[float] = None, run_dir=None,
+                  model_name: str = "model", progress=None, executor=None) -> ProtocolResult:
+    """The three measures of Fig. 8 at every K of `loads` on `n_sources` held-out sources. The head is `head`, else
+    the top of `from_scan`, else the winner of a scan on `n_dev` dev sources. total_length: the fixed sequence length
+    (default: the K = 16 layout with 128 filler tokens, as capacity.py). gate_threshold: when set, a K whose clean
+    recall the capability gate refuses keeps its recall but reports no edit shift or break rate. layout: the pairs'
+    layout and words (a PairSpec, PairLayout or layout name; default the §3.3 layout), under `seed`. executor: the
+    CLI's --ray runner; the arms of each K are then one unit on a Ray worker."""
+
+    bad = [k for k in loads if not isinstance(k, (int, np.integer)) or k < 1]
+    if bad:
+        raise ValueError(f"loads must be integers >= 1 (numbers of facts K); got {bad}")
+    base = pair_spec(layout, seed=seed)
+    chosen, _ = frozen_head(model, head, from_scan, n_dev=n_dev, layout=base)
+    tok = model.tokenizer
+    if total_length is None:
+        total_length = 128 + _bare_length(tok, load_layout(16, base))
+    arms = [f"{int(k)}:{arm}" for k in loads for arm in ARMS]
+    compute = LoadArm(base, total_length, n_sources, n_nontarget, chosen, batch_size, gate_threshold, n_resamples,
+                      seed)
+    rows = run_arms(model, run_dir, "retention_rows", ("arm", "row"), arms, compute, progress=progress,
+                    executor=executor, unit_of=lambda arm: arm.split(":")[0])
     rows["reason"] = rows["reason"].fillna("")
     rows["k"] = rows["arm"].str.split(":").str[0].astype(int)
     rows["intervention"] = rows["arm"].str.split(":", n=1).str[1]
@@ -166,7 +195,8 @@ def run_retention(model, head: Optional[Sequence[int]] = None, *, from_scan=None
     summary = summary.sort_values(["k", "intervention", "metric"]).reset_index(drop=True)
     sources = ok.groupby(["k", "intervention", "source"])[list(METRICS)].mean().reset_index()
     info = {"head": chosen, "total_length": int(total_length), "loads": [int(k) for k in loads],
-            "n_sources": n_sources, "n_nontarget": n_nontarget, "template": template, "vocab": vocab,
+            "n_sources": n_sources, "n_nontarget": n_nontarget, "template": base.layout.template,
+            "vocab": base.vocab,
             "gate": gate_threshold, "break_counts": pooled[["k", "intervention", "breaks", "eligible"]]
             .to_dict("records")}
     result = ProtocolResult("retention", rows, sources, summary, info=info)
@@ -175,6 +205,8 @@ def run_retention(model, head: Optional[Sequence[int]] = None, *, from_scan=None
         figures.append(FigureSpec("retention", summary, dict(
             row_col="k", hue_col="intervention", panels=["clean_correct", "donor_margin_shift", "nontarget_break"],
             kind="lines", percent=["clean_correct", "nontarget_break"], reference={"nontarget_break": 0.05},
+            reference_labels={"nontarget_break": "5% break rate"},
+            row_labels=LABELS, row_name="facts K (fixed sequence length)",
             panel_labels={"clean_correct": "clean recall", "donor_margin_shift": "target edit shift",
                           "nontarget_break": "non-target break (mean of per-source rates)"},
             title=f"{model_name}: retention, edit and breakage, head {head_label(chosen)}")))
@@ -248,15 +280,3 @@ def reading(s: pd.DataFrame, info: dict) -> list:
         out.append(f"K = {', '.join(map(str, missing))} could not be evaluated (see the table); those points are "
                    "missing, not zero.")
     return out
-
-
-def _options(p) -> None:
-    p.add_argument("--n-nontarget", type=int, default=7, help="non-target facts queried per pair (at most K - 1)")
-    p.add_argument("--loads", type=int, nargs="+", default=list(LOADS))
-    add_gate_option(p, None, "report no edit shift or break rate for a K whose clean recall is under this "
-                    "(capability gate)")
-
-
-VERB = Verb("retention", "clean recall, state-swap edit shift and non-target break rate against load K, with the "
-            "random-update control (§4.2, Fig. 8)", run_retention, n_sources=16, filler=False, presentations=None,
-            gap=None, fixed_length=True, options=_options)

@@ -17,6 +17,7 @@ basis carries colour edits but produces no shape donor answers in either model.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -29,14 +30,14 @@ from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.data.words import TEMPLATES, VALUE_VOCABS
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, logged_arms,
-                                                 max_length, pair_kwargs)
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, add_gate_option, finish
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, max_length,
+                                                 pair_spec, PairSpec, run_arms)
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import Claim, judge, measure_from
 from recurscope.interp.protocols.gate import GATE_THRESHOLD, capability_gate
 
 __all__ = ["FORMATS", "SUBSPACE_ARMS", "PAPER", "format_layouts", "edit_deltas", "fit_basis", "random_basis",
-           "projected_output_patch", "run_reuse", "reading", "VERB"]
+           "projected_output_patch", "run_reuse", "reading"]
 
 #: (family, condition) of every format: the five templates, the value vocabularies, the update format.
 FORMATS = tuple([("template", t) for t in TEMPLATES] + [("vocab", v) for v in VALUE_VOCABS] + [("update", "is_in")])
@@ -49,23 +50,25 @@ PAPER = {"GLA qualified": ">= 89.7%", "GDN qualified": "46.8-91.9%",
          "transfer": "the colour basis carries colour edits, no shape donor answers"}
 
 
-def format_layouts(template: str = "is_in", vocab: str = "cities", *, filler: int = 512, seed: int = 0) -> dict:
-    """{"family:condition": build_pairs kwargs} of every format in the §3.3 layout."""
+def format_layouts(layout=None) -> dict:
+    """{"family:condition": build_pairs keyword arguments} of every format in `layout` (a PairSpec, PairLayout or
+    layout name; default the §3.3 layout): the template family changes its template, the vocabulary family its
+    values (template `is_in`), the update format re-binds the target (template `is_in`)."""
+    base = pair_spec(layout)
     out = {}
     for family, cond in FORMATS:
-        base = pair_kwargs(filler=filler, seed=seed, template=template, vocab=vocab)
         if family == "template":
-            base["template"] = cond
+            out[f"{family}:{cond}"] = base.with_(template=cond).kwargs()
         elif family == "vocab":
-            base["vocab"] = cond
+            out[f"{family}:{cond}"] = base.with_(template="is_in", vocab=cond).kwargs()
         else:
-            base.update(variant="update", n_updated=1)
-        out[f"{family}:{cond}"] = base
+            out[f"{family}:{cond}"] = {**base.with_(template="is_in").kwargs(), "variant": "update", "n_updated": 1}
     return out
 
 
 def edit_deltas(model, pairs, head, *, batch_size: int = 16) -> torch.Tensor:
     """(P, V) query-time edits o_t(donor) - o_t(recipient) of `head` at every query position of every row."""
+    iv.require_one_query_per_state(model, "the subspace transfer (edit_deltas)")
     layer, h = head
     name = hook_name("hook_head_out", layer)
     device = iv.model_device(model)
@@ -100,6 +103,7 @@ def random_basis(V: int, rank: int = 4, seed: int = 0) -> torch.Tensor:
 def projected_output_patch(model, pairs, head, basis: Optional[torch.Tensor], *, batch_size: int = 16):
     """The output patch of `head` (every query position) keeping only the edit's component in span(basis):
     o = o(recipient) + (o(donor) - o(recipient)) B B^T. basis=None is the full output patch."""
+    iv.require_one_query_per_state(model, "the projected output patch")
     layer, h = iv.normalise_heads(model, [tuple(head)])[0]
     iv.check_pairs(model, pairs)
     P = None if basis is None else basis.double() @ basis.double().T
@@ -134,58 +138,99 @@ def _metric_rows(pairs, result, arm: str, **extra) -> pd.DataFrame:
     return out
 
 
-def run_reuse(model, head: Optional[Sequence[int]] = None, *, from_scan=None, n_sources: int = 32,
-              n_fit: int = 32, n_dev: int = 16, filler: int = 512, rank: int = 4, seed: int = 0,
-              gate_threshold: Optional[float] = GATE_THRESHOLD, formats: Optional[Sequence[str]] = None,
-              batch_size: int = 16, n_resamples: int = 9999, run_dir=None, model_name: str = "model",
-              progress=None) -> ProtocolResult:
-    """The donor write in every format (`formats`: "family:condition" keys of format_layouts, default all) and the
-    colour-to-shape subspace transfer, on `n_sources` held-out sources; the basis is fitted on `n_fit` dev sources.
-    gate_threshold=None reports every format without the capability gate."""
-    from recurscope.interp.data import build_pairs
+@dataclass(frozen=True)
+class FormatArm:
+    """The donor write in one format ("family:condition"), behind the capability gate where set: called as
+    (model, pairs, arm) in this process or, under --ray, on a worker (a picklable unit, _common.run_arms)."""
 
-    chosen, _ = frozen_head(model, head, from_scan, n_dev=n_dev, layout=pair_kwargs(seed=seed))
-    layouts = format_layouts(filler=filler, seed=seed)
-    keys = list(layouts) if formats is None else list(formats)
-    unknown = [k for k in keys if k not in layouts]
-    if unknown:
-        raise ValueError(f"unknown formats {unknown}; choose from {list(layouts)}")
-    tok, ml = model.tokenizer, max_length(model)
+    layouts: dict
+    n_sources: int
+    chosen: tuple
+    gate_threshold: Optional[float]
+    batch_size: int
+    n_resamples: int
+    seed: int
 
-    def compute_format(arm):
+    def __call__(self, model, pairs, arm: str) -> pd.DataFrame:
+        from recurscope.interp.data import build_pairs
+
         family, cond = arm.split(":", 1)
-        pairs = build_pairs(tok, split="heldout", n_sources=n_sources, max_length=ml, **layouts[arm])
+        pairs = build_pairs(model.tokenizer, split="heldout", n_sources=self.n_sources, max_length=max_length(model),
+                            **self.layouts[arm])
         reason = ""
-        if gate_threshold is not None:
-            g = capability_gate(model, pairs, threshold=gate_threshold, condition=arm, batch_size=batch_size,
-                                n_resamples=min(n_resamples, 2000), seed=seed)
+        if self.gate_threshold is not None:
+            g = capability_gate(model, pairs, threshold=self.gate_threshold, condition=arm,
+                                batch_size=self.batch_size, n_resamples=min(self.n_resamples, 2000), seed=self.seed)
             reason = "" if g.passed else g.describe()
-        frame = _metric_rows(pairs, iv.donor_write(model, pairs, [chosen], batch_size=batch_size), arm,
+        frame = _metric_rows(pairs, iv.donor_write(model, pairs, [self.chosen], batch_size=self.batch_size), arm,
                              family=family, condition=cond, reason=reason)
         if reason:                                       # refused by the gate: recall only
             frame[["donor_answer", "qualified_donor_answer", "donor_margin_shift"]] = np.nan
         return frame
-    rows = logged_arms(run_dir, "reuse_rows", ("arm", "row"), keys, compute_format, progress)
-    rows["reason"] = rows["reason"].fillna("")
-    basis: dict = {}
 
-    def bases():
-        if not basis:
-            dev = build_pairs(tok, split="dev", n_sources=n_fit, max_length=ml, **pair_kwargs(filler=filler, seed=seed,
-                                                                                              vocab="colours"))
-            basis["colour_basis"] = fit_basis(edit_deltas(model, dev, chosen, batch_size=batch_size), rank)
-            basis["random_basis"] = random_basis(basis["colour_basis"].shape[0], rank, seed)
-        return basis
 
-    def compute_subspace(arm):
+@dataclass(frozen=True)
+class SubspaceArm:
+    """One arm ("vocab:projection") of the colour-to-shape subspace transfer; the colour basis is fitted once per
+    instance on the dev sources, so under --ray every subspace arm runs in one unit (_common.run_arms)."""
+
+    base: PairSpec
+    n_sources: int
+    n_fit: int
+    chosen: tuple
+    rank: int
+    batch_size: int
+    seed: int
+    basis: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def bases(self, model) -> dict:
+        from recurscope.interp.data import build_pairs
+
+        if not self.basis:
+            dev = build_pairs(model.tokenizer, split="dev", n_sources=self.n_fit, max_length=max_length(model),
+                              **self.base.with_(template="is_in", vocab="colours").kwargs())
+            self.basis["colour_basis"] = fit_basis(edit_deltas(model, dev, self.chosen, batch_size=self.batch_size),
+                                                   self.rank)
+            self.basis["random_basis"] = random_basis(self.basis["colour_basis"].shape[0], self.rank, self.seed)
+        return self.basis
+
+    def __call__(self, model, pairs, arm: str) -> pd.DataFrame:
+        from recurscope.interp.data import build_pairs
+
         vocab, how = arm.split(":", 1)
-        pairs = build_pairs(tok, split="heldout", n_sources=n_sources, max_length=ml,
-                            **pair_kwargs(filler=filler, seed=seed, vocab=vocab))
-        B = None if how == "output_patch" else bases()[how]
-        return _metric_rows(pairs, projected_output_patch(model, pairs, chosen, B, batch_size=batch_size), arm,
-                            vocab=vocab, projection=how)
+        pairs = build_pairs(model.tokenizer, split="heldout", n_sources=self.n_sources, max_length=max_length(model),
+                            **self.base.with_(template="is_in", vocab=vocab).kwargs())
+        B = None if how == "output_patch" else self.bases(model)[how]
+        return _metric_rows(pairs, projected_output_patch(model, pairs, self.chosen, B, batch_size=self.batch_size),
+                            arm, vocab=vocab, projection=how)
+
+
+def run_reuse(model, head: Optional[Sequence[int]] = None, *, from_scan=None, n_sources: int = 32,
+              n_fit: int = 32, n_dev: int = 16, layout=None, rank: int = 4, seed: int = 0,
+              gate_threshold: Optional[float] = GATE_THRESHOLD, formats: Optional[Sequence[str]] = None,
+              batch_size: int = 16, n_resamples: int = 9999, run_dir=None, model_name: str = "model",
+              progress=None, executor=None) -> ProtocolResult:
+    """The donor write in every format (`formats`: "family:condition" keys of format_layouts, default all) and the
+    colour-to-shape subspace transfer, on `n_sources` held-out sources; the basis is fitted on `n_fit` dev sources.
+    gate_threshold=None reports every format without the capability gate. layout: the layout every format starts
+    from (a PairSpec, PairLayout or layout name; default the §3.3 layout), under `seed`. executor: the CLI's --ray
+    runner; each format is then one unit on a Ray worker, and the subspace transfer (its basis fitted once) one
+    more."""
+    base = pair_spec(layout, seed=seed)
+    chosen, _ = frozen_head(model, head, from_scan, n_dev=n_dev, layout=base)
+    layouts = format_layouts(base)
+    keys = list(layouts) if formats is None else list(formats)
+    unknown = [k for k in keys if k not in layouts]
+    if unknown:
+        raise ValueError(f"unknown formats {unknown}; choose from {list(layouts)}")
+    rows = run_arms(model, run_dir, "reuse_rows", ("arm", "row"), keys,
+                    FormatArm(layouts, n_sources, chosen, gate_threshold, batch_size, n_resamples, seed),
+                    progress=progress, executor=executor)
+    rows["reason"] = rows["reason"].fillna("")
     sub_arms = [f"{v}:{a}" for v in ("colours", "shapes") for a in SUBSPACE_ARMS]
-    sub_rows = logged_arms(run_dir, "subspace_rows", ("arm", "row"), sub_arms, compute_subspace, progress)
+    sub_rows = run_arms(model, run_dir, "subspace_rows", ("arm", "row"), sub_arms,
+                        SubspaceArm(base, n_sources, n_fit, chosen, rank, batch_size, seed), progress=progress,
+                        executor=executor, unit_of=lambda arm: "subspace")
 
     summary_f = stats.summarise(rows, list(METRICS), by=["arm"], source_col="source", n_resamples=n_resamples,
                                 seed=seed, proportions=list(PROPORTIONS))
@@ -211,17 +256,22 @@ def run_reuse(model, head: Optional[Sequence[int]] = None, *, from_scan=None, n_
                          sub_rows.groupby(["arm", "source"])[["donor_margin_shift", "donor_answer"]].mean()
                          .reset_index()], ignore_index=True)
     all_rows = pd.concat([rows.assign(part="formats"), sub_rows.assign(part="subspace")], ignore_index=True)
-    info = {"head": chosen, "n_sources": n_sources, "n_fit": n_fit, "rank": rank, "filler": filler, "formats": keys,
+    info = {"head": chosen, "n_sources": n_sources, "n_fit": n_fit, "rank": rank, "filler": base.layout.filler_tokens, "formats": keys,
             "gate": gate_threshold}
     result = ProtocolResult("reuse", all_rows, sources, summary, info=info)
     figures = [FigureSpec("reuse", summary_f, dict(
                    row_col="arm", rows=keys, panels=["clean_correct", "qualified_donor_answer"],
                    percent=["clean_correct", "qualified_donor_answer"],
                    reference={"clean_correct": gate_threshold} if gate_threshold else None,
+                   reference_labels={"clean_correct": f"the {100 * (gate_threshold or 0):.0f}% gate"},
                    panel_labels={"clean_correct": "clean recall", "qualified_donor_answer": "qualified donor answers"},
+                   row_labels={k: k for k in keys},
+                   missing_labels={a: "refused by the gate" for a, why in
+                                   summary_f.groupby("arm")["reason"].first().items() if why},
                    title=f"{model_name}: donor write across formats, head {head_label(chosen)}")),
                FigureSpec("subspace", summary_s, dict(
-                   row_col="projection", rows=list(SUBSPACE_ARMS), hue_col="vocab",
+                   row_col="projection", rows=list(SUBSPACE_ARMS), hue_col="vocab", row_labels=SUBSPACE_LABELS,
+                   controls=["random_basis"],
                    panels=["donor_margin_shift", "donor_answer"], percent=["donor_answer"],
                    title=f"{model_name}: rank-{rank} colour basis, head {head_label(chosen)}"))]
     return finish(result, run_dir, lambda r: reuse_section(r, model_name), figures)
@@ -289,23 +339,9 @@ def reading(s: pd.DataFrame, info: dict) -> list:
     return out
 
 
-def _options(p) -> None:
-    p.add_argument("--n-fit", type=int, default=32, help="dev sources the colour basis is fitted on")
-    p.add_argument("--rank", type=int, default=4)
-    p.add_argument("--formats", nargs="+", default=None, help="format keys, e.g. template:colon vocab:shapes "
-                   "update:is_in (default: all)")
-    add_gate_option(p, GATE_THRESHOLD, "capability gate on every format's clean recall (default 0.8)")
-    p.add_argument("--no-gate", action="store_true", help="report every format without the capability gate")
-
-
-def _from_args(model, args, run_dir, progress) -> ProtocolResult:
+def _from_args(model, args, run_dir, progress, executor=None) -> ProtocolResult:
     return run_reuse(model, args.head, from_scan=args.from_scan, n_sources=args.n_sources, n_fit=args.n_fit,
-                     n_dev=args.n_dev, filler=args.filler, rank=args.rank, seed=args.seed,
+                     n_dev=args.n_dev, layout=args.pair_spec, rank=args.rank, seed=args.seed,
                      gate_threshold=None if args.no_gate else args.gate, formats=args.formats,
                      batch_size=args.batch_size, n_resamples=args.resamples, run_dir=run_dir, model_name=args.model,
-                     progress=progress)
-
-
-VERB = Verb("reuse", "the frozen head's donor write across templates, value vocabularies and the update format, and "
-            "the rank-4 colour-to-shape subspace transfer (App. D.2)", run_reuse, from_args=_from_args, presentations=None, gap=None,
-            template="", options=_options)
+                     progress=progress, executor=executor)

@@ -19,11 +19,11 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, source_means, summarise_metrics
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_setup, head_label, logged_arms,
-                                                 logged_arms_on, max_length, pair_kwargs, pooled_break_rate)
-from recurscope.interp.protocols.runner import FigureSpec, Section, Verb, finish
+                                                 logged_arms_on, max_length, pair_spec, pooled_break_rate)
+from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import Claim, control_verdict, judge, measure_from
 
-__all__ = ["ARMS", "PAPER", "run_selectivity", "build_selectivity_pairs", "reading", "VERB"]
+__all__ = ["ARMS", "PAPER", "run_selectivity", "build_selectivity_pairs", "reading"]
 
 ARMS = ("state_swap", "donor_write", "random_update", "random_write", "control_head:state_swap",
         "control_head:donor_write")
@@ -40,13 +40,14 @@ CONTROL_OF = {"random_update": "state_swap", "random_write": "donor_write", "con
               "control_head:donor_write": "donor_write"}
 
 
-def build_selectivity_pairs(tokenizer, *, n_sources: int = 32, split: str = "heldout", model=None, **layout):
-    """Swap pairs with every fact queried (build_multifact_pairs) in the §3.3 layout unless overridden."""
+def build_selectivity_pairs(tokenizer, *, n_sources: int = 32, split: str = "heldout", model=None, layout=None):
+    """Swap pairs with every fact queried (build_multifact_pairs) in `layout` (a PairSpec, PairLayout or layout
+    name; default the §3.3 layout, _common.PROTOCOL_LAYOUT)."""
     from recurscope.interp.data import build_multifact_pairs
 
-    kwargs = {**pair_kwargs(), **layout}
     return build_multifact_pairs(tokenizer, split=split, n_sources=n_sources,
-                                 max_length=None if model is None else max_length(model), **kwargs)
+                                 max_length=None if model is None else max_length(model),
+                                 **pair_spec(layout).kwargs())
 
 
 def _arm(model, pairs, head, arm: str, *, seed: int, batch_size: int, scan_heads=None, rows=None) -> pd.DataFrame:
@@ -78,7 +79,7 @@ def selectivity_unit(model, pairs, rows, *, arm: str, head, seed: int, batch_siz
 
 
 def run_selectivity(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_dir=None, from_scan=None,
-                    n_sources: int = 32, n_dev: int = 16, layout: Optional[dict] = None, seed: int = 0,
+                    n_sources: int = 32, n_dev: int = 16, layout=None, seed: int = 0,
                     batch_size: int = 16, arms: Sequence[str] = ARMS, n_resamples: int = 9999,
                     model_name: str = "model", progress=None, executor=None) -> ProtocolResult:
     """Runs every arm on the frozen head over four-fact pairs (all facts queried); returns rows, per-source means,
@@ -89,7 +90,7 @@ def run_selectivity(model, pairs=None, head: Optional[Sequence[int]] = None, *, 
         raise ValueError(f"unknown arms {bad}; choose from {ARMS}")
     layout, chosen, scan_heads, pairs = frozen_setup(
         model, pairs, head, from_scan, n_dev=n_dev, layout=layout, seed=seed,
-        build=lambda lay: build_selectivity_pairs(model.tokenizer, n_sources=n_sources, model=model, **lay))
+        build=lambda lay: build_selectivity_pairs(model.tokenizer, n_sources=n_sources, model=model, layout=lay))
     if int(pairs.is_target.sum()) == len(pairs):
         raise ValueError("selectivity needs non-target rows: build the pairs with build_multifact_pairs "
                          "(queries='all')")
@@ -116,6 +117,7 @@ def run_selectivity(model, pairs=None, head: Optional[Sequence[int]] = None, *, 
         row_col="arm", rows=[a for a in ARMS if a in arms],
         panels=["donor_answer", "donor_margin_shift", breaks, "nontarget_margin_change"],
         percent=["donor_answer", breaks], panel_labels={"pooled_break_rate": "non-target break rate (pooled)"},
+        row_labels=LABELS, controls=[a for a in ARMS if a.startswith(("random", "control"))],
         title=f"{model_name}: four-fact selectivity, head {head_label(chosen)}"))
     return finish(result, run_dir, lambda r: selectivity_section(r, model_name), [figure])
 
@@ -160,6 +162,3 @@ def reading(s: pd.DataFrame) -> list[str]:
                                        measure_from(s, {"arm": main}, "donor_margin_shift"),
                                        f"the {LABELS[main]}"))
     return out
-
-
-VERB = Verb("selectivity", "four-fact selectivity of the frozen head (§3.3, Fig. 5a-b)", run_selectivity, ray=True)
