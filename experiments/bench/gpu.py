@@ -7,10 +7,17 @@ median ratios beside ratios of minima, CUDA synchronised around every timed call
    Targets: <= 1.25x fla's plain call with patches off, <= 1.5x with patches on.
 2. Our Triton kernel (backend="triton", kernels.triton_recurrent) against fla's fused recurrent kernel
    (fused_recurrent_gla, fused_recurrent_gated_delta_rule), plain calls.
-3. The 96-head scan against one clean + one donor forward on a GLA-340M-shaped model (experiments/bench/scan.py's
+3. Grouped value heads and packed sequences (issue 30), Gated DeltaNet, the same B x T tokens:
+   - GVA (H_k = H / 2): our fla path and our Triton kernel reading q and k per key head, against the same calls
+     with q and k repeated over the value heads first (today's bridge before the change) and fla's own call with
+     H_k keys; target: native <= 1.0x repeat-then-call;
+   - varlen (B sequences of lengths varying 4x, packed into one row with cu_seqlens): our fla path and our Triton
+     kernel packed, against the same backends on the sequences right-padded to the longest and one call per
+     sequence, and fla's own packed call; target: packed <= 1.0x padded.
+4. The 96-head scan against one clean + one donor forward on a GLA-340M-shaped model (experiments/bench/scan.py's
    scan_vs_forward) at 611 tokens; targets <= 1.25x with the scan's patches counted as "on": <= 1.5x.
 
-Shapes for 1-2: B=4, T=4096, H=16, K=V=128, bfloat16 inputs (float32 gates), fla's usual training shape.
+Shapes for 1-3: B=4, T=4096, H=16, K=V=128, bfloat16 inputs (float32 gates), fla's usual training shape.
 Run with the checkout on the path:  PYTHONPATH=. python -m experiments.bench.gpu [--repeats 10] [--skip-scan]
 
 The functions take the device and the shapes, so that tests/experiments/test_bench_gpu.py runs the whole script on
@@ -135,6 +142,75 @@ def recurrence_benches(repeats: int, device: torch.device, shape: dict = SHAPE) 
     return verdicts
 
 
+def varlen_gva_benches(repeats: int, device: torch.device, shape: dict = SHAPE) -> list[str]:
+    """Grouped value heads and packed sequences on the fla and triton backends (item 3 of the docstring)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    B, T, H, K, V = (shape[n] for n in "BTHKV")
+    d = inputs(device, **shape)
+    q, k, v, beta, g = d["q"], d["k"], d["v"], d["beta"], d["g_head"]
+    scale = K ** -0.5
+    bt = beta[..., None]
+    x = (bt * v.float()).to(v.dtype)
+    verdicts = []
+    with torch.no_grad():
+        # GVA: one key head per two value heads
+        qk, kk = q[:, :, ::2].contiguous(), k[:, :, ::2].contiguous()
+        ak = (bt.unflatten(2, (H // 2, 2)) * kk.float()[:, :, :, None]).flatten(2, 3).to(k.dtype)
+        rep = lambda t: t.repeat_interleave(2, dim=2)  # noqa: E731
+        print(f"GVA: {fallback_reason(qk, kk, x, g, ak) or 'fla chunk kernels'}")
+        times = timed_rounds({
+            "fla path, q k repeated first": lambda: kernels.recurrence(rep(qk), rep(kk), x, g, ak, scale=scale,
+                                                                        backend="fla"),
+            "fla path, grouped value heads": lambda: kernels.recurrence(qk, kk, x, g, ak, scale=scale, backend="fla"),
+            "fla's own GVA call": lambda: chunk_gated_delta_rule(qk, kk, v, g, beta.to(q.dtype), scale=scale,
+                                                                 output_final_state=True),
+            "triton, q k repeated first": lambda: kernels.recurrence(rep(qk), rep(kk), x, g, ak, scale=scale,
+                                                                      backend="triton"),
+            "triton, grouped value heads": lambda: kernels.recurrence(qk, kk, x, g, ak, scale=scale,
+                                                                       backend="triton"),
+        }, repeats, device)
+        verdicts += report(f"GDN GVA H_k={H // 2} H={H} T={T}: native vs repeat-then-call", times,
+                           "fla path, q k repeated first", {"fla path, grouped value heads": 1.0})
+        verdicts += report(f"GDN GVA H_k={H // 2} H={H} T={T}, triton", {n: times[n] for n in times
+                                                                          if n.startswith("triton")},
+                           "triton, q k repeated first", {"triton, grouped value heads": 1.0})
+        # varlen: lengths from T/4 to T (4x apart), B of them, packed into one row
+        n = max(2, 2 * B)
+        lengths = [max(1, round(T / 4 + (T - T / 4) * i / (n - 1))) for i in range(n)]
+        total = sum(lengths)
+        cu = [0]
+        for L in lengths:
+            cu.append(cu[-1] + L)
+        flat = lambda t: t.reshape(1, -1, *t.shape[2:])[:, :total].contiguous()  # noqa: E731
+        big = inputs(device, B=n, T=T, H=H, K=K, V=V, dtype=q.dtype)
+        pq, pk, pv, pb, pg = (flat(big[c]) for c in ("q", "k", "v", "beta", "g_head"))
+        px, pa = (pb[..., None] * pv.float()).to(pv.dtype), (pb[..., None] * pk.float()).to(pk.dtype)
+        Tm = max(lengths)
+        pad = lambda t: torch.stack([F.pad(t[0, lo:hi], (0, 0) * (t.dim() - 2) + (0, Tm - (hi - lo)))  # noqa: E731
+                                     for lo, hi in zip(cu[:-1], cu[1:])])
+        dq, dk, dx, dg, da = (pad(t) for t in (pq, pk, px, pg, pa))
+        cu_t = torch.tensor(cu, device=device)
+        for backend in ("fla", "triton"):
+            seq = lambda i: slice(cu[i], cu[i + 1])  # noqa: E731
+            times = timed_rounds({
+                "padded batch": lambda: kernels.recurrence(dq, dk, dx, dg, da, scale=scale, backend=backend),
+                "packed, cu_seqlens": lambda: kernels.recurrence(pq, pk, px, pg, pa, scale=scale, backend=backend,
+                                                                 cu_seqlens=cu_t),
+                "one call per sequence": lambda: [kernels.recurrence(
+                    pq[:, seq(i)], pk[:, seq(i)], px[:, seq(i)], pg[:, seq(i)], pa[:, seq(i)], scale=scale,
+                    backend=backend) for i in range(n)],
+                **({"fla's own packed call": lambda: chunk_gated_delta_rule(
+                    pq, pk, pv, pg, pb.to(pq.dtype), scale=scale, output_final_state=True, cu_seqlens=cu_t)}
+                   if backend == "fla" else {}),
+            }, repeats, device)
+            verdicts += report(f"GDN varlen {backend}, {n} sequences of {lengths[0]}..{lengths[-1]} tokens "
+                               f"({total} packed, {n * Tm} padded)", times, "padded batch",
+                               {"packed, cu_seqlens": 1.0})
+    return verdicts
+
+
 def scan_bench(repeats: int, device: torch.device, model_shape: Optional[dict] = None,
                length: int = SCAN_LENGTH) -> list[str]:
     """The scan of every head against one clean + one donor forward; model_shape defaults to scan.py's GLA-340M."""
@@ -169,6 +245,7 @@ def main():
           f"recurscope code timed: {os.path.dirname(os.path.dirname(recurscope.__file__))}")
     cuda = torch.device("cuda")
     verdicts = recurrence_benches(args.repeats, cuda)
+    verdicts += varlen_gva_benches(args.repeats, cuda)
     if not args.skip_scan:
         verdicts += scan_bench(max(3, args.repeats // 3), cuda)
     print()

@@ -27,12 +27,19 @@ KV heads of 128 with the output gate and partial RoPE, MLP 1792, vocabulary 3200
 `git show <commit>:interp/scan.py > /tmp/old_scan.py`), loaded beside the current one and run on the same model in
 the same rounds; its rows are checked against the current scan's, and the paired old / new ratio is printed.
 
+--varlen adds the case of rows of different lengths (issue 30): four word-tokenizer pairs of one layout with 0, 100,
+200 and 300 filler tokens (lengths about 2.4x apart) in one left-padded batch, scanned three ways in interleaved,
+order-rotated rounds: packed (run_scan on the batch: prefixes packed with cu_seqlens, no padding computed), padded
+(the same batch with its lengths dropped, so that the padding runs through the model: today's cost of batching
+unequal rows; its rows differ, since the padding is read) and one scan per row at its own length (the loop). Ratios
+are to packed; packed rows are checked against the loop's. `--lengths` with no value skips the equal-length cases.
+
 --clock cpu (CPU only) times by this process's CPU time: at one thread the time other jobs hold the core then
 does not count (cache and memory-bandwidth contention still does).
 
 Usage:  python -m experiments.bench.scan [--shapes gla gdn gdn_hybrid qwen35] [--lengths 611 307] [--repeats 3]
                                          [--threads 1] [--layers N] [--naive-heads 0] [--device cpu|cuda]
-                                         [--clock wall|cpu] [--baseline-scan FILE]
+                                         [--clock wall|cpu] [--baseline-scan FILE] [--varlen]
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ import sys
 import tempfile
 import time
 
+import pandas as pd
 import torch
 
 import recurscope
@@ -158,6 +166,48 @@ def scan_vs_forward(model, pairs, device, repeats: int, batch_size: int = 96, cl
     return times, statistics.median(s / f for s, f in zip(times[names[2]], ref))
 
 
+VARLEN_FILLERS = (0, 100, 200, 300)
+
+
+def varlen_pairs(tok):
+    """One pair per filler count of VARLEN_FILLERS (same layout otherwise), collated into one left-padded batch."""
+    import dataclasses
+
+    from recurscope.interp.data.recall import PairBatch, iter_pairs
+
+    made = []
+    for j, filler in enumerate(VARLEN_FILLERS):
+        p = next(iter(iter_pairs(tok, "dev", 1, n_facts=2, presentations=3, gap_tokens=24, filler_tokens=filler,
+                                 seed=j)))
+        made.append(dataclasses.replace(p, source_id=j, group=j))
+    return PairBatch.collate(made, 0)
+
+
+def varlen_scan(model, pairs, device, repeats: int, batch_size: int = 96, clock=time.perf_counter):
+    """Interleaved, order-rotated rounds of the packed scan, the padded scan and one scan per row; returns
+    ({name: times}, max |shift| difference between the packed rows and the loop's)."""
+    import dataclasses
+
+    padded = dataclasses.replace(pairs, lengths=None)
+    alone = [pairs.select([i]).trimmed() for i in range(len(pairs))]
+    fns = {
+        "packed (cu_seqlens)": lambda: run_scan(model, pairs, batch_size=batch_size),
+        "padded": lambda: run_scan(model, padded, batch_size=batch_size),
+        "one scan per row": lambda: [run_scan(model, p, batch_size=batch_size) for p in alone],
+    }
+    names = list(fns)
+    times = {n: [] for n in names}
+    with torch.no_grad():
+        for r in range(repeats):
+            shift = r % len(names)
+            for n in names[shift:] + names[:shift]:
+                times[n].append(timed(fns[n], device, clock))
+        key = list(SCAN_KEY)
+        packed_rows = run_scan(model, pairs, batch_size=batch_size).rows.set_index(key)["shift"]
+        loop_rows = pd.concat([run_scan(model, p, batch_size=batch_size).rows for p in alone]).set_index(key)["shift"]
+    return times, float((packed_rows - loop_rows.loc[packed_rows.index]).abs().max())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="*", default=["gla", "gdn", "gdn_hybrid", "qwen35"],
@@ -168,6 +218,8 @@ def main():
     ap.add_argument("--layers", type=int, default=None, help="layers of every shape (default: each shape's own)")
     ap.add_argument("--baseline-scan", default=None, metavar="FILE",
                     help="also time run_scan from this copy of interp/scan.py (another version) in the same rounds")
+    ap.add_argument("--varlen", action="store_true",
+                    help="also time the scan of rows of different lengths: packed, padded and one scan per row")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--naive-heads", type=int, default=0, help="time the naive scan on this many heads (0: skip)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -232,6 +284,21 @@ def main():
                 print(f"    naive scan, {n_naive} heads timed, scaled to {len(heads)}: "
                       f"{t_naive * len(heads) / n_naive:.1f} s; max |shift difference| "
                       f"{(fast.loc[slow.index] - slow).abs().max():.2e}")
+        if args.varlen:
+            pairs = varlen_pairs(tok)
+            lengths = pairs.row_lengths().tolist()
+            times, diff = varlen_scan(model, pairs, device, args.repeats, args.batch_size, CLOCKS[args.clock])
+            base = times["packed (cu_seqlens)"]
+            print(f"  rows of {lengths} tokens ({max(lengths) / min(lengths):.1f}x apart; {sum(lengths)} packed, "
+                  f"{len(lengths) * max(lengths)} padded), ratios paired to packed:")
+            for n, ts in times.items():
+                print(f"    {n:28s} median {statistics.median(ts):8.2f} s   min {min(ts):8.2f} s   paired "
+                      f"{statistics.median(t / b for t, b in zip(ts, base)):5.2f}x   mins {min(ts) / min(base):5.2f}x")
+            print(f"    packed vs one scan per row: max |shift difference| {diff:.2e}")
+            for n in ("padded", "one scan per row"):
+                ratio = statistics.median(t / b for t, b in zip(times[n], base))
+                verdicts.append(f"{title}, varlen {lengths}: {n} / packed = {ratio:.2f}x (target >= 1x) "
+                                f"{'met' if ratio >= 1 else 'MISSED'}")
     print(f"\nuptime after: {uptime()}")
     for v in verdicts:
         print("target: " + v)

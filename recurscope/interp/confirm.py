@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import pandas as pd
+import torch
 
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, summarise_metrics
@@ -70,9 +71,26 @@ def confirm_arm(model, pairs, heads: Sequence, arm: str, *, scan_heads: Optional
     row_ids: when `pairs` is a subset of a larger batch (a distributed work unit), each row's index in that batch;
     it fills the "row" column and seeds the random control, so a subset gives the rows the whole batch would."""
     entry = iv.named_intervention(arm)
-    frame = entry.run(model, pairs, heads, batch_size=batch_size, seed=seed, scan=scan_heads, row_ids=row_ids,
-                      metric=lambda p, result: example_metrics(p, result, intervention=arm))
-    frame["row"] = list(range(len(frame))) if row_ids is None else [int(i) for i in row_ids]
+    ids = list(range(len(pairs))) if row_ids is None else [int(i) for i in row_ids]
+    metric = lambda p, result: example_metrics(p, result, intervention=arm)  # noqa: E731
+    lengths = pairs.row_lengths() if hasattr(pairs, "row_lengths") else None
+    if lengths is not None and pairs.is_ragged() and \
+            isinstance(entry.spec(model, pairs, heads, seed=seed, scan=scan_heads, row_ids=ids), iv.WriteSpec):
+        # Rows of different lengths: a write arm's full forwards run each length's rows as one batch of that length
+        # (the rows' padding cut off), so no padding is computed; the query-time arms run their prefixes packed
+        # (interventions.clean_runs.run_prefixes). row_ids keep each row's seed and index.
+        parts = []
+        for length in torch.unique(lengths).tolist():
+            group = torch.nonzero(lengths == length)[:, 0].tolist()
+            sub = entry.run(model, pairs.select(group).trimmed(), heads, batch_size=batch_size, seed=seed,
+                            scan=scan_heads, row_ids=[ids[i] for i in group], metric=metric)
+            sub.index = group
+            parts.append(sub)
+        frame = pd.concat(parts).sort_index().reset_index(drop=True)
+    else:
+        frame = entry.run(model, pairs, heads, batch_size=batch_size, seed=seed, scan=scan_heads, row_ids=row_ids,
+                          metric=metric)
+    frame["row"] = ids
     return frame
 
 

@@ -18,6 +18,11 @@ cache and the donor's state in its one head; rows run on through the layers abov
 query position only. Rows are chunked by batch_size. No full forward is rerun per head; `naive_head_shifts` is that
 slow reference. The layers run through the model protocol's layer-by-layer methods (`embed_suffix`, `run_layer`,
 `unembed`; interp.models.protocol), so the native models and the transformers bridge share this one path.
+
+Rows of different lengths (left-padded, PairBatch.lengths; e.g. natural-length prompts of a real tokenizer) never
+compute their padding: the prefix pass runs them packed (cu_seqlens), the clean suffix continues a cache that knows
+each row's length, and each example's patched rows continue its own rows cut to its length. Rows equal each row
+scanned alone (tests/interp/test_packed_rows.py).
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from recurscope.interp.interventions.clean_runs import run_prefixes
 from recurscope.interp.interventions.common import candidate_logits, check_pairs, model_device, normalise_heads
 from recurscope.interp.models.cache import LayerCache, RecurrentCache
 
@@ -79,8 +85,25 @@ def _margins(z: torch.Tensor, d: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 def _prefix_cache(model, pairs, ex: torch.Tensor, b: int, device) -> RecurrentCache:
     """The cache after tokens [0, b] of the recipients (rows 0..n-1) then the donors (rows n..2n-1), one batched
-    prefix pass (run_prefix forms no logits: none are needed there)."""
-    return model.run_prefix(torch.cat([pairs.recipient_ids[ex, :b + 1], pairs.donor_ids[ex, :b + 1]]).to(device))
+    prefix pass (run_prefix forms no logits: none are needed there); rows of different lengths run packed, so their
+    padding is never computed (interventions.clean_runs.run_prefixes)."""
+    return run_prefixes(model, pairs, ex, b, device)
+
+
+def _example_cache(cache: RecurrentCache, n: int, e: int) -> RecurrentCache:
+    """Rows e (recipient) and n + e (donor) of a cache of 2n rows with per-row lengths, as views: a cache of example
+    e's own length whose K/V drop the left padding."""
+    L = int(cache.lengths[e])
+    cut = lambda t: None if t is None else t[e::n][:, cache.seen_tokens - L:]  # noqa: E731
+    layers = [LayerCache(lc.kind, None if lc.state is None else lc.state[e::n], {k: v[e::n] for k, v in lc.conv.items()},
+                         cut(lc.keys), cut(lc.values)) for lc in cache.layers]
+    return RecurrentCache(layers, L)
+
+
+def _rows_view(cache: RecurrentCache, rows: slice) -> RecurrentCache:
+    """A cache of some of `cache`'s rows as views (nothing copied), their lengths with them."""
+    return RecurrentCache([lc.map(lambda t: t[rows]) for lc in cache.layers], cache.seen_tokens,
+                          None if cache.lengths is None else cache.lengths[rows])
 
 
 def _rows_of(lc: LayerCache, row: int, count: int) -> LayerCache:
@@ -114,7 +137,7 @@ def _clean_suffix(model, cache: RecurrentCache, suffix: torch.Tensor):
     """Runs the recipients' suffix (cache rows 0..n-1, read in place) layer by layer; returns each layer's input
     residual, the final residual and the layers' context (model.embed_suffix), which serves the patched rows too."""
     n = suffix.shape[0]
-    resid, context = model.embed_suffix(suffix, cache)
+    resid, context = model.embed_suffix(suffix, _rows_view(cache, slice(0, n)))
     inputs = []
     for i in range(len(cache.layers)):
         inputs.append(resid)
@@ -123,14 +146,23 @@ def _clean_suffix(model, cache: RecurrentCache, suffix: torch.Tensor):
 
 
 def _patched_suffix(model, cache: RecurrentCache, clean_inputs: list, context, n: int, example: torch.Tensor,
-                    layer: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    layer: torch.Tensor, head: torch.Tensor, suffix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The growing batch, one example at a time: row j runs the layers from layer[j] up, entering with the clean
     residual of its example, the recipient's cache, and the donor's (cache row n + example) state in
     (layer[j], head[j]) only. Returns the final residuals and the row order (indices into example/layer/head)."""
     resids, orders = [], []
     for e in torch.unique(example).tolist():
         rows = torch.nonzero(example == e)[:, 0]
-        resid, order = _example_suffix(model, cache, clean_inputs, context, n, e, layer[rows], head[rows])
+        if cache.lengths is None:
+            resid, order = _example_suffix(model, cache, clean_inputs, context, n, e, layer[rows], head[rows])
+        else:
+            # rows of different lengths: example e's rows continue its recipient and donor rows cut to its own
+            # length (views; K/V without the padding), as a cache of that length, so they neither read nor mask
+            # the padding
+            own = _example_cache(cache, n, e)
+            ctx = model.embed_suffix(suffix[e:e + 1], _rows_view(own, slice(0, 1)))[1]
+            resid, order = _example_suffix(model, own, [t[e:e + 1] for t in clean_inputs], ctx, 1, 0, layer[rows],
+                                           head[rows])
         resids.append(resid)
         orders.append(rows[order])
     return torch.cat(resids), torch.cat(orders)
@@ -228,7 +260,7 @@ def scan_rows(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Option
                     e, j = chunk[:, 0], chunk[:, 1]
                     with _outputs_only(model):
                         resid, order = _patched_suffix(model, cache, clean_inputs, context, len(ex), e,
-                                                       heads_t[j, 0], heads_t[j, 1])
+                                                       heads_t[j, 0], heads_t[j, 1], suffix)
                     e, j = e[order], j[order]
                     layer, head = heads_t[j, 0], heads_t[j, 1]
                     margin = _margins(_query_logits(model, resid, qp[e], cand[e]), d[e], r[e])

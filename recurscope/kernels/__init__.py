@@ -83,8 +83,9 @@ def recurrence(
 
     fla's options (docs/kernels.md, "Grouped heads, packed sequences and fla's options"):
     - grouped value heads: q and k (and optionally a and u) with H_k heads where x, g and the states have
-      H = n H_k; value head h reads key head h // n. The chunked and triton backends read q and k per key head (no
-      copy); the reference and fla backends get them repeated.
+      H = n H_k; value head h reads key head h // n. The chunked and triton backends, and the fla backend's gated
+      delta rule, read q and k per key head (no copy); the reference backend (and fla's GLA kernels) get them
+      repeated.
     - query groups (GLA-7B's grouped key/value heads, the mirror): q with H_q = m H heads where k, x, g and the
       states have H; query head h m + j reads state h, and o has the H_q query heads. The reference computes the m
       readouts of each state at every step; the other backends run once per member j of the groups, on the strided
@@ -93,7 +94,8 @@ def recurrence(
       no copy of any input.
     - cu_seqlens: n + 1 offsets into T (B = 1): n packed sequences, each from its own initial state (n, H, K, V)
       to its own final state (n, H, K, V); empty sequences keep their initial state. capture counts packed steps.
-      The chunked and triton backends run the packed batch in one call; reference and fla loop over sequences.
+      The chunked, triton and fla backends run the packed batch in one call (fla: its own cu_seqlens, split only
+      where a capture or extra write cuts it); the reference backend loops over sequences.
     - chunk_size: the chunked backend's chunk length (a multiple of 16; other backends ignore it).
     - use_qk_l2norm: q and k are L2-normalised along K first (x / sqrt(|x|^2 + 1e-6), as fla).
     - beta (B, T, H): the delta rule's step, a = beta k and x = beta x (a must then be None); use_beta_sigmoid
@@ -134,15 +136,17 @@ def recurrence(
         cu = None if cu_seqlens is None else _bounds(cu_seqlens)
         o, S, states = recurrence_triton(q, k, x, g, a, output_final_state=output_final_state, cu_seqlens=cu, **kwargs)
         return RecurrenceOutput(o, S if output_final_state else None, states)
+    if chosen == "fla":
+        from recurscope.kernels.fla_chunk import recurrence_fla
+
+        cu = None if cu_seqlens is None else _bounds(cu_seqlens)
+        o, S, states = recurrence_fla(q, k, x, g, a, output_final_state=output_final_state, cu_seqlens=cu, **kwargs)
+        return RecurrenceOutput(o, S if output_final_state else None, states)
     if dims.H_k != dims.H:
         q, k = (t.repeat_interleave(dims.H // dims.H_k, dim=2) for t in (q, k))
 
     def run(q, k, x, g, a, **kw):
-        if chosen == "reference":
-            return recurrence_reference(q, k, x, g, a, dtype=dtype, **kw)
-        from recurscope.kernels.fla_chunk import recurrence_fla
-
-        return recurrence_fla(q, k, x, g, a, output_final_state=output_final_state, **kw)
+        return recurrence_reference(q, k, x, g, a, dtype=dtype, **kw)
 
     if cu_seqlens is None:
         o, S, states = run(q, k, x, g, a, **kwargs)

@@ -19,6 +19,13 @@ beta is recovered as (a . k) / (k . k), and a counts as a multiple of k when it 
 a's dtype. State replacements and readout patches live in the model's mixers, which already run them as segments with an
 initial state and edit the readout after the kernel; they reach this path as plain calls.
 
+Packed sequences (cu_seqlens, B = 1) go to fla's kernels as fla's own cu_seqlens, in one call when nothing splits the
+sequence; a split (capture or extra write) at packed step t cuts the segment there, and each segment's call gets the
+sequence boundaries inside it, each piece starting from its sequence's carried state (so a split never crosses a
+sequence). Grouped value heads (q, k with H_k heads, x, g and the states with H = n H_k) reach
+`chunk_gated_delta_rule` as they are (fla 0.6 takes H_v > H_k there); `chunk_gla` and `chunk_simple_gla` take one
+head count for q, k, v and g, so q and k are repeated over the value heads for them.
+
 What falls back to the Triton kernel (kernels.triton_recurrent), and why:
     an erase that is not a multiple of k (GDN-2, QED, KDA, any per-channel decay with an erase): no fla chunk kernel
         computes (I - k a^T) for a general a;
@@ -31,6 +38,7 @@ What falls back to the Triton kernel (kernels.triton_recurrent), and why:
 """
 from __future__ import annotations
 
+import bisect
 from typing import Optional
 
 import torch
@@ -58,10 +66,20 @@ def fla_available() -> bool:
     return True
 
 
+def _grouped(k: torch.Tensor, H: int) -> torch.Tensor:
+    """k (B, T, H_k, K) seen over H = n H_k value heads as (B, T, H_k, 1, K), broadcasting against (B, T, H_k, n, K)
+    (no copy)."""
+    return k[:, :, :, None]
+
+
 def _erase_beta(k: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """beta with a = beta k where a is a multiple of k: the projection (a . k) / (k . k), in float32."""
-    kf, af = k.float(), a.float()
-    return (af * kf).sum(-1) / (kf * kf).sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
+    """beta with a = beta k where a is a multiple of k: the projection (a . k) / (k . k), in float32. a has the value
+    heads, k may have fewer (grouped value heads): each value head is projected on its key head."""
+    H, Hk = a.shape[2], k.shape[2]
+    kf = _grouped(k.float(), H)
+    af = a.float().unflatten(2, (Hk, H // Hk))
+    beta = (af * kf).sum(-1) / (kf * kf).sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
+    return beta.flatten(2, 3)
 
 
 def _extra_write_positions(extra_write, T: int) -> list[int]:
@@ -88,7 +106,8 @@ def _plan(q, k, x, g, a, extra_write):
         return None, None, [], "an erase with a per-channel decay (KDA, GDN-2, QED): no fla chunk kernel for it"
     else:
         beta = _erase_beta(k, a)
-        along_k = beta[..., None] * k.float()
+        H, Hk = a.shape[2], k.shape[2]
+        along_k = (beta.unflatten(2, (Hk, H // Hk))[..., None] * _grouped(k.float(), H)).flatten(2, 3)
         # a multiple of k to within a's own rounding (a few ulps of each row's largest entry, in a's dtype)
         tol = 4 * torch.finfo(a.dtype).eps * a.float().abs().amax(-1, keepdim=True)
         if not bool(((a.float() - along_k).abs() <= tol).all()):
@@ -109,51 +128,79 @@ def fallback_reason(q, k, x, g, a=None, *, extra_write=None) -> Optional[str]:
 
 def recurrence_fla(
     q, k, x, g, a=None, *, scale: float, initial_state=None, write_scale=None, extra_write=None,
-    capture: Optional[list[int]] = None, output_final_state: bool = True,
+    capture: Optional[list[int]] = None, output_final_state: bool = True, cu_seqlens: Optional[list[int]] = None,
 ):
     """Same contract as `recurrence_triton`: (o in q's dtype, final_state and states in float32). Inputs are assumed
-    validated. Falls back to the Triton kernel where the module docstring says."""
+    validated; q and k may hold the key heads (grouped value heads), a and the extra write's u the value heads.
+    cu_seqlens: the packed sequences' offsets (a list of ints, B = 1); the final state is then one per sequence
+    (n, H, K, V) and an empty sequence keeps its initial state. Falls back to the Triton kernel where the module
+    docstring says."""
     form, beta, extra_at, reason = _plan(q, k, x, g, a, extra_write)
     if reason is not None:
         from recurscope.kernels.triton_recurrent import recurrence_triton
 
         return recurrence_triton(q, k, x, g, a, output_final_state=output_final_state, scale=scale,
                                  initial_state=initial_state, write_scale=write_scale, extra_write=extra_write,
-                                 capture=capture)
+                                 capture=capture, cu_seqlens=cu_seqlens)
     chunk_gla, chunk_simple_gla, chunk_gated_delta_rule = _fla_ops()
-    T = q.shape[1]
+    B, T, H = x.shape[:3]
+    K, V = q.shape[-1], x.shape[-1]
+    if form != "gated_delta" and q.shape[2] != H:      # only fla's gated delta rule takes grouped value heads
+        q, k = (t.repeat_interleave(H // t.shape[2], dim=2) for t in (q, k))
     v = x.float() if write_scale is None else x.float() * write_scale[..., None].float()
     if form == "gated_delta":
         v = torch.where(beta[..., None] == 0, torch.zeros_like(v), v / beta[..., None])
     k, v = k.to(q.dtype), v.to(q.dtype)                  # fla's kernels take q, k, v in one dtype
+    bounds = [0, T] if cu_seqlens is None else [int(b) for b in cu_seqlens]
+    n_seq = B if cu_seqlens is None else len(bounds) - 1
 
-    def segment(sl, S):
+    def segment(lo, hi, S, cu):
+        sl = slice(lo, hi)
         args = (q[:, sl], k[:, sl], v[:, sl], g[:, sl])
         kw = dict(scale=scale, initial_state=S, output_final_state=True)
+        if cu is not None:
+            kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.long, device=q.device)
         if form == "gla":
             return chunk_gla(*args, **kw)
         if form == "simple_gla":
             return chunk_simple_gla(*args, **kw)
         return chunk_gated_delta_rule(*args, beta[:, sl].to(q.dtype), **kw)
 
+    # the carried state of every sequence (of every row without cu_seqlens), float32
+    if initial_state is None:
+        carried = torch.zeros(n_seq, H, K, V, dtype=torch.float32, device=q.device)
+    else:
+        carried = initial_state.float().expand(n_seq, H, K, V).clone()
+    seq_of = lambda t: bisect.bisect_right(bounds, t) - 1    # noqa: E731 - the (last) sequence that holds step t
     captured = set(capture or [])
     extra = set(extra_at)
     ends = sorted(captured | extra)
-    if not ends or ends[-1] != T - 1:
+    if T and (not ends or ends[-1] != T - 1):
         ends.append(T - 1)
-    S = None if initial_state is None else initial_state.float()
     outs, states, start = [], [], 0
     for end in ends:
-        o_seg, S = segment(slice(start, end + 1), S)
-        S = S.float()
+        fresh = start == 0 and initial_state is None          # every state still zero: fla starts from none
+        if cu_seqlens is None:
+            o_seg, S = segment(start, end + 1, None if fresh else carried, None)
+            carried = S.float()
+        else:
+            # the sequences this segment meets, each piece from its sequence's carried state
+            cuts = sorted({start, end + 1} | {b for b in bounds if start < b <= end})
+            ids = [seq_of(lo) for lo in cuts[:-1]]
+            o_seg, S = segment(start, end + 1, None if fresh else carried[ids], [c - start for c in cuts])
+            carried[ids] = S.float()
         if end in extra:
             u_t, y_t = extra_write[0][:, end].float(), extra_write[1][:, end].float()   # (B, H, K), (B, H, V)
-            S = S + u_t[..., :, None] * y_t[..., None, :]
-            fix = scale * (q[:, end].float() * u_t).sum(-1)[..., None] * y_t
+            rows = slice(None) if cu_seqlens is None else [seq_of(end)]
+            carried[rows] = carried[rows] + u_t[..., :, None] * y_t[..., None, :]
+            q_t = q[:, end].float()
+            if q_t.shape[1] != H:
+                q_t = q_t.repeat_interleave(H // q_t.shape[1], dim=1)
+            fix = scale * (q_t * u_t).sum(-1)[..., None] * y_t
             o_seg = torch.cat([o_seg[:, :-1], (o_seg[:, -1].float() + fix).to(o_seg.dtype)[:, None]], 1)
         if end in captured:
-            states.append(S)
+            states.append(carried.clone() if cu_seqlens is None else carried[[seq_of(end)]].clone())
         outs.append(o_seg)
         start = end + 1
-    o = torch.cat(outs, 1).to(q.dtype)
-    return o, S if output_final_state else None, torch.stack(states, 1) if states else None
+    o = torch.cat(outs, 1).to(q.dtype) if outs else x.new_zeros(B, 0, H, V).to(q.dtype)
+    return o, carried if output_final_state else None, torch.stack(states, 1) if states else None

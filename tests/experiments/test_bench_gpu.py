@@ -37,6 +37,7 @@ def test_gpu_bench_runs_every_contender_and_gives_every_verdict(capsys):
     device = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
                           else "cpu")
     verdicts = gpu.recurrence_benches(1, device, TINY) + gpu.scan_bench(1, device, tiny_gla, 307)
+    varlen = gpu.varlen_gva_benches(1, device, dict(TINY, B=2))
     out = capsys.readouterr().out
     for fam in ("GLA", "GDN"):
         # write_scale, captures and extra writes are expressible on fla's kernels for both families: no fallback
@@ -44,5 +45,8 @@ def test_gpu_bench_runs_every_contender_and_gives_every_verdict(capsys):
         assert f"{fam}: our Triton kernel vs fla's fused recurrent" in out
     # per family: patched off, patched on, Triton against fused recurrent; then the scan
     assert len(verdicts) == 7, verdicts
-    assert all(re.search(r"\(target <= [0-9.]+x.*\) (met|MISSED)$", v) for v in verdicts), verdicts
+    # grouped value heads (fla path, triton) and packed sequences (fla, triton) against today's copies and padding
+    assert "GVA: fla chunk kernels" in out and len(varlen) == 4, varlen
+    assert any("varlen fla" in v for v in varlen) and any("varlen triton" in v for v in varlen)
+    assert all(re.search(r"\(target <= [0-9.]+x.*\) (met|MISSED)$", v) for v in verdicts + varlen), verdicts
     assert "-head scan vs one clean + one donor forward" in out

@@ -80,3 +80,55 @@ def test_plain_call_matches_and_falls_back_where_fla_has_no_kernel():
     fell = kernels.recurrence(q, k, x, g, a_off, backend="fla")
     want = kernels.recurrence(*(t.double().cpu() for t in (q, k, x, g, a_off)), backend="reference")
     torch.testing.assert_close(fell.o.double().cpu(), want.o, atol=2e-4, rtol=2e-4)
+
+
+def _packed_case(family, gva, seed=5):
+    """Four packed sequences (lengths 5, 0, 9, 7; one empty) with grouped value heads (H_k = 1, H = 2) or not, their
+    own initial states, and every patch: write scales, extra writes and captures placed so that segments cross
+    sequence boundaries (the empty sequence included)."""
+    bounds = [0, 5, 5, 14, 21]
+    inputs, kw = make(family, B=1, T=21, H=2, seed=seed)
+    q, k, x, g, a = inputs
+    if gva:                                   # one key head serving both value heads: a = beta k of that key head
+        q, k = q[:, :, :1], k[:, :, :1]
+        if a is not None:
+            beta = (a * k).sum(-1) / (k * k).sum(-1)
+            a = beta[..., None] * k
+    u, y = kw["extra_write"]
+    u, y = torch.zeros_like(u), torch.zeros_like(y)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for t in (3, 10):                          # inside sequences 0 and 2
+        u[:, t] = torch.randn(1, 2, u.shape[-1], generator=gen, dtype=torch.float64) * 0.3
+        y[:, t] = torch.randn(1, 2, y.shape[-1], generator=gen, dtype=torch.float64)
+    kw.update(extra_write=(u, y), capture=[2, 16],
+              initial_state=torch.randn(4, 2, 8, 4, generator=gen, dtype=torch.float64) * 0.5)
+    return (q, k, x, g, a), kw, bounds
+
+
+@pytest.mark.parametrize("family,gva", [("gla", False), ("simple_gla", True), ("gdn", True), ("gdn", False)])
+def test_fla_path_takes_packed_sequences_and_grouped_value_heads(family, gva, monkeypatch):
+    """cu_seqlens (with an empty sequence) and grouped value heads on fla's chunk kernels, every patch on: equal to the
+    reference backend's loop over sequences. The packed call reaches fla once per segment (not once per sequence),
+    with fla's own cu_seqlens; the gated delta rule gets q and k with the key heads."""
+    inputs, kw, bounds = _packed_case(family, gva)
+    ref = kernels.recurrence(*inputs, backend="reference", cu_seqlens=bounds, **kw)
+    calls = []
+    real = fla_chunk._fla_ops
+
+    def spy_ops():
+        def spy(fn):
+            def call(q, k, *args, **kw):
+                calls.append((q.shape[2], kw.get("cu_seqlens")))
+                return fn(q, k, *args, **kw)
+            return call
+        return tuple(spy(fn) for fn in real())
+
+    monkeypatch.setattr(fla_chunk, "_fla_ops", spy_ops)
+    got = kernels.recurrence(*map(to32, inputs), backend="fla", cu_seqlens=bounds,
+                             **{n: to32(v) for n, v in kw.items()})
+    for name, r, c in zip(("o", "final_state", "states"), ref, got):
+        torch.testing.assert_close(c.double().cpu(), r, atol=2e-4, rtol=2e-4, msg=lambda m: f"{name}: {m}")
+    # splits after steps 2, 3, 10, 16 and the end: 5 calls, each with the boundaries inside it (steps 4..10 run the
+    # end of sequence 0 and the start of sequence 2 across the empty one; 11..16 cross from sequence 2 into 3)
+    assert [cu.tolist() for _, cu in calls] == [[0, 3], [0, 1], [0, 1, 7], [0, 3, 6], [0, 4]]
+    assert {h for h, _ in calls} == {1 if (gva and family == "gdn") else 2}

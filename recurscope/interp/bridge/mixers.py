@@ -27,6 +27,22 @@ def _adopt(target: torch.nn.Module, source: torch.nn.Module) -> None:
         target.register_buffer(name, buf, persistent=name not in source._non_persistent_buffers_set)
 
 
+def _packed_conv(mixer, mixed: torch.Tensor, cache) -> torch.Tensor:
+    """transformers' causal conv over packed sequences (mixer.cu_seqlens; mixed (1, C, T)): each sequence convolved
+    from zeros, as alone; the cache gets each sequence's last conv_kernel_size inputs, (n, C, W), as transformers
+    keeps them after a prefill."""
+    from recurscope.interp.models.layers import packed_conv
+
+    if mixer.activation not in (None, "silu", "swish"):
+        raise ValueError(f"packed sequences: the conv activation {mixer.activation!r} is not supported")
+    y, tails = packed_conv(mixed.transpose(1, 2), mixer.conv1d.weight[:, 0], mixer.conv1d.bias, mixer.cu_seqlens,
+                           mixer.conv_kernel_size, activation=mixer.activation is not None)
+    if cache is not None:
+        cache.update_conv_state(tails.transpose(1, 2).contiguous(), mixer.layer_idx,
+                                conv_kernel_size=mixer.conv_kernel_size)
+    return y.transpose(1, 2)
+
+
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     # x / sqrt(|x|^2 + eps), in float32, as transformers' (and fla's) gated delta rule normalises q and k
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -58,6 +74,8 @@ class BridgedDeltaRule(RecurrentMixer):
 
     # transformers' conv with its cache: the cache keeps the last conv_kernel_size inputs of the layer
     def _conv(self, mixed: torch.Tensor, cache) -> torch.Tensor:
+        if self.cu_seqlens is not None:
+            return _packed_conv(self, mixed, cache)
         T = mixed.shape[-1]
         if cache is not None:
             mixed = cache.update_conv_state(mixed, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
@@ -208,6 +226,8 @@ class BridgedMamba2(RecurrentMixer):
         self.state_positions: Optional[Sequence[int]] = None
 
     def _conv(self, mixed: torch.Tensor, cache) -> torch.Tensor:
+        if self.cu_seqlens is not None:
+            return _packed_conv(self, mixed, cache)
         T = mixed.shape[-1]
         if cache is not None:
             mixed = cache.update_conv_state(mixed, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
@@ -280,6 +300,7 @@ ATTENTION_NAME = "recurscope"
 
 def add_attention_hooks(attn: torch.nn.Module) -> None:
     attn.shared_kv = None              # cached (K, V), (1, Hkv, P, D), shared by every row of one call (the scan)
+    attn.cu_seqlens = None             # packed sequences of one call (BridgedLM.forward sets it around the call)
     attn.hook_q = HookPoint()          # (B, T, H, D) after norm and RoPE
     attn.hook_k = HookPoint()          # (B, S, Hkv, D) every cached and new key after RoPE
     attn.hook_v = HookPoint()          # (B, S, Hkv, D)
@@ -305,6 +326,21 @@ def hooked_attention(module, query, key, value, attention_mask, scaling=None, dr
     q = module.hook_q(query.transpose(1, 2))
     k = module.hook_k(key.transpose(1, 2))
     v = module.hook_v(value.transpose(1, 2))
+    cu = getattr(module, "cu_seqlens", None)
+    if cu is not None and past is None and not is_intercepted(module.hook_pattern):
+        # packed sequences (BridgedLM.forward(cu_seqlens=...)) and no hook on the pattern: each sequence's own
+        # attention, its block of the block-diagonal mask, so the work is the sum of the squared lengths
+        blocks = [_attend(module, q[:, lo:hi], k[:, lo:hi], v[:, lo:hi],
+                          None if attention_mask is None else attention_mask[:, :, lo:hi, lo:hi], scaling, None)[0]
+                  for lo, hi in zip(cu[:-1], cu[1:]) if hi > lo]
+        return module.hook_head_out(torch.cat(blocks, dim=1)).contiguous(), None
+    out, pattern = _attend(module, q, k, v, attention_mask, scaling, past)
+    return module.hook_head_out(out).contiguous(), pattern
+
+
+def _attend(module, q, k, v, attention_mask, scaling, past):
+    """The softmax attention of hooked_attention on hooked q (B, T, H, D), k, v (B, S, Hkv, D) -> (output
+    (B, T, H, Dv) before hook_head_out, the pattern after hook_pattern)."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     # Queries grouped by their KV head, as in the native attention (grouped_scores / grouped_values).
@@ -320,8 +356,7 @@ def hooked_attention(module, query, key, value, attention_mask, scaling=None, dr
     pattern = module.hook_pattern(torch.softmax(scores.float(), dim=-1).to(q.dtype))
     o = grouped_values(pattern.reshape(B, Hkv, (H // Hkv) * T, S), v.transpose(1, 2), past[1] if shared else None,
                        shared)
-    out = module.hook_head_out(o.reshape(B, H, T, v.shape[-1]).transpose(1, 2))   # MLA: value, key sizes differ
-    return out.contiguous(), pattern
+    return o.reshape(B, H, T, v.shape[-1]).transpose(1, 2), pattern   # MLA: value, key sizes differ
 
 
 def register_attention() -> None:

@@ -25,7 +25,7 @@ from transformer_lens.hook_points import HookPoint
 from recurscope.interp.bridge.families import BridgeFamily
 from recurscope.interp.bridge.mixers import add_attention_hooks
 from recurscope.interp.models.cache import LayerCache, RecurrentCache
-from recurscope.interp.models.protocol import ProtocolMethods, at_positions
+from recurscope.interp.models.protocol import ProtocolMethods, at_positions, check_packed, unpack_cache
 from recurscope.interp.models.tl_compat import TLConfigAliases
 
 
@@ -425,37 +425,85 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
                 layers.append(LayerCache("attention", keys=layer.keys.transpose(1, 2), values=layer.values.transpose(1, 2)))
         return RecurrentCache(layers, seen)
 
+    # ---- packed sequences and caches of different lengths per row ---------------------------------------------
+    def _mask_mapping(self, allowed: torch.Tensor) -> dict:
+        """transformers' per-layer-type masks for a call whose attention pattern we give: `allowed` (B, 1, T, S)
+        for the attention layers, no mask for the others (every bridged family's text model takes this mapping)."""
+        kinds = {}
+        for kind, block in zip(self.text_layer_types, self.blocks):
+            if block.is_attention and "sliding" in kind:
+                raise ValueError(f"packed sequences and caches of different lengths: layer type {kind!r} (a sliding "
+                                 "window) is not supported; run the rows one by one")
+            kinds[kind] = allowed if block.is_attention else None
+        return kinds
+
+    def _ragged_inputs(self, B: int, T: int, cache: Optional[RecurrentCache], cu: Optional[list], device):
+        """(position ids (B, T), the mask mapping) for packed sequences (cu) or a cache with per-row lengths."""
+        from recurscope.interp.models.layers import sequence_starts
+
+        if cu is not None:
+            start = sequence_starts(cu, T, device)
+            positions = (torch.arange(T, device=device) - start)[None]
+            allowed = (start[:, None] == start[None, :]) & torch.ones(T, T, dtype=torch.bool, device=device).tril()
+            return positions, self._mask_mapping(allowed[None, None])
+        P, lengths = cache.seen_tokens, cache.lengths.to(device)
+        positions = lengths[:, None] + torch.arange(T, device=device)
+        kpos = torch.arange(P + T, device=device)
+        allowed = (kpos[None, :] <= P + torch.arange(T, device=device)[:, None])[None] & \
+            (kpos[None, None, :] >= (P - lengths)[:, None, None])
+        return positions.expand(B, T), self._mask_mapping(allowed[:, None].expand(B, 1, T, P + T))
+
     # ---- forward --------------------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: Optional[RecurrentCache] = None, use_cache: bool = False,
                 state_positions: Optional[Sequence[int]] = None, logit_positions: Optional[torch.Tensor] = None,
                 return_type: Optional[str] = "logits", loss_per_token: bool = False,
-                prepend_bos: Optional[bool] = None, padding_side: Optional[str] = None):
+                prepend_bos: Optional[bool] = None, padding_side: Optional[str] = None, cu_seqlens=None):
         """As RecurrentLM.forward: `logit_positions` ((B,) or (B, P)) gives logits at those positions only; text
-        input and `return_type` as in TransformerLens."""
+        input and `return_type` as in TransformerLens. cu_seqlens: tokens (1, T) hold packed sequences, each run as
+        if alone (as RecurrentLM.forward: per-sequence convs and states, block-diagonal attention, positions
+        restarting; the cache has one row per sequence with their lengths)."""
         self._check_return_type(return_type)
         tokens = self._input_tokens(tokens, prepend_bos, padding_side)
         vocab = self.cfg.vocab_size
         if int(tokens.max()) >= vocab or int(tokens.min()) < 0:
             raise ValueError(f"token ids must lie in [0, {vocab - 1}]; got ids in [{int(tokens.min())}, "
                              f"{int(tokens.max())}] (wrong tokenizer for this model?)")
+        cu = None if cu_seqlens is None else check_packed(tokens, cu_seqlens, cache, return_type)
         offset = 0 if cache is None else cache.seen_tokens
         B, T = tokens.shape
         hf_cache = self._to_hf_cache(cache) if (cache is not None or use_cache) else None
-        positions = torch.arange(offset, offset + T, device=tokens.device)[None].expand(B, T)
+        kwargs = {}
+        if cu is not None or (cache is not None and cache.lengths is not None):
+            positions, kwargs["attention_mask"] = self._ragged_inputs(B, T, cache, cu, tokens.device)
+        else:
+            positions = torch.arange(offset, offset + T, device=tokens.device)[None].expand(B, T)
         mixers = [b.mixer for b in self.blocks if b.is_recurrent]
+        attentions = [b.mixer for b in self.blocks if b.is_attention and hasattr(b.mixer, "cu_seqlens")]
         for m in mixers:
             m.state_positions = state_positions
+            m.cu_seqlens = cu
+        for m in attentions:
+            m.cu_seqlens = cu
         try:
             out = self.text_model[0](input_ids=tokens, position_ids=positions, cache=hf_cache,
-                                     use_cache=hf_cache is not None)
+                                     use_cache=hf_cache is not None, **kwargs)
         finally:
             for m in mixers:
                 m.state_positions = None
+                m.cu_seqlens = None
+            for m in attentions:
+                m.cu_seqlens = None
         hidden = out.last_hidden_state
         if logit_positions is not None:
             hidden = at_positions(hidden, logit_positions)
         logits = self._logits(hidden)
-        new_cache = self._from_hf_cache(hf_cache, offset + T) if use_cache else None
+        new_cache = None
+        if use_cache:
+            new_cache = self._from_hf_cache(hf_cache, offset + T)
+            if cu is not None:
+                new_cache = unpack_cache(new_cache, cu)
+            elif cache is not None and cache.lengths is not None:
+                new_cache.lengths = cache.lengths + T
         return self._output(logits, tokens, return_type, loss_per_token, logit_positions, new_cache, use_cache)
 
     # ---- layer by layer (the protocol's embed_suffix / run_layer / unembed) -----------------------------------
@@ -467,14 +515,19 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         (positions and causal masks are the same for every row of a cache, since the bridge takes no padding)."""
         text = self.text_model[0]
         B, T = tokens.shape
-        one = RecurrentCache([lc.map(lambda t: t[:1]) for lc in cache.layers], cache.seen_tokens)
-        positions = torch.arange(cache.seen_tokens, cache.seen_tokens + T, device=tokens.device)[None]
-        embeds = torch.zeros(1, T, self.cfg.hf_config.hidden_size, dtype=self._embedding().weight.dtype,
-                             device=tokens.device)
+        kwargs = {}
+        if cache.lengths is None:
+            one = RecurrentCache([lc.map(lambda t: t[:1]) for lc in cache.layers], cache.seen_tokens)
+            positions = torch.arange(cache.seen_tokens, cache.seen_tokens + T, device=tokens.device)[None]
+        else:   # rows of different lengths: each row's own positions and K/V padding (one row per cache row)
+            one = cache
+            positions, kwargs["attention_mask"] = self._ragged_inputs(B, T, cache, None, tokens.device)
+        embeds = torch.zeros(positions.shape[0], T, self.cfg.hf_config.hidden_size,
+                             dtype=self._embedding().weight.dtype, device=tokens.device)
         for block in self.blocks:
             block.recorded = []
         try:
-            text(inputs_embeds=embeds, position_ids=positions, cache=self._to_hf_cache(one), use_cache=True)
+            text(inputs_embeds=embeds, position_ids=positions, cache=self._to_hf_cache(one), use_cache=True, **kwargs)
             context = [block.recorded[0] for block in self.blocks]
         finally:
             for block in self.blocks:

@@ -133,6 +133,10 @@ class PairBatch:
     recipient_values: list[list[str]]
     donor_values: list[list[str]]
     report: dict = field(default_factory=dict)
+    # (N,) each row's own token count (its tokens are the last `lengths[i]` of the row, after the left padding);
+    # None: every row fills the width. The scan and the confirmation run rows of different lengths packed
+    # (cu_seqlens), so the padding is never computed.
+    lengths: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.recipient_ids.shape[0])
@@ -150,6 +154,34 @@ class PairBatch:
                 value = value.index_select(0, idx.to(value.device))
             elif isinstance(value, list) and len(value) == n:
                 value = [value[i] for i in rows]
+            out[f.name] = value
+        return type(self)(**out)
+
+    def row_lengths(self) -> torch.Tensor:
+        """(N,) each row's own token count (the width where `lengths` is None)."""
+        n, T = self.recipient_ids.shape
+        return torch.full((n,), T, dtype=torch.long) if self.lengths is None else self.lengths.cpu()
+
+    def is_ragged(self) -> bool:
+        """True when some row is shorter than the width (left-padded): runs must then pack the rows."""
+        return self.lengths is not None and bool((self.lengths.cpu() < self.recipient_ids.shape[1]).any())
+
+    def trimmed(self) -> "PairBatch":
+        """The batch cut to its longest row: padding every row carries is dropped and positions shift with it
+        (a one-row batch becomes its own natural length)."""
+        T = self.recipient_ids.shape[1]
+        cut = T - int(self.row_lengths().max())
+        if cut == 0:
+            return self
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("recipient_ids", "donor_ids"):
+                value = value[:, cut:]
+            elif f.name in ("query_start", "query_pos"):
+                value = value - cut
+            elif f.name in ("fact_spans", "value_spans"):
+                value = torch.where(value >= 0, value - cut, value)
             out[f.name] = value
         return type(self)(**out)
 
@@ -220,6 +252,7 @@ class PairBatch:
             recipient_values=[list(p.recipient_values) for p in pairs],
             donor_values=[list(p.donor_values) for p in pairs],
             report=dict(report or {}),
+            lengths=torch.tensor([len(p.recipient_ids) for p in pairs], dtype=torch.long),
         )
 
     def to(self, device) -> "PairBatch":
@@ -668,7 +701,7 @@ def iter_pairs(tokenizer, split: str = "dev", n_sources: int = 16, *, sources: S
                values: Sequence[str] | None = None, variant: str = "swap", queries: str = "target",
                n_updated: int = 1, pairs_per_source: int = 1, n_candidates: int = 4, seed: int = 0,
                max_length: int | None = None, on_multitoken: str = "filter", add_bos: bool = False,
-               report: dict | None = None) -> Iterator[RecallPair]:
+               report: dict | None = None, equal_length: bool = True) -> Iterator[RecallPair]:
     """Yield recall pairs: `pairs_per_source` per source (rows per pair: 1, or n_facts with queries='all').
 
     Layout: `layout` (a PairLayout or a name in interp.data.layout.LAYOUTS; default "where_is"), with any of
@@ -691,7 +724,14 @@ def iter_pairs(tokenizer, split: str = "dev", n_sources: int = 16, *, sources: S
     `split` under `seed`; filler pieces are exact token counts on word boundaries before the prompt is tokenised as a
     whole, so a prompt can be a few tokens shorter than planned where the tokenizer merges across piece borders
     (rows of one batch are then left-padded). Pass a dict as `report` to receive what was filtered.
+
+    equal_length=True (the default) lengthens or shortens the last filler piece, a word at a time, until every prompt
+    has the planned token count; equal_length=False keeps each prompt at its natural length (the filler pieces as
+    drawn). Rows of a batch then differ in length (PairBatch.lengths): the scan and the confirmation run them packed
+    (cu_seqlens), never computing their padding; other analyses run the left-padded rows as they are.
     """
+    if not isinstance(equal_length, bool):
+        raise ValueError(f"equal_length must be True or False; received {equal_length!r}.")
     require_tokenizer(tokenizer)
     base = resolve_layout(layout) if layout is not None else LAYOUTS["where_is"]
     if isinstance(template, Template):
@@ -736,7 +776,7 @@ def iter_pairs(tokenizer, split: str = "dev", n_sources: int = 16, *, sources: S
         pieces = [decode_text(tokenizer, ids).strip() for ids in piece_ids]
         spare = ([decode_text(tokenizer, stream.take(plan.fact_len)).strip() for _ in range(presentations)]
                  if variant == "neutral" else [])
-        slack = _slack(stream) if plan.filler_lengths[-1] else []
+        slack = _slack(stream) if plan.filler_lengths[-1] and equal_length else []
         for j in range(pairs_per_source):
             i = pair_index
             pair_index += 1

@@ -10,7 +10,7 @@ import torch
 from recurscope.interp.interventions.common import candidate_logits, check_pairs, chunks, model_device
 from recurscope.interp.models.cache import LayerCache, RecurrentCache
 
-__all__ = ["reuse_clean_runs", "memoised", "prefix_caches", "clean_recipient_logits", "clean_run"]
+__all__ = ["reuse_clean_runs", "memoised", "prefix_caches", "run_prefixes", "clean_recipient_logits", "clean_run"]
 
 
 class _CleanRunMemo:
@@ -79,15 +79,31 @@ def _shallow(cache: RecurrentCache) -> RecurrentCache:
     """New cache and layer objects over the same tensors: an edit that reassigns a layer's tensor (set_head_state)
     cannot reach the memo's copy."""
     return RecurrentCache([LayerCache(lc.kind, lc.state, dict(lc.conv), lc.keys, lc.values) for lc in cache.layers],
-                          cache.seen_tokens)
+                          cache.seen_tokens, cache.lengths)
+
+
+def run_prefixes(model, pairs, rows: torch.Tensor, b: int, device) -> RecurrentCache:
+    """The cache after tokens [0, b] of the recipients `rows` (cache rows 0..n-1) then their donors (n..2n-1), one
+    prefix pass. Rows of different lengths (left-padded, PairBatch.lengths) run packed (cu_seqlens), each from its
+    own first token, so their padding is never computed; the cache then holds each row's length."""
+    rec, don = pairs.recipient_ids[rows, :b + 1], pairs.donor_ids[rows, :b + 1]
+    pad = pairs.recipient_ids.shape[1] - pairs.row_lengths()[rows.cpu()]
+    if not bool((pad > 0).any()):
+        return model.run_prefix(torch.cat([rec, don]).to(device))
+    if bool((pad > b).any()):
+        raise ValueError(f"boundary {b} lies inside the left padding of a shorter row; choose boundaries after "
+                         "every row's first token")
+    from recurscope.interp.models.protocol import pack_rows
+
+    ids = torch.cat([rec, don])
+    tokens, cu = pack_rows([ids[i, p:] for i, p in enumerate(pad.repeat(2).tolist())])
+    return model.run_prefix(tokens.to(device), cu_seqlens=cu)
 
 
 def prefix_caches(model, pairs, rows: torch.Tensor, b: int, device) -> tuple[RecurrentCache, RecurrentCache]:
-    """Recipient and donor caches after the prefix [0, b], from one batched forward."""
+    """Recipient and donor caches after the prefix [0, b], from one batched (or packed: run_prefixes) forward."""
     def compute():
-        rec = pairs.recipient_ids[rows, :b + 1]
-        don = pairs.donor_ids[rows, :b + 1]
-        cache = model.run_prefix(torch.cat([rec, don]).to(device))
+        cache = run_prefixes(model, pairs, rows, b, device)
         n = len(rows)
         return cache.select(torch.arange(n)), cache.select(torch.arange(n, 2 * n))
     R, D = memoised(model, pairs, ("prefix", tuple(rows.tolist()), int(b), str(device)), compute,

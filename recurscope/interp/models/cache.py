@@ -27,15 +27,28 @@ class LayerCache:
 
 @dataclass
 class RecurrentCache:
+    """layers: one LayerCache per layer. seen_tokens: the tokens every row has seen, or with `lengths` the longest.
+    lengths: None when every row has seen seen_tokens tokens; else (B,) each row's own count (a cache of packed
+    sequences of different lengths, RecurrentLM.forward(cu_seqlens=...)): attention K/V are then left-padded to
+    seen_tokens, and a row's positions continue from its own length. States and conv tails are per row either way."""
+
     layers: list
     seen_tokens: int = 0
+    lengths: Optional[torch.Tensor] = None
+
+    def _like(self, layers, lengths="same") -> "RecurrentCache":
+        return RecurrentCache(layers, self.seen_tokens, self.lengths if lengths == "same" else lengths)
 
     # ---- whole-cache operations -----------------------------------------
     def clone(self) -> "RecurrentCache":
-        return RecurrentCache([lc.map(lambda t: t.clone()) for lc in self.layers], self.seen_tokens)
+        return self._like([lc.map(lambda t: t.clone()) for lc in self.layers])
 
     def detach(self) -> "RecurrentCache":
-        return RecurrentCache([lc.map(lambda t: t.detach()) for lc in self.layers], self.seen_tokens)
+        return self._like([lc.map(lambda t: t.detach()) for lc in self.layers])
+
+    def offsets(self, device=None):
+        """Where each row's next token sits: seen_tokens (an int), or the (B,) lengths."""
+        return self.seen_tokens if self.lengths is None else self.lengths.to(device)
 
     @property
     def batch_size(self) -> int:
@@ -48,10 +61,12 @@ class RecurrentCache:
     def select(self, index) -> "RecurrentCache":
         """Rows of the batch (a LongTensor or a list of indices), e.g. to repeat one pair for many patches."""
         index = torch.as_tensor(index, dtype=torch.long)
-        return RecurrentCache([lc.map(lambda t: t.index_select(0, index.to(t.device))) for lc in self.layers], self.seen_tokens)
+        lengths = None if self.lengths is None else self.lengths.index_select(0, index.to(self.lengths.device))
+        return self._like([lc.map(lambda t: t.index_select(0, index.to(t.device))) for lc in self.layers], lengths)
 
     def repeat_interleave(self, n: int) -> "RecurrentCache":
-        return RecurrentCache([lc.map(lambda t: t.repeat_interleave(n, dim=0)) for lc in self.layers], self.seen_tokens)
+        lengths = None if self.lengths is None else self.lengths.repeat_interleave(n)
+        return self._like([lc.map(lambda t: t.repeat_interleave(n, dim=0)) for lc in self.layers], lengths)
 
     @staticmethod
     def cat(caches: Sequence["RecurrentCache"]) -> "RecurrentCache":
@@ -65,7 +80,11 @@ class RecurrentCache:
             layers.append(LayerCache(lc.kind, cat(lambda p: p.state),
                                      {k: torch.cat([p.conv[k] for p in parts], 0) for k in lc.conv},
                                      cat(lambda p: p.keys), cat(lambda p: p.values)))
-        return RecurrentCache(layers, first.seen_tokens)
+        lengths = None
+        if any(c.lengths is not None for c in caches):
+            lengths = torch.cat([c.lengths if c.lengths is not None else torch.full((c.batch_size,), c.seen_tokens)
+                                 for c in caches])
+        return RecurrentCache(layers, first.seen_tokens, lengths)
 
     # ---- one head -------------------------------------------------------
     def _recurrent(self, layer: int) -> LayerCache:
@@ -104,6 +123,9 @@ class RecurrentCache:
         """
         if donor.seen_tokens != self.seen_tokens or donor.batch_size != self.batch_size:
             raise ValueError("donor and recipient caches must have the same batch size and length; build pairs of equal length")
+        if (self.lengths is None) != (donor.lengths is None) or (
+                self.lengths is not None and not torch.equal(self.lengths.cpu(), donor.lengths.cpu())):
+            raise ValueError("donor and recipient caches must have the same length per row; build aligned pairs")
         unknown = set(parts) - {"state", "conv", "kv"}
         if unknown:
             raise ValueError(f"parts must be among 'state', 'conv', 'kv'; got {sorted(unknown)}")

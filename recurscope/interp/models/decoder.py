@@ -12,7 +12,7 @@ from transformer_lens.hook_points import HookPoint
 from recurscope.interp.models.cache import RecurrentCache
 from recurscope.interp.models.config import ModelConfig
 from recurscope.interp.models.layers import GatedMLP, RMSNorm
-from recurscope.interp.models.protocol import ProtocolMethods, at_positions
+from recurscope.interp.models.protocol import ProtocolMethods, at_positions, check_packed, unpack_cache
 from recurscope.interp.models.mixers import AttentionMixer, RecurrentMixer
 
 
@@ -90,11 +90,18 @@ class RecurrentLM(ProtocolMethods, HookedRootModule):
     def forward(self, tokens: torch.Tensor, cache: Optional[RecurrentCache] = None, use_cache: bool = False,
                 state_positions: Optional[Sequence[int]] = None, logit_positions: Optional[torch.Tensor] = None,
                 return_type: Optional[str] = "logits", loss_per_token: bool = False,
-                prepend_bos: Optional[bool] = None, padding_side: Optional[str] = None):
+                prepend_bos: Optional[bool] = None, padding_side: Optional[str] = None, cu_seqlens=None):
         """`tokens`: (B, T) or (T,) ids, or text (tokenised by `to_tokens` with `prepend_bos`, `padding_side`).
         `return_type` as in TransformerLens: 'logits', 'loss' (next-token cross-entropy, per token with
-        `loss_per_token`), 'both' (logits, loss) or None."""
+        `loss_per_token`), 'both' (logits, loss) or None.
+        cu_seqlens: tokens (1, T) hold packed sequences at these offsets (protocol.pack_rows), each run as if alone:
+        the short convolutions and the recurrence restart at each, attention is block-diagonal with positions
+        restarting, state_positions count packed steps and a state patch carries forward within its own sequence
+        only; the cache (use_cache) has one row per sequence, with their lengths (RecurrentCache.lengths)."""
         self._check_return_type(return_type)
+        if cu_seqlens is not None:
+            return self._packed_forward(tokens, cu_seqlens, cache, use_cache, state_positions, logit_positions,
+                                        return_type, loss_per_token)
         tokens = self._input_tokens(tokens, prepend_bos, padding_side)
         lo, hi = (int(v) for v in torch.stack(torch.aminmax(tokens)).tolist())   # the call's one host sync
         if hi >= self.cfg.vocab_size or lo < 0:
@@ -102,7 +109,7 @@ class RecurrentLM(ProtocolMethods, HookedRootModule):
                              "(wrong tokenizer for this model?)")
         if cache is not None and len(cache.layers) != len(self.blocks):
             raise ValueError(f"the cache has {len(cache.layers)} layers but the model has {len(self.blocks)}")
-        offset = 0 if cache is None else cache.seen_tokens
+        offset = 0 if cache is None else cache.offsets(tokens.device)
         resid = self.hook_embed(self.embed(tokens))
         new_layers = []
         carry = {}
@@ -113,13 +120,36 @@ class RecurrentLM(ProtocolMethods, HookedRootModule):
         if logit_positions is not None:
             resid = at_positions(resid, logit_positions)
         logits = self.unembed(resid)
-        new_cache = RecurrentCache(new_layers, offset + tokens.shape[1]) if use_cache else None
+        seen = 0 if cache is None else cache.seen_tokens
+        lengths = None if cache is None or cache.lengths is None else cache.lengths + tokens.shape[1]
+        new_cache = RecurrentCache(new_layers, seen + tokens.shape[1], lengths) if use_cache else None
         return self._output(logits, tokens, return_type, loss_per_token, logit_positions, new_cache, use_cache)
+
+    def _packed_forward(self, tokens, cu_seqlens, cache, use_cache, state_positions, logit_positions, return_type,
+                        loss_per_token):
+        cu = check_packed(tokens, cu_seqlens, cache, return_type)
+        if self.cfg.family.block_class is not None:
+            raise ValueError(f"packed sequences (cu_seqlens) are not supported for {self.cfg.family.name} (its "
+                             "token shift crosses sequences); run the sequences one by one")
+        mixers = [b.mixer for b in self.blocks if hasattr(b.mixer, "cu_seqlens")]
+        for m in mixers:
+            m.cu_seqlens = cu
+        try:
+            out = self(tokens, use_cache=use_cache, state_positions=state_positions, logit_positions=logit_positions,
+                       return_type=return_type, loss_per_token=loss_per_token)
+        finally:
+            for m in mixers:
+                m.cu_seqlens = None
+        if not use_cache:
+            return out
+        *rest, packed = out
+        return (*rest, unpack_cache(packed, cu))
 
     # ---- layer by layer (the protocol's embed_suffix / run_layer / unembed) ----
     def embed_suffix(self, tokens: torch.Tensor, cache: RecurrentCache):
-        """The residual entering layer 0, and the context every layer needs: the cache's length (rotary offset)."""
-        return self.hook_embed(self.embed(tokens)), cache.seen_tokens
+        """The residual entering layer 0, and the context every layer needs: the cache's length (rotary offset), or
+        each row's own length for a cache of packed sequences (RecurrentCache.lengths)."""
+        return self.hook_embed(self.embed(tokens)), cache.offsets(tokens.device)
 
     def run_layer(self, layer: int, resid: torch.Tensor, layer_cache, context) -> torch.Tensor:
         block = self.blocks[layer]

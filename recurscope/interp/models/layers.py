@@ -63,14 +63,62 @@ class ShortConvolution(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
         nn.init.normal_(self.weight, std=0.02)
 
-    def forward(self, x: torch.Tensor, tail: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, tail: Optional[torch.Tensor] = None, cu_seqlens: Optional[list] = None):
+        """x (B, T, D) -> (SiLU(conv), the tail). cu_seqlens: x (1, T, D) holds packed sequences at these offsets;
+        each is convolved from zeros (no tap reaches into the sequence before it) and the tail is one per sequence,
+        (n, W - 1, D)."""
         B, T, D = x.shape
         W = self.kernel_size
+        if cu_seqlens is not None:
+            return packed_conv(x, self.weight[:, 0], self.bias, cu_seqlens, W - 1)
         if tail is None:
             tail = x.new_zeros(B, W - 1, D)
         padded = torch.cat([tail.to(x.dtype), x], dim=1)
         y = F.conv1d(padded.transpose(1, 2), self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype), groups=D)
         return F.silu(y.transpose(1, 2)), padded[:, padded.shape[1] - (W - 1):]
+
+
+def sequence_starts(cu_seqlens: list, T: int, device) -> torch.Tensor:
+    """(T,) the offset of the packed sequence each position belongs to."""
+    bounds = torch.as_tensor(cu_seqlens, dtype=torch.long, device=device)
+    t = torch.arange(T, device=device)
+    return bounds[torch.searchsorted(bounds, t, right=True) - 1]
+
+
+def packed_tails(x: torch.Tensor, cu_seqlens: list, n: int) -> torch.Tensor:
+    """x (1, T, D) packed -> (len(cu_seqlens) - 1, n, D): each sequence's last n inputs, zeros before its start."""
+    tails = x.new_zeros(len(cu_seqlens) - 1, n, x.shape[-1])
+    for i, (lo, hi) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+        take = min(n, hi - lo)
+        if take:
+            tails[i, n - take:] = x[0, hi - take:hi]
+    return tails
+
+
+def packed_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cu_seqlens: list,
+                tail_len: int, activation: bool = True):
+    """The causal depthwise conv (weight (D, W)) over packed sequences, x (1, T, D): the tap w of position t reads
+    x[t - (W - 1) + w] only inside t's own sequence (zero before its start), as a run of that sequence alone would;
+    SiLU after it when `activation`. Returns (y (1, T, D), each sequence's last `tail_len` inputs (n, tail_len, D))."""
+    _, T, D = x.shape
+    W = weight.shape[-1]
+    # each sequence preceded by W - 1 zeros in one channels-first buffer (the fast layout of a depthwise conv), then
+    # one conv over it: a window never reaches the sequence before; each sequence's outputs are copied back
+    spans = [(lo, hi) for lo, hi in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    buf = x.new_zeros(1, D, T + len(spans) * (W - 1))
+    xt = x[0].transpose(0, 1)
+    starts, pos = [], 0
+    for lo, hi in spans:
+        pos += W - 1
+        buf[0, :, pos:pos + hi - lo] = xt[:, lo:hi]
+        starts.append(pos)
+        pos += hi - lo
+    conv = F.conv1d(buf, weight.to(x.dtype)[:, None], None if bias is None else bias.to(x.dtype), groups=D)
+    y = x.new_empty(1, D, T)
+    for (lo, hi), at in zip(spans, starts):
+        y[0, :, lo:hi] = conv[0, :, at - (W - 1):at - (W - 1) + hi - lo]
+    y = y.transpose(1, 2)
+    return (F.silu(y) if activation else y), packed_tails(x, cu_seqlens, tail_len)
 
 
 class GatedMLP(nn.Module):
@@ -84,17 +132,26 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def rotary(x: torch.Tensor, offset: int, base: float) -> torch.Tensor:
+def rotary(x: torch.Tensor, offset, base: float) -> torch.Tensor:
     """NeoX-style (half-split, not interleaved) rotary embedding over the last dim; x is (B, T, H, D).
 
+    offset: the position of the first token (an int), or a tensor of positions: (B,) each row's first (rows
+    continuing caches of different lengths) or (B, T) every token's (packed sequences restarting at 0).
     The angle tables are float32, as in fla, so that fla-trained checkpoints see the same rotations.
     """
     T, D = x.shape[1], x.shape[-1]
     inv_freq = 1.0 / (base ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))
-    pos = torch.arange(offset, offset + T, device=x.device, dtype=torch.float32)
-    ang = torch.outer(pos, inv_freq)                      # (T, D/2)
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[None, :, None, :]
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[None, :, None, :]
+    if isinstance(offset, torch.Tensor):
+        pos = offset.to(x.device, torch.float32)
+        pos = pos[:, None] + torch.arange(T, device=x.device, dtype=torch.float32) if pos.dim() == 1 else pos
+        ang = pos[..., None] * inv_freq                   # (B, T, D/2)
+        cos = torch.cat([ang.cos(), ang.cos()], -1)[:, :, None, :]
+        sin = torch.cat([ang.sin(), ang.sin()], -1)[:, :, None, :]
+    else:
+        pos = torch.arange(offset, offset + T, device=x.device, dtype=torch.float32)
+        ang = torch.outer(pos, inv_freq)                  # (T, D/2)
+        cos = torch.cat([ang.cos(), ang.cos()], -1)[None, :, None, :]
+        sin = torch.cat([ang.sin(), ang.sin()], -1)[None, :, None, :]
     acc = torch.promote_types(x.dtype, torch.float32)
     x1, x2 = x.to(acc).chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)

@@ -30,6 +30,15 @@ def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
+def _readout(S: torch.Tensor, q_t: torch.Tensor, scale: float) -> torch.Tensor:
+    """o_t = scale S_t^T q_t for states (B, H, K, V) and q_t (B, H_k, K), H = n H_k (key head h // n per value
+    head h)."""
+    q_t = q_t.to(S.dtype)
+    if q_t.shape[1] != S.shape[1]:
+        q_t = q_t.repeat_interleave(S.shape[1] // q_t.shape[1], dim=1)
+    return scale * torch.einsum("bhkv,bhk->bhv", S, q_t)
+
+
 def _repeat_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
     """(B, T, H, D) -> (B, T, H*groups, D), head h serving heads h*groups .. h*groups+groups-1."""
     return t if groups == 1 else t.repeat_interleave(groups, dim=2)
@@ -74,6 +83,9 @@ class RecurrentMixer(nn.Module):
         # False when a caller needs only the outputs (the head scan's suffix rows): the kernel then skips the last
         # state update and the layer cache carries state None.
         self.keep_final_state = True
+        # Packed sequences for one call (set by the model around it, RecurrentLM.forward(cu_seqlens=...)): the
+        # input is (1, T, ·) holding sequences at these offsets; the conv, the kernel and state patches keep to them.
+        self.cu_seqlens: Optional[list] = None
         self.hook_q = HookPoint()            # (B, T, H, K) after conv, activation and norm
         self.hook_k = HookPoint()            # (B, T, H, K)
         self.hook_v = HookPoint()            # (B, T, H, V)
@@ -128,18 +140,23 @@ class RecurrentMixer(nn.Module):
                 return kernels.recurrence(*args, **kw)
             return kernels.recurrence_low_rank(*args, b[:, sl], **kw)
 
-        run = lambda sl, init, cap=None, final=True: kernel(  # noqa: E731
+        cu = self.cu_seqlens
+        if cu is not None and b is not None:
+            raise ValueError("packed sequences (cu_seqlens) are not supported by the decay-plus-low-rank kernel "
+                             "(RWKV-7); run its sequences one by one")
+        run = lambda sl, init, cap=None, final=True, cu=None: kernel(  # noqa: E731
             sl, q[:, sl], k[:, sl], x[:, sl], g[:, sl], None if a is None else a[:, sl], scale=scale,
             initial_state=init, write_scale=None if ws is None else ws[:, sl],
             extra_write=None if extra is None else (extra[0][:, sl], extra[1][:, sl]),
-            capture=cap, output_final_state=final, backend=self.backend, check_finite=self.check_finite)
+            capture=cap, output_final_state=final, backend=self.backend, check_finite=self.check_finite,
+            **({} if cu is None else {"cu_seqlens": cu}))
         positions = None if state_positions is None else sorted({int(p) for p in state_positions})
         if positions is not None and any(p < 0 or p >= T for p in positions):
             raise ValueError(f"state_positions must lie in [0, {T - 1}] for a call of {T} tokens, got {positions}")
         if not positions:
-            out = run(slice(0, T), init_state, final=self.keep_final_state)
+            out = run(slice(0, T), init_state, final=self.keep_final_state, cu=cu)
             return out.o, out.final_state
-        out = run(slice(0, T), init_state, positions)
+        out = run(slice(0, T), init_state, positions, cu=cu)
         states = out.states
         # The hook names the positions its (B, P, ...) input holds, so a patch finds its own step.
         self.hook_state.positions = tuple(positions)
@@ -159,6 +176,8 @@ class RecurrentMixer(nn.Module):
         follow = list(range(len(positions))) if tracked else hit
         if not follow:
             return out.o, out.final_state
+        if cu is not None:
+            return self._follow_packed(out, states, patched, changed, follow, positions, tracked, run, q, scale, cu)
         # Rerun from the first followed position; each patch replaces the (batch, head) states it changes and
         # the recurrence continues from there, so the change carries into every later step.
         o = out.o.clone()
@@ -189,12 +208,54 @@ class RecurrentMixer(nn.Module):
             S = seg.final_state
         return o, S
 
+    @staticmethod
+    def _follow_packed(out, states, patched, changed, follow, positions, tracked, run, q, scale, cu):
+        """State patches over packed sequences (B = 1): a patch at packed step p replaces the state of p's own
+        sequence, and the rerun goes from p to that sequence's end only; the sequences after it never see it.
+        Returns the outputs and the final state per sequence."""
+        import bisect
+
+        o = out.o.clone()
+        final = out.final_state.clone()
+        S, prev, cur = None, None, None
+
+        def close(prev, cur, S):
+            hi = cu[cur + 1]
+            if prev + 1 < hi:
+                seg = run(slice(prev + 1, hi), S)
+                o[:, prev + 1:hi] = seg.o
+                S = seg.final_state
+            final[cur] = S[0]
+
+        for i in follow:
+            p = positions[i]
+            seq = bisect.bisect_right(cu, p) - 1
+            if cur is not None and seq != cur:
+                close(prev, cur, S)
+                prev = None
+            if prev is None:
+                S = states[:, i]
+            else:
+                seg = run(slice(prev + 1, p + 1), S)
+                o[:, prev + 1:p + 1] = seg.o
+                S = seg.final_state
+            mask = changed[:, i][..., None, None]
+            new = patched[:, i].to(S.dtype)
+            if tracked:
+                kept = states[:, i].to(S.dtype)
+                S = S + (new - new.detach()) - (kept - kept.detach())
+            S = torch.where(mask, new, S)
+            o[:, p] = _readout(S, q[:, p], scale).to(o.dtype)
+            prev, cur = p, seq
+        close(prev, cur, S)
+        return o, final
+
     def _conv_or_act(self, name, proj_out, layer_cache, new_conv):
         conv = getattr(self, f"{name}_conv1d", None)
         if conv is None:
             return proj_out
         tail = None if layer_cache is None else layer_cache.conv.get(name)
-        y, new_conv[name] = conv(proj_out, tail)
+        y, new_conv[name] = conv(proj_out, tail, self.cu_seqlens)
         return y
 
     def _finish(self, o, gate, layer_cache, new_state, new_conv):
@@ -517,7 +578,7 @@ class Mamba2Mixer(RecurrentMixer):
         new_conv = {}
         gate, xBC, dt = self.in_proj(h).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         tail = None if layer_cache is None else layer_cache.conv.get("conv1d")
-        xBC, new_conv["conv1d"] = self.conv1d(xBC, tail)
+        xBC, new_conv["conv1d"] = self.conv1d(xBC, tail, self.cu_seqlens)
         xs, Bm, Cm = xBC.split([self.intermediate, self.n_groups * self.head_k, self.n_groups * self.head_k], dim=-1)
         q = self.hook_q(self._group_to_heads(Cm))
         k = self.hook_k(self._group_to_heads(Bm))
@@ -589,14 +650,49 @@ class AttentionMixer(nn.Module):
         # False when a caller needs only the outputs (the head scan's suffix rows): the layer cache then carries no
         # keys or values, which saves concatenating the cache with the new ones.
         self.keep_final_state = True
+        self.cu_seqlens: Optional[list] = None   # packed sequences for one call (set by the model around it)
 
-    def forward(self, h, layer_cache: Optional[LayerCache] = None, state_positions=None, offset: int = 0):
+    def forward(self, h, layer_cache: Optional[LayerCache] = None, state_positions=None, offset=0):
+        """offset: the cache's length (an int), or (B,) each row's own length when the rows continue caches of
+        different lengths (their K/V left-padded to the longest, RecurrentCache.lengths). With `cu_seqlens` set,
+        h (1, T, D) holds packed sequences: positions restart at each, and each attends within itself only."""
         B, T, _ = h.shape
+        cu = self.cu_seqlens
+        if cu is not None:
+            from recurscope.interp.models.layers import sequence_starts
+
+            if layer_cache is not None and layer_cache.keys is not None:
+                raise ValueError("packed sequences (cu_seqlens) start from no cache; run them without one")
+            start = sequence_starts(cu, T, h.device)
+            offset = (torch.arange(T, device=h.device) - start)[None]       # (1, T): positions restart
         q = rotary(_split_heads(self.q_proj(h), self.head_dim), offset, self.rope_theta)
         k = rotary(_split_heads(self.k_proj(h), self.head_dim), offset, self.rope_theta)
         v = _split_heads(self.v_proj(h), self.head_dim)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         past = layer_cache is not None and layer_cache.keys is not None
+        if cu is not None and not is_intercepted(self.hook_pattern):
+            # packed sequences, no hook on the pattern: each sequence's own causal attention, so the work is the
+            # sum of the squared lengths (the block-diagonal pattern of the whole row is formed only for a hook)
+            o = torch.cat([self._attend(h, q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], None, 0)
+                           for lo, hi in zip(cu[:-1], cu[1:]) if hi > lo], dim=1)
+        else:
+            same = None if cu is None else start[None, :] == start[:, None]
+            o = self._attend(h, q, k, v, layer_cache if past else None, offset, same)
+        o = self.hook_head_out(o)
+        out = self.o_proj(o.reshape(B, T, -1))
+        if not self.keep_final_state:
+            return out, LayerCache("attention")
+        if past:
+            k = torch.cat([layer_cache.keys, k], dim=1)
+            v = torch.cat([layer_cache.values, v], dim=1)
+        return out, LayerCache("attention", keys=k, values=v)
+
+    def _attend(self, h, q, k, v, layer_cache: Optional[LayerCache], offset, same=None) -> torch.Tensor:
+        """Softmax attention of q (B, T, H, D) over the cached keys (layer_cache, or None) and k, v (B, T, Hkv, D)
+        -> (B, T, H, D) in h's dtype, the pattern through hook_pattern. same (T, T): which packed positions share
+        a sequence (block-diagonal); a tensor offset with a cache: rows' lengths, their padded slots masked."""
+        B, T = q.shape[:2]
+        past = layer_cache is not None
         P = layer_cache.keys.shape[1] if past else 0
         Tk, H, Hkv, D = P + T, self.num_heads, self.num_kv_heads, self.head_dim
         G = H // Hkv
@@ -615,16 +711,13 @@ class AttentionMixer(nn.Module):
         allowed = kpos <= qpos
         if self.window_size is not None:
             allowed = allowed & (kpos > qpos - self.window_size)
+        if same is not None:                    # block-diagonal: each packed sequence attends within itself
+            allowed = allowed & same
+        elif isinstance(offset, torch.Tensor) and past:
+            # rows whose caches are shorter than P: their first P - length slots are padding, never attended
+            pad = P - offset.to(h.device).reshape(-1)                      # (B,)
+            allowed = allowed[None, None] & (kpos[None, None] >= pad[:, None, None, None])
         scores = scores.masked_fill(~allowed, float("-inf"))
         pattern = self.hook_pattern(torch.softmax(scores, dim=-1))
         o = grouped_values(pattern.reshape(B, Hkv, G * T, Tk), v.to(acc).transpose(1, 2), pv, shared)
-        o = o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(h.dtype)
-        o = self.hook_head_out(o)
-        out = self.o_proj(o.reshape(B, T, -1))
-        if not self.keep_final_state:
-            return out, LayerCache("attention")
-        if past:
-            k = torch.cat([layer_cache.keys, k], dim=1)
-            v = torch.cat([layer_cache.values, v], dim=1)
-        return out, LayerCache("attention", keys=k, values=v)
-
+        return o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(h.dtype)

@@ -46,6 +46,54 @@ def at_positions(resid: torch.Tensor, positions) -> torch.Tensor:
     return resid[rows, pos] if pos.dim() == 1 else resid[rows[:, None], pos]
 
 
+def pack_rows(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """1-D token rows of any lengths -> (tokens (1, sum of lengths), cu_seqlens [0, l0, l0 + l1, ...]): the packed
+    batch that `model(tokens, cu_seqlens=cu)` runs as if each row ran alone."""
+    cu = [0]
+    for r in rows:
+        cu.append(cu[-1] + int(r.shape[0]))
+    return torch.cat([r.reshape(-1) for r in rows])[None], cu
+
+
+def check_packed(tokens: torch.Tensor, cu_seqlens, cache, return_type="logits") -> list[int]:
+    """cu_seqlens as a list of ints, checked against packed tokens (1, T); a packed call starts from no cache and
+    returns logits (a next-token loss over the packed row would score each sequence's last token on the next one's
+    first)."""
+    if return_type in ("loss", "both"):
+        raise ValueError("return_type='loss' with cu_seqlens would score across sequence boundaries; take the logits "
+                         "and form the loss per sequence")
+    cu = [int(b) for b in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[0] != 1:
+        raise ValueError("packed sequences (cu_seqlens) take tokens of shape (1, T); pack rows with "
+                         "protocol.pack_rows")
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != tokens.shape[1] or any(b > c for b, c in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to the packed length {tokens.shape[1]}, got {cu}")
+    if cache is not None:
+        raise ValueError("packed sequences (cu_seqlens) start from no cache; run them without one")
+    return cu
+
+
+def unpack_cache(packed: RecurrentCache, cu: list[int]) -> RecurrentCache:
+    """The cache of a packed call as one row per sequence: recurrent states and conv tails are per sequence already;
+    attention K/V (1, T, Hkv, D) are cut per sequence and left-padded with zeros to the longest, and `lengths`
+    holds each sequence's length."""
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    longest = max(lengths)
+
+    def padded(t):
+        out = t.new_zeros(len(lengths), longest, *t.shape[2:])
+        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+            out[i, longest - (b - a):] = t[0, a:b]
+        return out
+
+    from recurscope.interp.models.cache import LayerCache
+
+    layers = [lc if lc.keys is None else LayerCache(lc.kind, lc.state, lc.conv, padded(lc.keys), padded(lc.values))
+              for lc in packed.layers]
+    device = next((t.device for lc in layers for t in (lc.state, lc.keys) if t is not None), None)
+    return RecurrentCache(layers, longest, torch.tensor(lengths, dtype=torch.long, device=device))
+
+
 @runtime_checkable
 class RecurrentModel(Protocol):
     """What interventions, scans, confirmations and protocols may use of a model; `RecurrentLM` and the bridge both
@@ -75,7 +123,8 @@ class RecurrentModel(Protocol):
 
     def run_with_cache(self, *args, **kwargs): ...
 
-    def run_prefix(self, tokens: torch.Tensor, state_positions: Optional[Sequence[int]] = None) -> RecurrentCache: ...
+    def run_prefix(self, tokens: torch.Tensor, state_positions: Optional[Sequence[int]] = None,
+                   cu_seqlens=None) -> RecurrentCache: ...
 
     def run_suffix(self, tokens: torch.Tensor, cache: RecurrentCache, hooks=()) -> tuple: ...
 
@@ -170,10 +219,14 @@ class ProtocolMethods(TransformerLensMethods):
         return out, RecurrentActivationCache(cache_dict, self, state_positions=positions,
                                              has_batch_dim=not kwargs.get("remove_batch_dim", False))
 
-    def run_prefix(self, tokens: torch.Tensor, state_positions: Optional[Sequence[int]] = None) -> RecurrentCache:
+    def run_prefix(self, tokens: torch.Tensor, state_positions: Optional[Sequence[int]] = None,
+                   cu_seqlens=None) -> RecurrentCache:
+        """The cache after `tokens`; with cu_seqlens, after each packed sequence (one row each, their lengths in
+        RecurrentCache.lengths)."""
         # Only the cache is used, so no position gets logits: on the tiny models the unembedding is half the prefix.
         no_logits = torch.empty(tokens.shape[0], 0, dtype=torch.long, device=tokens.device)
-        _, cache = self(tokens, use_cache=True, state_positions=state_positions, logit_positions=no_logits)
+        kw = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        _, cache = self(tokens, use_cache=True, state_positions=state_positions, logit_positions=no_logits, **kw)
         return cache
 
     def run_suffix(self, tokens: torch.Tensor, cache: Optional[RecurrentCache], hooks=()):
