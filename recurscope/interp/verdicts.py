@@ -14,6 +14,11 @@ least / at most a number) or a range. judge(measure, claim) returns a Verdict wh
 and whose sentence carries the estimate, its interval and n. Controls (control_verdict) are judged on the
 paper's metric, the donor-margin shift, against zero; the donor-specific shift is written beside it as a diagnostic
 and never changes the verdict.
+
+Where the paper gives separate numbers for its GLA and GDN models, a Reading judges a model against its own family's
+number: paper_family(model) names that family, and judge_family(measure, family, {GLA: claim, GDN: claim}, ...)
+picks the claim. For a family the paper did not measure (RWKV-7, Mamba-2, ...) it makes no comparison
+(NOT_COMPARED) and quotes the paper's GLA and GDN numbers for context.
 """
 from __future__ import annotations
 
@@ -23,14 +28,16 @@ from typing import Optional
 
 import pandas as pd
 
-__all__ = ["AGREES", "OPPOSITE", "NO_EVIDENCE", "DIFFERS", "TOO_FEW", "MIN_SOURCES", "Measure", "Claim", "Verdict",
-           "judge", "control_verdict", "measure_from"]
+__all__ = ["AGREES", "OPPOSITE", "NO_EVIDENCE", "DIFFERS", "TOO_FEW", "NOT_COMPARED", "MIN_SOURCES", "Measure",
+           "Claim", "Verdict", "judge", "control_verdict", "measure_from", "GLA", "GDN", "PAPER_FAMILIES",
+           "paper_family", "judge_family"]
 
 AGREES = "agrees with the paper"
 OPPOSITE = "opposite sign to the paper"
 NO_EVIDENCE = "no evidence either way"
 DIFFERS = "differs from the paper"
 TOO_FEW = "too few sources to compare"
+NOT_COMPARED = "not compared with the paper"
 #: A comparison never rests on fewer sources than this (one source has no spread to tell noise from effect).
 MIN_SOURCES = 2
 
@@ -117,6 +124,12 @@ class Claim:
         return cls("nonzero", paper=paper)
 
     @classmethod
+    def effect(cls, value: float, paper: str = "") -> "Claim":
+        """The paper's one number for an effect (a range of one number): agrees when the interval holds it and
+        excludes zero; an interval that also holds zero is no evidence either way."""
+        return cls.between(value, value, paper)
+
+    @classmethod
     def near_zero(cls, paper: str = "near zero") -> "Claim":
         return cls("value", value=0.0, paper=paper)
 
@@ -179,13 +192,15 @@ def _kind(m: Measure, c: Claim) -> tuple[str, str]:
             return DIFFERS, f"the interval lies {'below' if c.kind == 'at_least' else 'above'} the paper's bound {b}"
         return NO_EVIDENCE, f"the interval includes the paper's bound {b}"
     if c.kind == "range":
-        span = f"{m.number(c.value)} to {m.number(c.upper)}"
+        span = (f"range {m.number(c.value)} to {m.number(c.upper)}" if c.upper != c.value else
+                m.number(c.value))
         if hi < c.value or lo > c.upper:
-            return DIFFERS, f"the interval lies {'above' if lo > c.upper else 'below'} the paper's range {span}"
+            return DIFFERS, f"the interval lies {'above' if lo > c.upper else 'below'} the paper's {span}"
         if (c.value > 0 and lo <= 0) or (c.upper < 0 and hi >= 0):
             # the paper's range is an effect; an interval that still holds zero cannot confirm it
-            return NO_EVIDENCE, f"the interval reaches the paper's range {span} but includes zero"
-        return AGREES, f"the interval overlaps the paper's range {span}"
+            return NO_EVIDENCE, f"the interval reaches the paper's {span} but includes zero"
+        return AGREES, (f"the interval overlaps the paper's {span}" if c.upper != c.value else
+                        f"the paper's {span} lies inside the interval")
     raise ValueError(f"unknown claim kind {c.kind!r}; use Claim.positive/negative/equals/near_zero/at_least/"
                      "at_most/between")
 
@@ -219,3 +234,37 @@ def control_verdict(name: str, margin: Optional[Measure], specific: Optional[Mea
         extra.append(f"donor-specific shift {specific.text()} (a diagnostic beside the verdict)")
     sentence = v.sentence if not extra else v.sentence[:-1] + "; " + "; ".join(extra) + "."
     return Verdict(v.kind, sentence, margin)
+
+
+# ---- the paper's model families ----------------------------------------------------------------------------
+
+GLA, GDN = "GLA", "GDN"
+#: FamilySpec.name -> the paper's family whose numbers apply: its GLA-340M (gated linear attention, no erase) or its
+#: GDN-340M / 1.3B (the gated delta rule, including GDN-2, QED, the GDN layers of hybrids and of Qwen3.5 / Qwen3-Next /
+#: OLMo-hybrid, and Kimi's KDA, a gated delta rule with per-channel decay). Any other family (RWKV-7, Mamba-2 and
+#: its hybrids) has no number in the paper.
+PAPER_FAMILIES = {"gla": GLA, "gated_deltanet": GDN, "gated_deltanet2": GDN, "qwen3_5": GDN, "qwen3_next": GDN,
+                  "olmo_hybrid": GDN, "kimi_linear": GDN}
+
+
+def paper_family(model) -> str:
+    """GLA or GDN: the paper's family whose numbers a Reading compares `model` with (a model, its FamilySpec, or a
+    family name such as "gated_deltanet"); for a family the paper did not measure, that family's own name."""
+    name = model if isinstance(model, str) else getattr(getattr(model, "family", model), "name", None)
+    if not isinstance(name, str):
+        raise ValueError(f"cannot tell the model family of {model!r}; pass a model or a family name such as 'gla'")
+    return PAPER_FAMILIES.get(name, name)
+
+
+def judge_family(measure: Optional[Measure], family: Optional[str], claims: dict, subject: str,
+                 context: str = "") -> Verdict:
+    """judge(measure, claims[family], subject) for a model of the paper's family `family` (GLA or GDN, from
+    paper_family). For a family without a claim (one the paper did not measure), no verdict: the sentence gives
+    the estimate and says the paper reports none for that family, with `context` (the paper's GLA / GDN numbers)."""
+    claim = claims.get(family)
+    if claim is not None:
+        return judge(measure, claim, subject)
+    ctx = f"; for context, the paper: {context}" if context else ""
+    what = f"is {measure.text()}" if measure is not None and measure.defined else "was not evaluated"
+    return Verdict(NOT_COMPARED, f"{subject} {what}: {NOT_COMPARED} (the paper reports no number for "
+                                 f"{family or 'this'} models{ctx}).", measure)

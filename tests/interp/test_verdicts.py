@@ -104,12 +104,12 @@ def test_selectivity_reading():
                       _r("donor_margin_shift", 13.0, 12.0, 14.0, arm="donor_write"),
                       _r("donor_margin_shift", *write_margin, arm="random_write"),
                       _r("donor_specific_shift", 0.01, -0.1, 0.1, arm="random_write")])
-    assert kinds(selectivity.reading(summary((7.66, 6.0, 9.0)))) == [V.AGREES, V.AGREES, V.DIFFERS]
-    assert kinds(selectivity.reading(summary((0.1, -0.2, 0.4)))) == [V.AGREES, V.AGREES, V.AGREES]
+    assert kinds(selectivity.reading(summary((7.66, 6.0, 9.0)), family=V.GLA)) == [V.AGREES, V.AGREES, V.DIFFERS]
+    assert kinds(selectivity.reading(summary((0.1, -0.2, 0.4)), family=V.GLA)) == [V.AGREES, V.AGREES, V.AGREES]
     # no break at all: the interval holds zero, so it cannot confirm the paper's 0.4-1.4%
-    assert kinds(selectivity.reading(summary((0.1, -0.2, 0.4), (0.0, 0.0, 0.076))))[1] == V.NO_EVIDENCE
+    assert kinds(selectivity.reading(summary((0.1, -0.2, 0.4), (0.0, 0.0, 0.076)), family=V.GLA))[1] == V.NO_EVIDENCE
     low = _rows([_r("donor_answer", 0.3, 0.2, 0.4, arm="state_swap")])
-    assert kinds(selectivity.reading(low)) == [V.DIFFERS]
+    assert kinds(selectivity.reading(low, family=V.GLA)) == [V.DIFFERS]
 
 
 def test_coupling_reading_calls_the_issue_parallel_part_opposite():
@@ -118,9 +118,9 @@ def test_coupling_reading_calls_the_issue_parallel_part_opposite():
     def summary(par):
         return _rows([_r("margin_change_b", *par, arm="parallel"), _r("margin_change_b", 0.3, 0.1, 0.5,
                                                                         arm="orthogonal")])
-    assert kinds(coupling.reading(summary((0.45, 0.02, 0.97)))) == [V.OPPOSITE, V.AGREES]
-    assert kinds(coupling.reading(summary((-0.3, -0.5, -0.1)))) == [V.AGREES, V.AGREES]
-    assert kinds(coupling.reading(summary((0.1, -0.2, 0.3)))) == [V.NO_EVIDENCE, V.AGREES]
+    assert kinds(coupling.reading(summary((0.45, 0.02, 0.97)), family=V.GLA)) == [V.OPPOSITE, V.AGREES]
+    assert kinds(coupling.reading(summary((-0.3, -0.5, -0.1)), family=V.GLA)) == [V.AGREES, V.AGREES]
+    assert kinds(coupling.reading(summary((0.1, -0.2, 0.3)), family=V.GLA)) == [V.NO_EVIDENCE, V.AGREES]
 
 
 def test_capacity_reading_rests_on_the_paired_contrast_not_on_two_intervals():
@@ -130,10 +130,10 @@ def test_capacity_reading_rests_on_the_paired_contrast_not_on_two_intervals():
         return _rows([_r("load_loss", 0.35, 0.30, 0.40, series="contrast", x_from=1, x_to=16),
                       _r("gap_loss", 0.05, 0.0, 0.1, series="contrast", x_from=128, x_to=1024),
                       _r("load_minus_gap_loss", *diff, series="contrast")], n)
-    assert kinds(capacity.reading(summary((0.3, 0.2, 0.4)))) == [V.AGREES, V.AGREES]
+    assert kinds(capacity.reading(summary((0.3, 0.2, 0.4)), family=V.GLA)) == [V.AGREES, V.AGREES]
     # the issue's case: a 6.2 pp difference inside the noise is no evidence
-    assert kinds(capacity.reading(summary((0.062, -0.05, 0.17)))) == [V.AGREES, V.NO_EVIDENCE]
-    assert kinds(capacity.reading(summary((0.3, 0.2, 0.4), n=1))) == [V.TOO_FEW, V.TOO_FEW]
+    assert kinds(capacity.reading(summary((0.062, -0.05, 0.17)), family=V.GLA)) == [V.AGREES, V.NO_EVIDENCE]
+    assert kinds(capacity.reading(summary((0.3, 0.2, 0.4), n=1), family=V.GLA)) == [V.TOO_FEW, V.TOO_FEW]
 
 
 def test_capacity_contrasts_are_paired_per_source():
@@ -156,7 +156,7 @@ def test_lens_reading_gives_no_same_layer_claim_to_an_update_task_at_chance():
     def summary(update_jump):
         return _rows([_r("sublayer_jump", 0.6, 0.5, 0.7, split="heldout", task="retention", layer=1, side="sublayer"),
                       _r("sublayer_jump", *update_jump, split="heldout", task="update", layer=1, side="sublayer")])
-    info = {"localised": 1, "layers": 2}
+    info = {"localised": 1, "layers": 2, "family": V.GLA}
     assert kinds(lens.reading(summary((0.0, -0.06, 0.06)), info)) == [V.AGREES, V.NO_EVIDENCE]
     assert kinds(lens.reading(summary((0.3, 0.2, 0.4)), info)) == [V.AGREES, V.AGREES]
 
@@ -183,11 +183,11 @@ def test_headscan_reading():
         return _rows([_r("frozen_head_rank", 1, 1, 1, scan="write"), _r("frozen_head_rank", 1, 1, 3, scan="read"),
                       _r("joint_fraction_above_threshold", *joint, scan="both"),
                       _r("spearman", *rho, scan="write_vs_read")])
-    got = kinds(headscan.reading(summary((0.562, 0.321, 0.731), (0.125, 0.0625, 0.1875)), 16))
+    got = kinds(headscan.reading(summary((0.562, 0.321, 0.731), (0.125, 0.0625, 0.1875)), 16, family=V.GLA))
     assert got == [V.AGREES, V.NO_EVIDENCE, V.DIFFERS, V.DIFFERS]
-    got = kinds(headscan.reading(summary((0.2, -0.01, 0.35), (0.02, 0.01, 0.04)), 96))
+    got = kinds(headscan.reading(summary((0.2, -0.01, 0.35), (0.02, 0.01, 0.04)), 96, family=V.GLA))
     assert got == [V.AGREES, V.NO_EVIDENCE, V.AGREES, V.AGREES]
-    got = kinds(headscan.reading(summary((0.2, -0.01, 0.35), (0.01, 0.0, 0.03)), 96))
+    got = kinds(headscan.reading(summary((0.2, -0.01, 0.35), (0.01, 0.0, 0.03)), 96, family=V.GLA))
     assert got[2] == V.NO_EVIDENCE
 
 
@@ -211,8 +211,8 @@ def test_heads_reading():
         return _rows([_r("recovery", *rec, analysis="recovery", k=1, unit="top1"),
                       _r("joint_minus_sum", *na, analysis="nonadditivity", unit="hub+second"),
                       _r("hub_minus_all", *hub, analysis="hub_vs_all", unit="hub")])
-    assert kinds(heads.reading(summary((0.95, 0.9, 0.98), (0.5, 0.2, 0.8), (-1, -2, -0.5)), 96)) == [V.AGREES] * 3
-    assert kinds(heads.reading(summary((0.5, 0.4, 0.6), (0.1, -0.2, 0.4), (1, 0.5, 2)), 96)) == \
+    assert kinds(heads.reading(summary((0.95, 0.9, 0.98), (0.5, 0.2, 0.8), (-1, -2, -0.5)), 96, family=V.GLA)) == [V.AGREES] * 3
+    assert kinds(heads.reading(summary((0.5, 0.4, 0.6), (0.1, -0.2, 0.4), (1, 0.5, 2)), 96, family=V.GLA)) == \
         [V.DIFFERS, V.NO_EVIDENCE, V.OPPOSITE]
 
 
@@ -222,15 +222,16 @@ def test_neutral_overlap_and_corrector_readings():
     s = _rows([_r("target_accuracy_change", -0.8, -0.9, -0.7, arm="state_swap"),
                _r("others_accuracy_change", -0.1, -0.15, -0.05, arm="state_swap"),
                _r("target_accuracy_change", 0.0, -0.05, 0.05, arm="random_update")])
-    assert kinds(neutral.reading(s)) == [V.AGREES, V.DIFFERS, V.AGREES]
+    assert kinds(neutral.reading(s, family=V.GLA)) == [V.AGREES, V.DIFFERS, V.AGREES]
     s = _rows([_r("target_margin_change", -0.3, -0.4, -0.2, arm="aligned"),
                _r("target_margin_change", 0.5, 0.3, 0.7, arm="orthogonal"),
                _r("target_margin_change", 0.0, -0.1, 0.1, arm="control_head:aligned")])
-    assert kinds(overlap.reading(s)) == [V.AGREES, V.DIFFERS, V.AGREES]
+    assert kinds(overlap.reading(s, family=V.GLA)) == [V.AGREES, V.DIFFERS, V.AGREES]
     s = _rows([_r("accuracy_change", 0.2, 0.1, 0.3, arm="corrector"),
                _r("accuracy_change", 0.1, 0.05, 0.15, arm="random_map"),
                _r("accuracy_change", 0.0, -0.05, 0.05, arm="control_head")])
-    paper, variant = corrector.reading(s, {"method": "logits_and_state"}), corrector.reading(s, {"method": "residual"})
+    paper, variant = (corrector.reading(s, {"method": "logits_and_state", "family": V.GLA}),
+                      corrector.reading(s, {"method": "residual", "family": V.GLA}))
     assert kinds(paper) == kinds(variant) == [V.AGREES, V.DIFFERS, V.AGREES]
     # the variant says it is not the paper's method: one more unjudged sentence
     assert len(variant) == len(paper) + 1
@@ -244,7 +245,7 @@ def test_retention_reading_reads_no_trend_from_a_head_without_the_fact():
                       _r("clean_correct", 0.6, 0.5, 0.7, k=32, intervention="state_swap"),
                       _r("donor_margin_shift", *low_shift, k=1, intervention="state_swap"),
                       _r("shift_kept", *kept, k=32, intervention="state_swap")])
-    info = {"loads": [1, 32]}
+    info = {"loads": [1, 32], "family": V.GDN}       # clean recall 0.6 [0.5, 0.7]: GDN's 60-69%
     assert kinds(retention.reading(summary((8.0, 7.0, 9.0), (0.4, 0.3, 0.45)), info)) == [V.AGREES] * 3
     assert kinds(retention.reading(summary((8.0, 7.0, 9.0), (0.8, 0.7, 0.9)), info)) == [V.AGREES, V.AGREES,
                                                                                           V.DIFFERS]
@@ -257,7 +258,7 @@ def test_reuse_reading_judges_every_format():
 
     s = _rows([_r("qualified_donor_answer", 1.0, 0.95, 1.0, part="formats", arm="template:is_in"),
                _r("qualified_donor_answer", 0.5, 0.4, 0.6, part="formats", arm="vocab:shapes")])
-    got = kinds(reuse.reading(s, {"formats": ["template:is_in", "vocab:shapes"], "rank": 4}))
+    got = kinds(reuse.reading(s, {"formats": ["template:is_in", "vocab:shapes"], "rank": 4, "family": V.GLA}))
     assert got[:2] == [V.AGREES, V.DIFFERS]
 
 
@@ -327,7 +328,7 @@ def test_reuse_subspace_claims_on_both_sides():
     def summary(kept, shape_answers):
         return _rows([_r("shift_kept", *kept, part="subspace", vocab="colours", projection="colour_basis"),
                       _r("donor_answer", *shape_answers, part="subspace", vocab="shapes", projection="colour_basis")])
-    info = {"formats": [], "rank": 4}
+    info = {"formats": [], "rank": 4, "family": V.GLA}
     assert kinds(reuse.reading(summary((0.4, 0.3, 0.5), (0.0, 0.0, 0.1)), info)) == [V.AGREES, V.AGREES]
     assert kinds(reuse.reading(summary((0.01, -0.02, 0.04), (0.3, 0.2, 0.4)), info)) == [V.NO_EVIDENCE, V.DIFFERS]
 

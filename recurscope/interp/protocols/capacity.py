@@ -28,7 +28,7 @@ from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen
                                                  max_length, pair_spec, PairSpec)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.protocols.verbs import GAPS, LOADS   # the verb's defaults, written once
-from recurscope.interp.verdicts import Claim, judge, measure_from
+from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from, paper_family
 
 __all__ = ["LOADS", "GAPS", "load_layout", "fixed_length_filler", "loss_contrasts", "run_capacity", "reading"]
 
@@ -186,7 +186,7 @@ def run_capacity(model, head: Optional[Sequence[int]] = None, *, from_scan=None,
     sources = pd.concat(source_frames, ignore_index=True) if source_frames else pd.DataFrame()
     summary = pd.concat([pd.DataFrame(records), loss_contrasts(sources, loads, gaps, n_resamples=n_resamples,
                                                                seed=seed)], ignore_index=True)
-    info = {"head": chosen, "total_length": int(total_length), "loads": [int(k) for k in loads],
+    info = {"head": chosen, "family": paper_family(model), "total_length": int(total_length), "loads": [int(k) for k in loads],
             "gaps": [int(g) for g in gaps], "n_sources": n_sources, "template": base.layout.template,
             "vocab": base.vocab}
     result = ProtocolResult("capacity", rows, sources, summary, info=info)
@@ -224,11 +224,13 @@ def capacity_section(result: ProtocolResult, model_name: str) -> Section:
              f"24-token gaps; K >= {HIGH_LOAD}: one presentation, 4-token gaps). Gap: K = 4, 3 presentations. "
              f"{info['n_sources']} held-out sources, template `{info['template']}`, {info['vocab']}. "
              "– marks a point not evaluated (reason given), never 0.")
-    return Section(f"Load and gap: {model_name}, head {head_label(info['head'])}", intro, [table], reading(s))
+    return Section(f"Load and gap: {model_name}, head {head_label(info['head'])}", intro, [table],
+                   reading(s, family=info.get("family")))
 
 
-def reading(s: pd.DataFrame) -> list[str]:
-    """Verdicts on paired per-source recall losses (loss_contrasts), never on two separate intervals."""
+def reading(s: pd.DataFrame, *, family: Optional[str]) -> list[str]:
+    """Verdicts on paired per-source recall losses (loss_contrasts), never on two separate intervals. The paper's
+    numbers hold for its GLA and GDN models alike; a model of another family (verdicts.paper_family) gets none."""
     out = ["The paper: from K = 1 to 16 recall falls by about 30-40 pp on GLA-340M and GDN-340M; from gap 128 "
            "to 1024 it falls far less."]
     contrast = s[s["series"] == "contrast"] if "series" in s.columns else s.iloc[0:0]
@@ -236,13 +238,15 @@ def reading(s: pd.DataFrame) -> list[str]:
     def span(metric, unit):
         row = contrast[contrast["metric"] == metric]
         return "" if row.empty else f" from {unit} {int(row.iloc[0]['x_from'])} to {int(row.iloc[0]['x_to'])}"
-    out.append(judge(measure_from(contrast, {}, "load_loss", "pp"), Claim.between(0.30, 0.40, "30-40 pp from K = 1 "
-                                                                                            "to 16"),
-                     f"The recall lost to load{span('load_loss', 'K =')} (paired over sources)"))
+    load = Claim.between(0.30, 0.40, "30-40 pp from K = 1 to 16 on GLA-340M and GDN-340M")
+    out.append(judge_family(measure_from(contrast, {}, "load_loss", "pp"), family, {GLA: load, GDN: load},
+                            f"The recall lost to load{span('load_loss', 'K =')} (paired over sources)",
+                            "30-40 pp on GLA-340M and GDN-340M"))
     gap = measure_from(contrast, {}, "gap_loss", "pp")
     if gap is not None:
         out.append(f"The recall lost to the gap{span('gap_loss', 'gap')} is {gap.text()}.")
-    out.append(judge(measure_from(contrast, {}, "load_minus_gap_loss", "pp"),
-                     Claim.positive("load costs more recall than the gap"),
-                     "The load loss minus the gap loss (paired over sources)"))
+    more = Claim.positive("load costs more recall than the gap")
+    out.append(judge_family(measure_from(contrast, {}, "load_minus_gap_loss", "pp"), family, {GLA: more, GDN: more},
+                            "The load loss minus the gap loss (paired over sources)",
+                            "load costs more recall than the gap on GLA-340M and GDN-340M"))
     return out

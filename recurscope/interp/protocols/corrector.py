@@ -38,7 +38,7 @@ from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen
                                                  max_length, pair_spec)
 from recurscope.interp.protocols.verbs import CORRECTOR_METHODS
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import Claim, judge, measure_from
+from recurscope.interp.verdicts import GDN, GLA, Claim, judge, judge_family, measure_from, paper_family
 from recurscope.interp.protocols.capacity import _bare_length, fixed_length_filler, load_layout
 
 __all__ = ["ARMS", "METHODS", "PAPER", "Corrector", "source_keys", "collect_features", "fit_corrector",
@@ -322,7 +322,7 @@ def run_corrector(model, head: Optional[Sequence[int]] = None, *, from_scan=None
     sources = rows.groupby(["arm", "source"])[list(METRICS)].mean().reset_index()
     counts = rows.groupby("arm").agg(n=("row", "size"), before=("clean_correct", "sum"), after=("correct", "sum"),
                                      rescued=("rescued", "sum"), broken=("broken", "sum")).reset_index()
-    info = {"head": chosen, "control_head": control, "k": int(k), "total_length": int(total_length),
+    info = {"head": chosen, "family": paper_family(model), "control_head": control, "k": int(k), "total_length": int(total_length),
             "n_sources": n_sources, "n_fit": n_fit, "pairs_per_source": pairs_per_source, "rank": rank,
             "template": base.layout.template, "vocab": base.vocab, "counts": counts.to_dict("records"), "method": method,
             "chosen": {a: {"ridge": float(rows.loc[rows["arm"] == a, "ridge"].iloc[0]),
@@ -371,16 +371,26 @@ def corrector_section(result: ProtocolResult, model_name: str) -> Section:
                    reading(s, info))
 
 
+#: Each family's claim (verdicts.paper_family): GLA's gain (colours +28.1 pp, shapes +18.7 pp); GDN's colours
+#: number, +1.5 pp, a change the paper calls small.
+FAMILY_CLAIMS = {GLA: Claim.positive("a gain on GLA: colours 24.2% -> 52.3% (+28.1 pp), shapes 30.5% -> 49.2%"),
+                 GDN: Claim.equals(0.015, "GDN colours 46.9% -> 48.4% (+1.5 pp, 29 rescued / 27 broken), a change "
+                                          "the paper calls small")}
+
+
 def reading(s: pd.DataFrame, info: dict) -> list:
+    """info["family"] (GLA or GDN, verdicts.paper_family) picks the paper's claim of the model's family; another
+    family's model gets no verdict against it (the random map and the control head are controls, judged on any
+    model)."""
     out = ["The paper (four-way logits combined with query-aligned state features): GLA colours 24.2% -> 52.3% "
            "(64 rescued / 28 broken), GLA shapes 30.5% -> 49.2% (53 / 29), GDN colours 46.9% -> 48.4% (29 / 27), "
            "Qwen3.5-4B 78.9% -> 46.9% (8 / 49): a gain for GLA, none for GDN, a loss for Qwen."]
     if info.get("method") != "logits_and_state":
         out.append(f"This run uses {_METHOD_TEXT[info.get('method', 'residual')]}, so its numbers are not the "
                    "paper's measurement.")
-    out.append(judge(measure_from(s, {"arm": "corrector"}, "accuracy_change", "pp"),
-                     Claim.positive("a gain on GLA (none on GDN, a loss on Qwen3.5)"),
-                     "The corrector's held-out accuracy change"))
+    out.append(judge_family(measure_from(s, {"arm": "corrector"}, "accuracy_change", "pp"), info.get("family"),
+                            FAMILY_CLAIMS, "The corrector's held-out accuracy change",
+                            "GLA colours +28.1 pp, GDN colours +1.5 pp, Qwen3.5-4B -32.0 pp"))
     if info.get("chosen", {}).get("corrector", {}).get("multiple") == 0:
         out.append("Cross-fitting inside dev chose scale 0 (no correction helped there), so none is made.")
     for arm in ("random_map", "control_head"):

@@ -25,7 +25,7 @@ from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.protocols._common import ProtocolResult, ci_text, frozen_setup, head_label, source_units
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import Claim, judge, measure_from
+from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from, paper_family
 from recurscope.interp.protocols.selectivity import build_selectivity_pairs
 
 __all__ = ["ARMS", "split_parallel", "run_coupling", "reading"]
@@ -181,7 +181,7 @@ def run_coupling(model, pairs=None, head: Optional[Sequence[int]] = None, *, run
     metrics = ["margin_change_b", "cos_ab", "norm_edit"]
     sources = rows.groupby(["arm", "source"])[metrics].mean().reset_index()
     summary = stats.summarise(rows, metrics, by=["arm"], n_resamples=n_resamples, seed=seed)
-    info = {"head": chosen, "n_sources": int(rows["source"].nunique()), "n_pairs_ab": int(len(rows) / len(ARMS))}
+    info = {"head": chosen, "family": paper_family(model), "n_sources": int(rows["source"].nunique()), "n_pairs_ab": int(len(rows) / len(ARMS))}
     result = ProtocolResult("coupling", rows, sources, summary, info=info)
     figure = FigureSpec("coupling", summary, dict(row_col="arm", rows=list(ARMS), panels=["margin_change_b"],
                                                   panel_labels={"margin_change_b": "change in B's margin"},
@@ -201,17 +201,19 @@ def coupling_section(result: ProtocolResult, model_name: str) -> Section:
              "to the recipient's state at the query boundary, B queried. Means over sources, 95% source-bootstrap "
              "intervals.")
     return Section(f"Frobenius coupling: {model_name}, head {head_label(info['head'])}", intro,
-                   [table, [f"cos(Δ_A, Δ_B) = {ci_text(s, {'arm': 'full'}, 'cos_ab', digits=3)}"]], reading(s))
+                   [table, [f"cos(Δ_A, Δ_B) = {ci_text(s, {'arm': 'full'}, 'cos_ab', digits=3)}"]], reading(s, family=info.get("family")))
 
 
-def reading(s: pd.DataFrame) -> list[str]:
+def reading(s: pd.DataFrame, *, family: Optional[str]) -> list[str]:
+    """The paper's signs hold for its GLA and GDN models alike (Fig. 5c); a model of another family (family from
+    verdicts.paper_family) gets no verdict."""
     out = ["The paper: the parallel part lowers B's margin, the orthogonal part raises it, random directions of the "
            "same norm move it less, and the full edit is weak."]
     claims = {"parallel": Claim.negative("the parallel part lowers B's margin"),
               "orthogonal": Claim.positive("the orthogonal part raises B's margin")}
     for arm, claim in claims.items():
-        out.append(judge(measure_from(s, {"arm": arm}, "margin_change_b"), claim,
-                         f"B's margin change under the {LABELS[arm]}"))
+        out.append(judge_family(measure_from(s, {"arm": arm}, "margin_change_b"), family, {GLA: claim, GDN: claim},
+                                f"B's margin change under the {LABELS[arm]}", f"{claim.paper} (GLA and GDN)"))
     for arm in ("full", "random_parallel", "random_orthogonal"):
         m = measure_from(s, {"arm": arm}, "margin_change_b")
         if m is not None:

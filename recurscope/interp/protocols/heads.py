@@ -25,7 +25,7 @@ from recurscope.interp.metrics import example_metrics
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, head_label, max_length, run_arms,
                                                  pair_spec, rank_heads)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import Claim, judge, measure_from
+from recurscope.interp.verdicts import GLA, Claim, judge_family, measure_from, paper_family
 from recurscope.interp.scan import all_heads
 
 __all__ = ["run_heads", "top_k_sizes", "swap_arms", "arm_rows", "recovery_records", "frozen_ranking", "reading"]
@@ -157,7 +157,7 @@ def run_heads(model, pairs=None, *, ranking: Optional[pd.DataFrame] = None, run_
     records += recovery_records(wide, ks, n_resamples=n_resamples, seed=seed)
     summary = pd.DataFrame(records)
     sources = rows.groupby(["arm", "source"])["shift"].mean().reset_index()
-    info = {"ranking": order, "hub": hub, "second": second, "n_sources": int(rows["source"].nunique()),
+    info = {"family": paper_family(model), "ranking": order, "hub": hub, "second": second, "n_sources": int(rows["source"].nunique()),
             "ks": ks}
     result = ProtocolResult("heads", rows, sources, summary, info=info)
     blocks = summary[summary["analysis"].isin(["write_block", "nonadditivity"])]
@@ -190,22 +190,30 @@ def heads_section(result: ProtocolResult, model_name: str) -> Section:
                         f"{ci_text(s, {'analysis': 'recovery', 'k': k}, 'recovery', pct=True)} |")
     intro = f"Ranking frozen on dev sources: {ranking}. {info['n_sources']} held-out sources."
     return Section(f"Head structure: {model_name}", intro, [blocks, joint, recovery],
-                   reading(s, len(info["ranking"])))
+                   reading(s, len(info["ranking"]), family=info.get("family")))
 
 
-def reading(s: pd.DataFrame, n_heads: int) -> list[str]:
+def reading(s: pd.DataFrame, n_heads: int, *, family: Optional[str]) -> list[str]:
+    """The paper's numbers here are GLA's (Fig. 3c on GLA-340M; App. E.2's top-1 recovery on GLA-340M and GLA-7B,
+    besides RWKV7-13.3B): only a GLA model (family from verdicts.paper_family) is judged; others get none."""
     out = ["The paper: GLA-340M's top-1 head recovers 94.7% of the all-head shift and GLA-7B needs the top 16 "
            "(92.3%); on GLA, blocking the hub hurts the correct answer more than blocking all heads, and blocking "
            "the hub with the second head differs from the sum of the two single blocks."]
-    out.append(judge(measure_from(s, {"analysis": "recovery", "k": 1}, "recovery", "pct"),
-                     Claim.equals(0.947, "94.7% on GLA-340M, 12.3% on GLA-7B"),
-                     f"The top-1 head's recovery of the all-head shift ({n_heads} heads in all)"))
-    out.append(judge(measure_from(s, {"analysis": "nonadditivity", "unit": "hub+second"}, "joint_minus_sum"),
-                     Claim.nonzero("the joint block differs from the sum of single blocks"),
-                     "Blocking the hub and the second head together minus the sum of their single blocks"))
-    out.append(judge(measure_from(s, {"analysis": "hub_vs_all", "unit": "hub"}, "hub_minus_all"),
-                     Claim.negative("blocking the hub alone hurts the correct answer more than blocking all heads"),
-                     "The hub's write block minus the all-head write block, in the correct answer's margin"))
+    recovery = Claim.equals(0.947, "94.7% on GLA-340M, 12.3% on GLA-7B")
+    out.append(judge_family(measure_from(s, {"analysis": "recovery", "k": 1}, "recovery", "pct"), family,
+                            {GLA: recovery}, f"The top-1 head's recovery of the all-head shift ({n_heads} heads in all)",
+                            "GLA-340M 94.7%, GLA-7B 12.3%, RWKV7-13.3B 53.1% (naturalized input; 7.5% compact), no "
+                            "GDN model"))
+    joint = Claim.nonzero("the joint block differs from the sum of single blocks (GLA-340M)")
+    out.append(judge_family(measure_from(s, {"analysis": "nonadditivity", "unit": "hub+second"}, "joint_minus_sum"),
+                            family, {GLA: joint},
+                            "Blocking the hub and the second head together minus the sum of their single blocks",
+                            "GLA-340M's joint block differs from the sum of single blocks"))
+    hub = Claim.negative("blocking the hub alone hurts the correct answer more than blocking all heads (GLA-340M)")
+    out.append(judge_family(measure_from(s, {"analysis": "hub_vs_all", "unit": "hub"}, "hub_minus_all"), family,
+                            {GLA: hub},
+                            "The hub's write block minus the all-head write block, in the correct answer's margin",
+                            "on GLA-340M blocking the hub hurts more than blocking all heads"))
     if n_heads <= 4:
         out.append("With this few heads the ranking has little to rank; the wider checkpoints are the test.")
     return out

@@ -28,7 +28,7 @@ from recurscope.interp.metrics import example_metrics
 from recurscope.interp.protocols._common import (ProtocolResult, arm_records, frozen_setup, head_label, heldout_pairs,
                                                  source_units)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import Claim, Measure, judge
+from recurscope.interp.verdicts import GDN, GLA, Claim, Measure, judge_family, paper_family
 from recurscope.interp.scan import all_heads, run_scan
 
 __all__ = ["THRESHOLD", "write_scan", "joint_threshold_fraction", "run_headscan", "reading"]
@@ -195,7 +195,7 @@ def run_headscan(model, pairs=None, head: Optional[Sequence[int]] = None, *, run
     records.append({"scan": "write_vs_read", "metric": "spearman", "estimate": sp.rho, "low": sp.low,
                     "high": sp.high, "n_units": sp.n, "n_sources": sp.n_sources})
     summary = pd.DataFrame(records)
-    info = {"head": chosen, "n_heads": int(per_head[["layer", "head"]].drop_duplicates().shape[0]),
+    info = {"head": chosen, "family": paper_family(model), "n_heads": int(per_head[["layer", "head"]].drop_duplicates().shape[0]),
             "n_sources": int(scores["source"].nunique()), "spearman_method": sp.method,
             "per_head": per_head}
     result = ProtocolResult("headscan", rows, scores, summary, info=info)
@@ -244,7 +244,7 @@ def headscan_section(result: ProtocolResult, model_name: str) -> Section:
                 f"({info['spearman_method']})."]
     intro = f"{info['n_heads']} heads, {info['n_sources']} held-out sources; frozen head {head_label(info['head'])}."
     return Section(f"Held-out all-head write and read scans: {model_name}", intro, [table, spearman],
-                   reading(result.summary, info["n_heads"]))
+                   reading(result.summary, info["n_heads"], family=info.get("family")))
 
 
 def _measure(summary: pd.DataFrame, scan: str, metric: str, unit: str) -> Measure:
@@ -252,19 +252,29 @@ def _measure(summary: pd.DataFrame, scan: str, metric: str, unit: str) -> Measur
     return Measure(float(r["estimate"]), float(r["low"]), float(r["high"]), int(r["n_sources"]), unit)
 
 
-def reading(summary: pd.DataFrame, n_heads: int) -> list[str]:
+#: Each family's numbers (verdicts.paper_family): heads above 0.25 logit in both scans, write-vs-read Spearman.
+FAMILY_PAPER = {GLA: (0.010, 0.173, "0.173 [-0.014, 0.320] on GLA-340M"),
+                GDN: (0.031, 0.149, "0.149 [-0.027, 0.285] on GDN-340M")}
+
+
+def reading(summary: pd.DataFrame, n_heads: int, *, family: Optional[str]) -> list[str]:
+    """`family` (GLA or GDN, verdicts.paper_family) picks the paper's numbers of the model's family; the rank
+    claim ([1, 1] on both 340M models) is judged on either, and on no other family."""
     out = ["The paper (96 heads, 32 sources): rank [1, 1] in both scans, 1.0% (GLA) / 3.1% (GDN) of heads above 0.25 "
            "logit in both scans at once, write-vs-read Spearman 0.173 [-0.014, 0.320] (GLA) and 0.149 [-0.027, "
            "0.285] (GDN)."]
     for scan in ("write", "read"):
-        out.append(judge(_measure(summary, scan, "frozen_head_rank", "rank"),
-                         Claim.at_most(1, "rank [1, 1]"), f"The frozen head's rank in the {scan} scan"))
-    out.append(judge(_measure(summary, "both", "joint_fraction_above_threshold", "pct"),
-                     Claim.between(0.010, 0.031, "1.0% (GLA) to 3.1% (GDN)"),
-                     f"The fraction of the {n_heads} heads above 0.25 logit in both scans"))
-    out.append(judge(_measure(summary, "write_vs_read", "spearman", "ratio"),
-                     Claim.equals(0.173, "0.173 on GLA, 0.149 on GDN"),
-                     "The write-vs-read Spearman correlation over heads"))
+        rank = Claim.at_most(1, "rank [1, 1] on GLA-340M and GDN-340M")
+        out.append(judge_family(_measure(summary, scan, "frozen_head_rank", "rank"), family, {GLA: rank, GDN: rank},
+                                f"The frozen head's rank in the {scan} scan", "rank [1, 1] on GLA-340M and GDN-340M"))
+    out.append(judge_family(_measure(summary, "both", "joint_fraction_above_threshold", "pct"), family,
+                            {fam: Claim.effect(frac, f"{100 * frac:.1f}% of 96 heads on {fam}-340M")
+                             for fam, (frac, _, _) in FAMILY_PAPER.items()},
+                            f"The fraction of the {n_heads} heads above 0.25 logit in both scans",
+                            "GLA-340M 1.0%, GDN-340M 3.1% of 96 heads"))
+    out.append(judge_family(_measure(summary, "write_vs_read", "spearman", "ratio"), family,
+                            {fam: Claim.equals(rho, text) for fam, (_, rho, text) in FAMILY_PAPER.items()},
+                            "The write-vs-read Spearman correlation over heads", "GLA-340M 0.173, GDN-340M 0.149"))
     if n_heads <= 8:
         out.append(f"With {n_heads} heads, the fractions move in steps of {100 / n_heads:.0f}% and a Spearman "
                    "correlation over so few points says little; the wider checkpoints are the real test.")

@@ -28,7 +28,7 @@ from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.protocols._common import PairSpec, ProtocolResult, max_length, pair_spec, unit_frames
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import Claim, judge, measure_from
+from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from, paper_family
 
 __all__ = ["TASKS", "SIDES", "lens_rows", "localise", "run_lens", "reading"]
 
@@ -134,7 +134,7 @@ def run_lens(model, *, run_dir=None, n_sources: int = 128, n_localise: int = 96,
     # A layer-indexed curve: position 0 is the embedding (before layer 0), position l + 1 is after layer l.
     summary["position"] = np.where(summary["side"] == "before", summary["layer"], summary["layer"] + 1)
     final = confirm.groupby("task")["final_correct"].mean().to_dict()
-    info = {"n_sources": int(confirm["source"].nunique()), "n_localise": int(rows[rows["split"] == "dev"]["source"]
+    info = {"family": paper_family(model), "n_sources": int(confirm["source"].nunique()), "n_localise": int(rows[rows["split"] == "dev"]["source"]
                                                                                 .nunique()),
             "layers": model.cfg.num_hidden_layers, "recurrent": recurrent, "localised": layer, "final": final}
     result = ProtocolResult("lens", rows, sources, summary, info=info)
@@ -179,18 +179,29 @@ def lens_section(result: ProtocolResult, model_name: str) -> Section:
     return Section(f"Logit lens: {model_name}", intro, [table], reading(s, info))
 
 
+#: Each family's numbers (verdicts.paper_family): the retention jump at the localised sublayer, the update jump.
+FAMILY_PAPER = {GLA: ("+66.4 pp on GLA-340M (layer 21: 28.9% -> 95.3%)", "+28.9 pp on GLA-340M"),
+                GDN: ("+74.2 pp on GDN-340M (layer 20: 25.8% -> 100%)", "+43.0 pp on GDN-340M")}
+
+
 def reading(s: pd.DataFrame, info: dict) -> list[str]:
+    """info["family"] (GLA or GDN, verdicts.paper_family) picks the paper's numbers of the model's family; another
+    family's model gets no verdict."""
+    family = info.get("family")
     out = ["The paper: on 128 confirmation sources the answer becomes readable at one recurrent sublayer, GLA layer "
            "21 going from 28.9% to 95.3% (GDN layer 20: 25.8% to 100%), and the update task jumps at the same layer "
            "(+28.9 / +43.0 pp)."]
     held, layer = s[s["split"] == "heldout"], info["localised"]
     where = {"layer": layer, "side": "sublayer"}
-    out.append(judge(measure_from(held, {**where, "task": "retention"}, "sublayer_jump", "pp"),
-                     Claim.positive("a jump in retention accuracy at the localised layer"),
-                     f"On the confirmation sources, the retention jump at the localised layer {layer}"))
-    out.append(judge(measure_from(held, {**where, "task": "update"}, "sublayer_jump", "pp"),
-                     Claim.positive("the update task jumps at the same layer"),
-                     "The update task's jump at that layer"))
+    out.append(judge_family(measure_from(held, {**where, "task": "retention"}, "sublayer_jump", "pp"), family,
+                            {fam: Claim.positive(f"a jump in retention accuracy at the localised layer, {ret}")
+                             for fam, (ret, _) in FAMILY_PAPER.items()},
+                            f"On the confirmation sources, the retention jump at the localised layer {layer}",
+                            "GLA-340M +66.4 pp, GDN-340M +74.2 pp"))
+    out.append(judge_family(measure_from(held, {**where, "task": "update"}, "sublayer_jump", "pp"), family,
+                            {fam: Claim.positive(f"the update task jumps at the same layer, {upd}")
+                             for fam, (_, upd) in FAMILY_PAPER.items()},
+                            "The update task's jump at that layer", "GLA-340M +28.9 pp, GDN-340M +43.0 pp"))
     last = {"layer": info["layers"] - 1, "side": "after", "task": "update"}
     for metric, what in (("correct", "the new (updated) value"), ("stale", "the stale (overwritten) value")):
         m = measure_from(held, last, metric, "pct")

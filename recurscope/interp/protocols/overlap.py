@@ -28,7 +28,7 @@ from recurscope.interp.metrics import example_metrics, source_means, summarise_m
 from recurscope.interp.protocols._common import (PairSpec, ProtocolResult, arm_records, ci_text, frozen_setup,
                                                  head_label, heldout_pairs, pair_spec)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import Claim, judge, measure_from
+from recurscope.interp.verdicts import GDN, GLA, Claim, judge, judge_family, measure_from, paper_family
 
 __all__ = ["ARMS", "interfering_spans", "target_direction", "replace_keys", "overlap_patches", "overlap_write",
            "run_overlap", "reading"]
@@ -176,7 +176,7 @@ def run_overlap(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_
     rows = rows[rows["n_facts"].isin(loads)].reset_index(drop=True)
     sources = source_means(rows, METRICS, by=("n_facts", "arm"))
     summary = summarise_metrics(rows, METRICS, by=("n_facts", "arm"), n_resamples=n_resamples, seed=seed)
-    info = {"head": chosen, "control_head": control, "n_sources": int(rows["source"].nunique()),
+    info = {"head": chosen, "family": paper_family(model), "control_head": control, "n_sources": int(rows["source"].nunique()),
             "interfering_per_row": spans_per_row, "loads": loads}
     result = ProtocolResult("overlap", rows, sources, summary, info=info)
     title = f"{model_name}: write-key overlap, head {head_label(chosen)}"
@@ -207,11 +207,14 @@ def overlap_section(result: ProtocolResult, model_name: str) -> Section:
     intro = (f"K = {', '.join(map(str, info['loads']))}; the keys of the other facts' presentations after the target's "
              f"first one (spans per row: {spans}) are replaced; {info['n_sources']} held-out sources; control head "
              f"{head_label(info['control_head'])}.")
-    return Section(f"Write-key overlap: {model_name}, head {head_label(info['head'])}", intro, [table], reading(s))
+    return Section(f"Write-key overlap: {model_name}, head {head_label(info['head'])}", intro, [table],
+                   reading(s, family=info.get("family")))
 
 
-def reading(s: pd.DataFrame) -> list[str]:
-    """Each load's three arms judged against the paper (its Fig. 7c is at K = 4; the claims are its signs)."""
+def reading(s: pd.DataFrame, *, family: Optional[str]) -> list[str]:
+    """Each load's three arms judged against the paper (its Fig. 7c is at K = 4; the claims are its signs, for its
+    GLA and GDN models alike). A model of another family (verdicts.paper_family) gets no verdict on the aligned and
+    orthogonalised keys; the control head is a control and is judged on any model."""
     out = ["The paper (K = 4): the aligned key lowers the target margin by 0.27-0.44 logits; the orthogonalised key "
            "and the control head stay near 0."]
     claims = {"aligned": Claim.negative("the aligned key lowers the target margin by 0.27-0.44 logits"),
@@ -221,8 +224,10 @@ def reading(s: pd.DataFrame) -> list[str]:
         at = {} if k is None else {"n_facts": k}
         suffix = "" if k is None or len(loads) == 1 else f" at K = {int(k)}"
         for arm, claim in claims.items():
-            out.append(judge(measure_from(s, {**at, "arm": arm}, "target_margin_change"), claim,
-                             f"The target margin change under the {LABELS[arm]}{suffix}"))
+            m = measure_from(s, {**at, "arm": arm}, "target_margin_change")
+            subject = f"The target margin change under the {LABELS[arm]}{suffix}"
+            out.append(judge(m, claim, subject) if arm.startswith("control_head") else
+                       judge_family(m, family, {GLA: claim, GDN: claim}, subject, f"{claim.paper} (GLA and GDN)"))
     return out
 
 

@@ -30,7 +30,8 @@ from recurscope.interp import stats
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, run_arms,
                                                  max_length, pair_spec, PairSpec, pooled_break_rate)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import AGREES, Claim, control_verdict, judge, measure_from
+from recurscope.interp.verdicts import (AGREES, GDN, GLA, Claim, control_verdict, judge, judge_family, measure_from,
+                                        paper_family)
 from recurscope.interp.protocols.capacity import HIGH_LOAD, LOADS, _bare_length, fixed_length_filler, load_layout
 
 __all__ = ["LOADS", "ARMS", "METRICS", "PAPER", "retention_pairs", "shift_kept", "run_retention", "reading"]
@@ -194,7 +195,7 @@ def run_retention(model, head: Optional[Sequence[int]] = None, *, from_scan=None
     summary["reason"] = summary["reason"].fillna("")
     summary = summary.sort_values(["k", "intervention", "metric"]).reset_index(drop=True)
     sources = ok.groupby(["k", "intervention", "source"])[list(METRICS)].mean().reset_index()
-    info = {"head": chosen, "total_length": int(total_length), "loads": [int(k) for k in loads],
+    info = {"head": chosen, "family": paper_family(model), "total_length": int(total_length), "loads": [int(k) for k in loads],
             "n_sources": n_sources, "n_nontarget": n_nontarget, "template": base.layout.template,
             "vocab": base.vocab,
             "gate": gate_threshold, "break_counts": pooled[["k", "intervention", "breaks", "eligible"]]
@@ -239,7 +240,19 @@ def retention_section(result: ProtocolResult, model_name: str) -> Section:
                    intro, [table], reading(s, info))
 
 
+#: Each family's claims at K = 32 (verdicts.paper_family): clean recall, and the highest pooled break rate.
+FAMILY_PAPER = {GLA: (Claim.effect(0.47, "47% on GLA-340M"),
+                      Claim.effect(0.05, "about 5% on GLA-340M (near or above the 5% line)")),
+                GDN: (Claim.between(0.60, 0.69, "60% / 69% on GDN-340M / GDN-1.3B"),
+                      Claim.at_most(0.02, "under 2% on GDN-340M and GDN-1.3B"))}
+
+
 def reading(s: pd.DataFrame, info: dict) -> list:
+    """info["family"] (GLA or GDN, verdicts.paper_family) picks the paper's numbers of the model's family; another
+    family's model gets no verdict against them (the random update is a control and is judged on any model)."""
+    family = info.get("family")
+    recall_claims = {fam: c[0] for fam, c in FAMILY_PAPER.items()}
+    break_claims = {fam: c[1] for fam, c in FAMILY_PAPER.items()}
     out = [f"The paper at K = 32: clean recall {PAPER['recall_k32']}; the target edit shift {PAPER['shift']}; "
            f"non-target break rate {PAPER['break_k32']}."]
     swap = {"intervention": "state_swap"}
@@ -248,18 +261,21 @@ def reading(s: pd.DataFrame, info: dict) -> list:
         return out + ["No K was evaluated here."]
     lo_k, hi_k = min(evaluated), max(evaluated)
     if 32 in evaluated:
-        out.append(judge(measure_from(s, {"k": 32, **swap}, "clean_correct", "pct"),
-                         Claim.between(0.47, 0.69, "47-69% over its three models"), "Clean recall at K = 32"))
-    low = judge(measure_from(s, {"k": lo_k, **swap}, "donor_margin_shift"), Claim.positive("the swap moves the "
-                                                                                        "target towards the donor"),
-                f"The state swap's edit shift at K = {lo_k}")
-    out.append(low)
+        out.append(judge_family(measure_from(s, {"k": 32, **swap}, "clean_correct", "pct"), family, recall_claims,
+                                "Clean recall at K = 32", PAPER["recall_k32"]))
+    moves = Claim.positive("the swap moves the target towards the donor")
+    low_measure = measure_from(s, {"k": lo_k, **swap}, "donor_margin_shift")
+    # whether the head carries the fact at all decides whether a trend is read, on any model
+    low = judge(low_measure, moves, f"The state swap's edit shift at K = {lo_k}")
+    out.append(judge_family(low_measure, family, {GLA: moves, GDN: moves}, f"The state swap's edit shift at K = {lo_k}",
+                            "the swap moves the target towards the donor on GLA and GDN"))
     if low.kind != AGREES:
         out.append("The head does not carry the fact at low load here, so no trend of its edit with K is read.")
     elif 32 in evaluated and lo_k != 32:
-        out.append(judge(measure_from(s, {"k": 32, **swap}, "shift_kept", "pct"),
-                         Claim.at_most(0.5, "the edit halves or more by K = 32"),
-                         f"The share of the K = {lo_k} edit shift kept at K = 32"))
+        halves = Claim.at_most(0.5, "the edit halves or more by K = 32")
+        out.append(judge_family(measure_from(s, {"k": 32, **swap}, "shift_kept", "pct"), family,
+                                {GLA: halves, GDN: halves}, f"The share of the K = {lo_k} edit shift kept at K = 32",
+                                "the edit halves or more by K = 32 on GLA and GDN"))
     elif (kept := measure_from(s, {"k": hi_k, **swap}, "shift_kept", "pct")) is not None:
         out.append(f"The share of the K = {lo_k} edit shift kept at K = {hi_k} is {kept.text()}; the paper's claim "
                    "is about K = 32, not run here, so no verdict is given.")
@@ -267,8 +283,8 @@ def reading(s: pd.DataFrame, info: dict) -> list:
     breaks = [(k, m) for k, m in breaks if m is not None and m.defined]
     if breaks:
         k, m = max(breaks, key=lambda km: km[1].estimate)
-        out.append(judge(m, Claim.at_most(0.05, "under 2% on GDN, near 5% on GLA"),
-                         f"The swap's pooled non-target break rate at K = {k}, its highest"))
+        out.append(judge_family(m, family, break_claims,
+                                f"The swap's pooled non-target break rate at K = {k}, its highest", PAPER["break_k32"]))
     for k in (lo_k, hi_k) if hi_k != lo_k else (lo_k,):
         control = measure_from(s, {"k": k, "intervention": "random_update"}, "donor_margin_shift")
         if control is not None:

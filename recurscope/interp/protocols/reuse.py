@@ -33,7 +33,7 @@ from recurscope.interp.metrics import example_metrics
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, max_length,
                                                  pair_spec, PairSpec, run_arms)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import Claim, judge, measure_from
+from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from, paper_family
 from recurscope.interp.protocols.gate import GATE_THRESHOLD, capability_gate
 
 __all__ = ["FORMATS", "SUBSPACE_ARMS", "PAPER", "format_layouts", "edit_deltas", "fit_basis", "random_basis",
@@ -256,7 +256,7 @@ def run_reuse(model, head: Optional[Sequence[int]] = None, *, from_scan=None, n_
                          sub_rows.groupby(["arm", "source"])[["donor_margin_shift", "donor_answer"]].mean()
                          .reset_index()], ignore_index=True)
     all_rows = pd.concat([rows.assign(part="formats"), sub_rows.assign(part="subspace")], ignore_index=True)
-    info = {"head": chosen, "n_sources": n_sources, "n_fit": n_fit, "rank": rank, "filler": base.layout.filler_tokens, "formats": keys,
+    info = {"head": chosen, "family": paper_family(model), "n_sources": n_sources, "n_fit": n_fit, "rank": rank, "filler": base.layout.filler_tokens, "formats": keys,
             "gate": gate_threshold}
     result = ProtocolResult("reuse", all_rows, sources, summary, info=info)
     figures = [FigureSpec("reuse", summary_f, dict(
@@ -309,7 +309,15 @@ def reuse_section(result: ProtocolResult, model_name: str) -> Section:
                    [formats, subspace], reading(s, info))
 
 
+#: Each family's qualified donor-answer rate in every format (verdicts.paper_family): GLA's floor, GDN's range.
+FAMILY_CLAIMS = {GLA: Claim.at_least(0.897, "at least 89.7% on GLA-340M in every format"),
+                 GDN: Claim.between(0.468, 0.919, "46.8-91.9% on GDN-340M over the formats")}
+
+
 def reading(s: pd.DataFrame, info: dict) -> list:
+    """info["family"] (GLA or GDN, verdicts.paper_family) picks the paper's numbers of the model's family (the
+    colour-basis transfer holds for both); another family's model gets no verdict."""
+    family = info.get("family")
     out = [f"The paper: GLA's qualified donor-answer rate is {PAPER['GLA qualified']} in every format (GDN "
            f"{PAPER['GDN qualified']}); {PAPER['transfer']}."]
     f = s[s["part"] == "formats"]
@@ -319,17 +327,20 @@ def reading(s: pd.DataFrame, info: dict) -> list:
         if m is None or not m.defined:
             not_read.append(arm)
             continue
-        out.append(judge(m, Claim.at_least(0.897, "at least 89.7% on GLA, 46.8-91.9% on GDN"),
-                         f"The qualified donor-answer rate in format {arm}"))
+        out.append(judge_family(m, family, FAMILY_CLAIMS, f"The qualified donor-answer rate in format {arm}",
+                                "at least 89.7% on GLA-340M, 46.8-91.9% on GDN-340M"))
     if not_read:
         out.append(f"Not read: {', '.join(not_read)} (refused by the gate or not evaluated).")
     sub = s[s["part"] == "subspace"]
-    out.append(judge(measure_from(sub, {"vocab": "colours", "projection": "colour_basis"}, "shift_kept", "pct"),
-                     Claim.positive("the colour basis carries colour edits"),
-                     f"The share of the colour edit's shift the rank-{info['rank']} colour basis keeps"))
-    out.append(judge(measure_from(sub, {"vocab": "shapes", "projection": "colour_basis"}, "donor_answer", "pct"),
-                     Claim.near_zero("no shape donor answers"),
-                     "The shape donor-answer rate through the colour basis"))
+    carries = Claim.positive("the colour basis carries colour edits (GLA and GDN)")
+    out.append(judge_family(measure_from(sub, {"vocab": "colours", "projection": "colour_basis"}, "shift_kept", "pct"),
+                            family, {GLA: carries, GDN: carries},
+                            f"The share of the colour edit's shift the rank-{info['rank']} colour basis keeps",
+                            carries.paper))
+    none = Claim.near_zero("no shape donor answers (GLA and GDN)")
+    out.append(judge_family(measure_from(sub, {"vocab": "shapes", "projection": "colour_basis"}, "donor_answer", "pct"),
+                            family, {GLA: none, GDN: none}, "The shape donor-answer rate through the colour basis",
+                            none.paper))
     for vocab in ("shapes",):
         for how in ("colour_basis", "random_basis"):
             m = measure_from(sub, {"vocab": vocab, "projection": how}, "shift_kept", "pct")

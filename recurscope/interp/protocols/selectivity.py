@@ -21,7 +21,7 @@ from recurscope.interp.metrics import example_metrics, source_means, summarise_m
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_setup, head_label, logged_arms,
                                                  logged_arms_on, max_length, pair_spec, pooled_break_rate)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import Claim, control_verdict, judge, measure_from
+from recurscope.interp.verdicts import GDN, GLA, Claim, control_verdict, judge_family, measure_from, paper_family
 
 __all__ = ["ARMS", "PAPER", "run_selectivity", "build_selectivity_pairs", "reading"]
 
@@ -32,9 +32,11 @@ LABELS = {"state_swap": "state swap", "donor_write": "donor write", "random_upda
           "control_head:state_swap": "control head, state swap", "control_head:donor_write": "control head, donor write"}
 METRICS = ("donor_answer", "donor_margin_shift", "donor_specific_shift", "nontarget_break", "nontarget_margin_change",
            "clean_correct")
-PAPER = {"target donor-answer rate": "89.1% / 71.9% / 61.3%", "non-target break rate": "1.42% / 0.41% / 0.56%"}
-#: The paper's three models span these: a measured rate agrees when its interval overlaps the span.
-PAPER_SPAN = {"donor_answer": (0.613, 0.891), "pooled_break_rate": (0.0041, 0.0142)}
+PAPER = {"target donor-answer rate": "89.1% / 71.9% / 61.3%", "pooled non-target break rate": "1.42% / 0.41% / 0.56%"}
+#: Each family's span (verdicts.paper_family): GLA-340M's one number; GDN-340M's and GDN-1.3B's range. A measured
+#: rate agrees when its interval overlaps its family's span and excludes zero.
+PAPER_SPAN = {GLA: {"donor_answer": (0.891, 0.891), "pooled_break_rate": (0.0142, 0.0142)},
+              GDN: {"donor_answer": (0.613, 0.719), "pooled_break_rate": (0.0041, 0.0056)}}
 #: Each control's causal arm: its donor-margin shift is the control's yardstick.
 CONTROL_OF = {"random_update": "state_swap", "random_write": "donor_write", "control_head:state_swap": "state_swap",
               "control_head:donor_write": "donor_write"}
@@ -109,7 +111,7 @@ def run_selectivity(model, pairs=None, head: Optional[Sequence[int]] = None, *, 
     pooled = pooled_break_rate(rows, ("arm",), n_resamples=n_resamples, seed=seed)
     summary = pd.concat([summary, pooled.drop(columns=["breaks", "eligible"])], ignore_index=True)
     counts = pooled[["arm", "breaks", "eligible"]]
-    info = {"head": chosen, "control_head": controls[0], "n_sources": int(rows["source"].nunique()),
+    info = {"head": chosen, "control_head": controls[0], "family": paper_family(model), "n_sources": int(rows["source"].nunique()),
             "break_counts": counts.to_dict("records")}
     result = ProtocolResult("selectivity", rows, sources, summary, info=info)
     breaks = "pooled_break_rate" if len(pooled) else "nontarget_break"
@@ -140,21 +142,28 @@ def selectivity_section(result: ProtocolResult, model_name: str) -> Section:
              f"{head_label(info['control_head'])}. Means over sources with 95% source-bootstrap intervals; the break "
              "rate is the paper's, pooled over the originally-correct non-targets of every source.")
     return Section(f"Four-fact selectivity: {model_name}, head {head_label(info['head'])}", intro, [table],
-                   reading(s))
+                   reading(s, family=info.get("family")))
 
 
-def reading(s: pd.DataFrame) -> list[str]:
-    """The Reading's sentences, each verdict from interp.verdicts.judge / control_verdict."""
+def _span_text(lo: float, hi: float) -> str:
+    return f"{100 * lo:.3g}%" if lo == hi else f"{100 * lo:.3g}-{100 * hi:.3g}%"
+
+
+def reading(s: pd.DataFrame, *, family: Optional[str]) -> list[str]:
+    """The Reading's sentences, each verdict from interp.verdicts.judge_family / control_verdict; `family` (GLA or
+    GDN, verdicts.paper_family) picks the paper's numbers of the model's family."""
     out = [f"The paper reports target donor-answer rates of {PAPER['target donor-answer rate']} and non-target break "
-           f"rates of {PAPER['non-target break rate']} (GLA-340M / GDN-340M / 1.3B)."]
+           f"rates of {PAPER['pooled non-target break rate']} (GLA-340M / GDN-340M / 1.3B)."]
     for arm in ("state_swap", "donor_write"):
         for metric, what in (("donor_answer", "target donor-answer rate"), ("pooled_break_rate", "pooled non-target "
                                                                                                   "break rate")):
             m = measure_from(s, {"arm": arm}, metric, "pct")
             if m is not None:
-                lo, hi = PAPER_SPAN[metric]
-                claim = Claim.between(lo, hi, f"{100 * lo:.1f}-{100 * hi:.1f}% over its three models")
-                out.append(judge(m, claim, f"The {LABELS[arm]}'s {what}"))
+                claims = {fam: Claim.between(*spans[metric], f"{_span_text(*spans[metric])} on "
+                                             f"{'GLA-340M' if fam == GLA else 'GDN-340M / GDN-1.3B'}")
+                          for fam, spans in PAPER_SPAN.items()}
+                out.append(judge_family(m, family, claims, f"The {LABELS[arm]}'s {what}",
+                                        f"{PAPER[what]} (GLA-340M / GDN-340M / GDN-1.3B)"))
     for arm, main in CONTROL_OF.items():
         margin = measure_from(s, {"arm": arm}, "donor_margin_shift")
         if margin is not None:
