@@ -575,7 +575,7 @@ def cmd_patch(args):
     args.n_sources = args.source + 1
     pairs = _pairs(model, args)
     row = [i for i in range(len(pairs)) if int(pairs.source_id[i]) == args.source][:1]
-    pairs = pairs.select(row)
+    pairs = pairs.select(row).trimmed()   # one row at its own length (--lengths natural: no padding read)
     heads = [(args.layer, h) for h in args.head]
     print(f"pair from {args.sources} source {args.source}: recipient answer "
           f"{pairs.candidates[0][int(pairs.recipient_answer_index[0])]!r}, donor answer "

@@ -123,6 +123,13 @@ def test_natural_lengths_on_a_bundled_model_equal_the_default(tmp_path, capsys):
         assert json.loads((tmp_path / "run" / sub / "manifest.json").read_text())["args"]["lengths"] == "natural"
     assert "lengths" not in json.loads((tmp_path / "equal" / "manifest.json").read_text())["args"]
     assert (tmp_path / "run" / "report.md").is_file()
+    patch = ["patch", "tiny-gla", "--layer", "0", "--head", "0", "--filler", "16", "--gap", "4",
+             "--presentations", "1"]
+    capsys.readouterr()
+    assert main([*patch, "--lengths", "natural"]) == 0
+    natural_table = capsys.readouterr().out
+    assert main(patch) == 0
+    assert natural_table == capsys.readouterr().out and "state_swap" in natural_table
 
 
 def _one_error_line(capsys, *needles):
