@@ -54,6 +54,10 @@ def _pair_args(p, split, choose_sources=True):
                    help=f"run even if more than {MAX_FILLER_UNKNOWN_RATE:.0%}% of the --corpus filler tokens are "
                         "the tokenizer's unknown token")
     _layout_args(p)
+    p.add_argument("--lengths", default="equal", choices=["equal", "natural"],
+                   help="equal: every prompt cut or lengthened a word at a time to the planned token count (the "
+                        "default); natural: each source keeps its natural token length and rows of different lengths "
+                        "run packed (cu_seqlens), with no padding computed (docs/data.md)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -111,6 +115,8 @@ def _load(args):
     device = "cpu" if getattr(args, "ray", None) else args.device
     model = load_model(args.model, device=device, dtype=getattr(torch, args.dtype))
     cli_checks.check_loaded(model, args)   # options that need the model: heads in range, lengths that fit
+    if getattr(args, "lengths", "equal") == "natural":
+        cli_checks.check_packing(model)    # before any pair is built
     return model
 
 
@@ -122,6 +128,7 @@ def _pairs(model, args):
     kwargs = dict(layout=layout, vocab=args.vocab, keys=word_list(getattr(args, "keys", None)),
                   values=word_list(getattr(args, "values", None)), on_multitoken=args.on_multitoken,
                   seed=args.seed, pairs_per_source=args.pairs_per_source,
+                  equal_length=getattr(args, "lengths", "equal") == "equal",
                   max_length=getattr(model.cfg, "max_position_embeddings", None) if model.attention_layers else None)
     tokenizer = model.tokenizer
     if tokenizer is None:
@@ -271,7 +278,11 @@ def _unit_bar(desc):
 
 
 def _work_args(args, keys):
-    return {k: getattr(args, k) for k in keys}
+    out = {k: getattr(args, k) for k in keys}
+    if keys is PAIR_KEYS and getattr(args, "lengths", "equal") != "equal":
+        # named only when not the default, so directories written before --lengths existed still resume
+        out["lengths"] = args.lengths
+    return out
 
 
 PAIR_KEYS = ("sources", "n_sources", "pairs_per_source", "corpus", "layout", "n_facts", "presentations", "filler",
@@ -564,7 +575,7 @@ def cmd_patch(args):
     args.n_sources = args.source + 1
     pairs = _pairs(model, args)
     row = [i for i in range(len(pairs)) if int(pairs.source_id[i]) == args.source][:1]
-    pairs = pairs.select(row)
+    pairs = pairs.select(row).trimmed()   # one row at its own length (--lengths natural: no padding read)
     heads = [(args.layer, h) for h in args.head]
     print(f"pair from {args.sources} source {args.source}: recipient answer "
           f"{pairs.candidates[0][int(pairs.recipient_answer_index[0])]!r}, donor answer "

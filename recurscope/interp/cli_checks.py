@@ -70,6 +70,14 @@ def check_options(args) -> None:
     for name in ("max_memory",):
         if getattr(args, name, None) is not None:
             parse_bytes(getattr(args, name))
+    if getattr(args, "lengths", "equal") == "natural":
+        # ragged rows run packed on the in-process exact scan and the confirmation only
+        if getattr(args, "method", "exact") != "exact":
+            raise CheckError("--lengths natural runs the exact scan's rows packed; the attribution scan does not pack them: "
+                             "use --method exact, or --lengths equal")
+        if getattr(args, "ray", None):
+            raise CheckError("--lengths natural is not wired through --ray (its workers do not pack ragged rows); drop "
+                             "--ray, or use --lengths equal")
 
 
 # ---- input directories and files -------------------------------------------------------------------------------
@@ -280,6 +288,25 @@ def check_loaded(model, args) -> None:
         if total < need:
             raise CheckError(f"--total-length {total} is shorter than the smallest load's facts alone (K={k} "
                              f"needs {need} tokens), so no point could be evaluated; use --total-length {need} or more")
+
+
+def check_packing(model) -> None:
+    """--lengths natural runs rows of different lengths packed (cu_seqlens): a two-token packed prefix asks the model's
+    own forward, which refuses families whose packing would mix sequences (RWKV-7's decay-plus-low-rank kernel, a
+    token shift, a sliding-window attention layer). Raised as one line, before any pair is built."""
+    import torch
+
+    from recurscope.interp.models.protocol import pack_rows
+
+    device = next(model.parameters()).device
+    tokens, cu = pack_rows([torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)])
+    try:
+        with torch.no_grad():
+            model.run_prefix(tokens.to(device), cu_seqlens=cu)
+    except ValueError as err:
+        reason = str(err).splitlines()[0].split("; ")[0]
+        raise CheckError(f"--lengths natural: this model cannot run rows packed ({reason}); use --lengths equal") \
+            from err
 
 
 # ---- one writer per run directory; clean interrupts ----------------------------------------------------------

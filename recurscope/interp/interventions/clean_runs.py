@@ -120,12 +120,21 @@ def clean_recipient_logits(model, pairs, rows: torch.Tensor, rec: torch.Tensor, 
 
 
 def clean_run(model, pairs, batch_size: int = 16) -> dict[str, torch.Tensor]:
-    """Clean candidate logits (N, C) of recipient and donor from full forwards: {"recipient": ..., "donor": ...}."""
+    """Clean candidate logits (N, C) of recipient and donor from full forwards: {"recipient": ..., "donor": ...}.
+    Rows of different lengths (PairBatch.lengths) run each length's rows as one batch of that length, so no row
+    reads padding."""
     check_pairs(model, pairs)
-    device = model_device(model)
     n = len(pairs)
     C = pairs.candidate_ids.shape[1]
     out = {"recipient": torch.empty(n, C), "donor": torch.empty(n, C)}
+    if hasattr(pairs, "is_ragged") and pairs.is_ragged():
+        lengths = pairs.row_lengths()
+        for length in torch.unique(lengths).tolist():
+            group = torch.nonzero(lengths == length)[:, 0]
+            sub = clean_run(model, pairs.select(group.tolist()).trimmed(), batch_size=batch_size)
+            out["recipient"][group], out["donor"][group] = sub["recipient"], sub["donor"]
+        return out
+    device = model_device(model)
     with torch.no_grad():
         for rows in chunks(torch.arange(n), batch_size):
             m = len(rows)
