@@ -84,6 +84,19 @@ def test_reading_judges_the_shares_against_the_papers_bounds(recurrent, kv, expe
     assert "n = 16" in rec and "[" in rec
 
 
+@pytest.mark.parametrize("family", ["mamba2", "nemotron_h", "falcon_h1"])
+def test_a_hybrid_of_a_family_the_paper_did_not_measure_gets_its_shares_without_a_verdict(family):
+    """The paper's hybrids are Gated DeltaNet hybrids: a Mamba-2 hybrid's shares, even the paper's own KV-dominated
+    ones, are reported with no agreement stated, while the full swap (a sign, any hybrid) is still judged."""
+    from recurscope.interp.verdicts import NOT_COMPARED
+
+    sentences = hybrid.reading(_summary((0.01, 0.0, 0.03), (0.99, 0.97, 1.0)), family=family)
+    for start in ("The recurrent caches' share", "The attention KV's share"):
+        sentence = next(s for s in sentences if s.startswith(start))
+        assert NOT_COMPARED in sentence and AGREES not in sentence and "Gated DeltaNet hybrids" in sentence
+    assert any(s.startswith("The full swap's donor-margin shift") and AGREES in s for s in sentences)
+
+
 def test_reading_says_when_there_is_no_full_swap_effect():
     sentences = hybrid.reading(_summary((0.5, -3, 4), (0.5, -3, 4), full=(0.1, -0.5, 0.6)))
     assert any("attribute nothing" in s for s in sentences)

@@ -28,7 +28,7 @@ from recurscope.interp.interventions.common import candidate_logits, model_devic
 from recurscope.interp.metrics import example_metrics
 from recurscope.interp.protocols._common import ProtocolResult, ci_text, max_length, pair_spec
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import Claim, Measure, judge, measure_from
+from recurscope.interp.verdicts import GDN, Claim, Measure, judge, judge_family, measure_from, paper_family
 
 __all__ = ["ARMS", "PARTS", "require_hybrid", "cache_factorial", "shares", "run_hybrid", "reading"]
 
@@ -289,7 +289,7 @@ def factorial_result(name: str, rows: pd.DataFrame, *, model, model_name: str, r
     summary = pd.concat([stats.summarise(rows, list(METRICS), by=["arm"], n_resamples=n_resamples, seed=seed,
                                          proportions=["donor_answer", "clean_correct", "correct"]),
                          shares(rows, n_resamples=n_resamples, seed=seed)], ignore_index=True)
-    info = {"n_sources": int(rows["source"].nunique()), "recurrent_layers": list(model.recurrent_layers),
+    info = {"family": paper_family(model), "n_sources": int(rows["source"].nunique()), "recurrent_layers": list(model.recurrent_layers),
             "attention_layers": list(model.attention_layers), "task": task, "label": label, "chance": chance}
     result = ProtocolResult(name, rows, sources, summary, info=info)
     labelled = summary.assign(arm=summary["arm"].map(LABELS))
@@ -317,7 +317,7 @@ def factorial_section(result: ProtocolResult, model_name: str) -> Section:
              f"{ci_text(s, {'arm': 'both'}, 'clean_correct', pct=True)}. Shares are ratios of source means with "
              "source-bootstrap 95% intervals.")
     return Section(f"Hybrid cache factorial: {model_name}, {info['label']}", intro, [table],
-                   reading(s, info["task"], info["chance"]))
+                   reading(s, info["task"], info["chance"], family=info.get("family", GDN)))
 
 
 def _share(s: pd.DataFrame, arm: str) -> Optional[Measure]:
@@ -328,10 +328,13 @@ def _range(bounds: tuple, paper: str) -> Claim:
     return Claim.equals(bounds[0], paper) if bounds[0] == bounds[1] else Claim.between(*bounds, paper)
 
 
-def reading(s: pd.DataFrame, task: str = "recall", chance: Optional[float] = None) -> list[str]:
+def reading(s: pd.DataFrame, task: str = "recall", chance: Optional[float] = None, *,
+            family: Optional[str] = GDN) -> list[str]:
     """The Reading of one task's factorial: clean recall against chance (the paper leaves out presets near chance),
     the full swap's shift, the recurrent and KV shares against the paper's, and on Table 2's tasks the donor-answer
-    rates against Table 2."""
+    rates against Table 2. The paper's hybrids are Gated DeltaNet hybrids (GDN-340M, Qwen3.5-4B), so a hybrid of
+    another family (`family`, verdicts.paper_family: Mamba-2's Nemotron-H, Falcon-H1, ...) gets its shares without a
+    verdict."""
     spec = TASKS[task]
     out = [f"The paper: {spec.paper}."]
     compare = True
@@ -371,7 +374,8 @@ def reading(s: pd.DataFrame, task: str = "recall", chance: Optional[float] = Non
                     "The KV swap's donor-answer rate")]
     for measure, claim, subject in claims:
         if compare:
-            out.append(str(judge(measure, claim, subject)))
+            out.append(str(judge_family(measure, family, {GDN: claim}, subject,
+                                        f"{claim.paper} on its Gated DeltaNet hybrids")))
         else:
             text = "not evaluated" if measure is None else measure.text()
             out.append(f"{subject} is {text} (not compared; paper: {claim.paper}).")
