@@ -359,7 +359,7 @@ def _protocol_verb_args():
 
 @pytest.mark.slow  # end to end
 @pytest.mark.parametrize("verb", ["run", "confirm", "selectivity", "coupling", "neutral", "heads", "headscan", "lens",
-                                  "gate", "capacity", "overlap", "retention", "corrector", "reuse", "hybrid"])
+                                  "gate", "capacity", "overlap", "retention", "corrector", "reuse", "hybrid", "topk"])
 def test_every_cli_verb_runs_on_falcon_h1_and_zamba2(verb, parallel_or_shared, tmp_path, capsys):
     """Every command of the CLI on Falcon-H1 and Zamba2 checkpoints, whose layers are recurrent and attention layers
     at once (scan and patch: test_recurscope_scan_and_patch_run_on_a_tiny_mamba2 above): `run` (scan on dev, confirm
@@ -384,10 +384,10 @@ def test_every_cli_verb_runs_on_falcon_h1_and_zamba2(verb, parallel_or_shared, t
         assert json.loads((out / "manifest.json").read_text())["kind"] == "confirm"
         return
     assert set(VERBS) == {"selectivity", "coupling", "neutral", "heads", "headscan", "lens", "gate", "capacity",
-                          "overlap", "retention", "corrector", "reuse", "hybrid"}   # the parametrisation is complete
+                          "overlap", "retention", "corrector", "reuse", "hybrid", "topk"}   # the parametrisation is complete
     sizes = _protocol_verb_args()
-    head = [] if verb in ("heads", "lens", "gate", "hybrid") else ["--head", "0", "1"]
-    dev = ["--n-dev", "2"] if verb == "heads" else []
+    head = [] if verb in ("heads", "lens", "gate", "hybrid", "topk") else ["--head", "0", "1"]
+    dev = ["--n-dev", "2"] if verb in ("heads", "topk") else []
     assert main([verb, path, *sizes.OWN_ARGS.get(verb, sizes.TINY), *head, *dev, "--out", str(out)]) == 0
     assert json.loads((out / "manifest.json").read_text())["kind"] == verb
     for name in sizes.FIGURES[verb]:
