@@ -28,7 +28,8 @@ from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import GLA, Claim, judge_family, measure_from, paper_family
 from recurscope.interp.scan import all_heads
 
-__all__ = ["run_heads", "top_k_sizes", "swap_arms", "arm_rows", "recovery_records", "frozen_ranking", "reading"]
+__all__ = ["run_heads", "top_k_sizes", "swap_arms", "arm_rows", "recovery_records", "frozen_ranking",
+           "scan_ranking", "reading"]
 
 #: Above this many heads, single-head write blocks run for the hub and the second head only (the all-heads sum
 #: would cost one run per head).
@@ -219,16 +220,20 @@ def reading(s: pd.DataFrame, n_heads: int, *, family: Optional[str]) -> list[str
     return out
 
 
+def scan_ranking(model, from_scan) -> Optional[pd.DataFrame]:
+    """The per-head table (scan_heads.csv) of the scan directory `from_scan` to freeze, or None without one."""
+    if not from_scan:
+        return None
+    from pathlib import Path
+
+    from recurscope.interp.confirm import heads_from_scan
+
+    heads_from_scan(from_scan, model)                      # refuses a scan of another checkpoint
+    return pd.read_csv(Path(from_scan) / "scan_heads.csv")
+
+
 def _from_args(model, args, run_dir, progress, executor=None) -> ProtocolResult:
-    ranking = None
-    if args.from_scan:
-        from pathlib import Path
-
-        from recurscope.interp.confirm import heads_from_scan
-
-        heads_from_scan(args.from_scan, model)                      # refuses a scan of another checkpoint
-        ranking = pd.read_csv(Path(args.from_scan) / "scan_heads.csv")
-    return run_heads(model, ranking=ranking, run_dir=run_dir, n_dev=args.n_dev, n_sources=args.n_sources,
+    return run_heads(model, ranking=scan_ranking(model, args.from_scan), run_dir=run_dir, n_dev=args.n_dev, n_sources=args.n_sources,
                      layout=args.pair_spec, seed=args.seed, batch_size=args.batch_size,
                      n_resamples=args.resamples, model_name=args.model, progress=progress,
                      executor=executor)

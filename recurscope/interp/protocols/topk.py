@@ -31,7 +31,8 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp.protocols._common import ProtocolResult, ci_text, head_label, max_length, pair_spec, run_arms
 from recurscope.interp.protocols.gate import capability_gate
-from recurscope.interp.protocols.heads import arm_rows, frozen_ranking, recovery_records, swap_arms, top_k_sizes
+from recurscope.interp.protocols.heads import (arm_rows, frozen_ranking, recovery_records, scan_ranking, swap_arms,
+                                               top_k_sizes)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.protocols.verbs import GATE_THRESHOLD, TOPK_FORMATS
 from recurscope.interp.verdicts import Claim, judge, measure_from
@@ -232,15 +233,7 @@ def reading(s: pd.DataFrame, info: dict) -> list[str]:
 
 
 def _from_args(model, args, run_dir, progress, executor=None) -> ProtocolResult:
-    ranking = None
-    if args.from_scan:
-        from pathlib import Path
-
-        from recurscope.interp.confirm import heads_from_scan
-
-        heads_from_scan(args.from_scan, model)                      # refuses a scan of another checkpoint
-        ranking = pd.read_csv(Path(args.from_scan) / "scan_heads.csv")
-    return run_topk(model, formats=args.formats, ranking=ranking, n_dev=args.n_dev, n_sources=args.n_sources,
+    return run_topk(model, formats=args.formats, ranking=scan_ranking(model, args.from_scan), n_dev=args.n_dev, n_sources=args.n_sources,
                     filler=args.filler, presentations=args.presentations, gap=args.gap, seed=args.seed,
                     gate_threshold=None if args.no_gate else args.gate, batch_size=args.batch_size,
                     n_resamples=args.resamples, run_dir=run_dir, model_name=args.model, progress=progress,
