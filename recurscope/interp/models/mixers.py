@@ -176,15 +176,39 @@ class RecurrentMixer(nn.Module):
         follow = list(range(len(positions))) if tracked else hit
         if not follow:
             return out.o, out.final_state
-        if cu is not None:
-            return self._follow_packed(out, states, patched, changed, follow, positions, tracked, run, q, scale, cu)
-        # Rerun from the first followed position; each patch replaces the (batch, head) states it changes and
-        # the recurrence continues from there, so the change carries into every later step.
+        return self._follow(out, states, patched, changed, follow, positions, tracked, run, q, scale, cu)
+
+    @staticmethod
+    def _follow(out, states, patched, changed, follow, positions, tracked, run, q, scale, cu=None):
+        """Reruns the recurrence from each followed patch: the patch replaces the (batch, head) states it changes
+        and the recurrence continues from there, so the change carries into every later step of its sequence.
+        Unpacked, the batch is one sequence spanning all T steps; packed (cu_seqlens, B = 1), a patch at packed step
+        p reruns from p to the end of p's own sequence only, and the sequences after it never see it. Returns the
+        outputs and the final state (per sequence when packed)."""
+        import bisect
+
+        packed = cu is not None
+        bounds = list(cu) if packed else [0, out.o.shape[1]]
         o = out.o.clone()
-        S = None
-        prev = None
+        final = out.final_state.clone() if packed else None
+        S, prev, cur = None, None, None
+
+        def close(prev, cur, S):
+            hi = bounds[cur + 1]
+            if prev + 1 < hi:
+                seg = run(slice(prev + 1, hi), S)
+                o[:, prev + 1:hi] = seg.o
+                S = seg.final_state
+            if packed:
+                final[cur] = S[0]
+            return S
+
         for i in follow:
             p = positions[i]
+            seq = bisect.bisect_right(bounds, p) - 1
+            if cur is not None and seq != cur:
+                close(prev, cur, S)
+                prev = None
             if prev is None:
                 S = states[:, i]
             else:
@@ -201,54 +225,9 @@ class RecurrentMixer(nn.Module):
                 S = S + (new - new.detach()) - (kept - kept.detach())
             S = torch.where(mask, new, S)
             o[:, p] = _readout(S, q[:, p], scale).to(o.dtype)
-            prev = p
-        if prev + 1 < T:
-            seg = run(slice(prev + 1, T), S)
-            o[:, prev + 1:] = seg.o
-            S = seg.final_state
-        return o, S
-
-    @staticmethod
-    def _follow_packed(out, states, patched, changed, follow, positions, tracked, run, q, scale, cu):
-        """State patches over packed sequences (B = 1): a patch at packed step p replaces the state of p's own
-        sequence, and the rerun goes from p to that sequence's end only; the sequences after it never see it.
-        Returns the outputs and the final state per sequence."""
-        import bisect
-
-        o = out.o.clone()
-        final = out.final_state.clone()
-        S, prev, cur = None, None, None
-
-        def close(prev, cur, S):
-            hi = cu[cur + 1]
-            if prev + 1 < hi:
-                seg = run(slice(prev + 1, hi), S)
-                o[:, prev + 1:hi] = seg.o
-                S = seg.final_state
-            final[cur] = S[0]
-
-        for i in follow:
-            p = positions[i]
-            seq = bisect.bisect_right(cu, p) - 1
-            if cur is not None and seq != cur:
-                close(prev, cur, S)
-                prev = None
-            if prev is None:
-                S = states[:, i]
-            else:
-                seg = run(slice(prev + 1, p + 1), S)
-                o[:, prev + 1:p + 1] = seg.o
-                S = seg.final_state
-            mask = changed[:, i][..., None, None]
-            new = patched[:, i].to(S.dtype)
-            if tracked:
-                kept = states[:, i].to(S.dtype)
-                S = S + (new - new.detach()) - (kept - kept.detach())
-            S = torch.where(mask, new, S)
-            o[:, p] = _readout(S, q[:, p], scale).to(o.dtype)
             prev, cur = p, seq
-        close(prev, cur, S)
-        return o, final
+        S = close(prev, cur, S)
+        return o, (final if packed else S)
 
     def _conv_or_act(self, name, proj_out, layer_cache, new_conv):
         conv = getattr(self, f"{name}_conv1d", None)
