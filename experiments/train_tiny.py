@@ -52,6 +52,10 @@ ARCHITECTURES: dict[str, dict] = {
     # head-level protocols (rankings, joint top-k, all-head scans) to have something to rank.
     "tiny-gla-wide": dict(model_type="gla", hidden_size=128, num_hidden_layers=4, num_heads=4, expand_k=1.0,
                           expand_v=2.0, use_short_conv=True, hidden_ratio=2),
+    # GLA-7B's grouping (App. E.2): each state group is read by 4 query heads (fla's num_kv_heads). 4 layers x 2
+    # groups give the top-k test 8 state groups to rank; each group's state is 32 x 32.
+    "tiny-gla-groups": dict(model_type="gla", hidden_size=128, num_hidden_layers=4, num_heads=8, num_kv_heads=2,
+                            expand_k=2.0, expand_v=2.0, use_short_conv=True, hidden_ratio=2),
     "tiny-gdn-wide": dict(model_type="gated_deltanet", hidden_size=128, num_hidden_layers=4, num_heads=4,
                           head_dim=32, expand_v=2.0, use_short_conv=True, hidden_ratio=2),
     # d_k = 16: K >= d_k facts fit in a sequence, so the load protocols can reach the state's capacity. A width of
@@ -59,26 +63,16 @@ ARCHITECTURES: dict[str, dict] = {
     "tiny-gdn-narrow": dict(model_type="gated_deltanet", hidden_size=112, num_hidden_layers=2, num_heads=2,
                             head_dim=16, expand_v=2.0, use_short_conv=True, hidden_ratio=2),
     # RWKV-7 (fla's format): 4 heads of 32 (states 32 x 32), two layers. Its token shift reaches one token back (no
-    # width-4 convolution), so binding "KEY is in VALUE" needs the first layer to carry the key forward. Not bundled
-    # yet: on a CPU shared by ~8 jobs (load 11-19) `--model tiny-rwkv7 --early-templates belongs
-    # --advance-per-template --steps 100000 --max-minutes 52 --stop-recall 0.95 --threads 1` ran 189 steps in 15 min
-    # and was stopped (for the Mamba-2 rerun) in stage 0, training recall by 50 steps 0.26, 0.43, 0.53, 0.50: the
-    # two-value plateau where tiny-gdn-hybrid sat for 2225 steps. Its resume point is every 100 steps.
+    # width-4 convolution), so binding "KEY is in VALUE" needs the first layer to carry the key forward; it sat at
+    # the two-value plateau (training recall ~0.5) for its first ~5000 steps (docs/history.md, Checkpoint log).
     "tiny-rwkv7": dict(model_type="rwkv7", hidden_size=128, num_hidden_layers=2, num_heads=4, head_dim=32,
                        decay_low_rank_dim=16, gate_low_rank_dim=32, a_low_rank_dim=16, v_low_rank_dim=16,
                        hidden_ratio=2, hidden_act="sqrelu", norm_first=True, norm_bias=True,
                        elementwise_affine=True, norm_eps=1e-5),
     # Mamba-2 (fla's format): no MLP in its blocks, so four layers; 8 heads of 32 channels, states 32 x 32 (N x P),
-    # B and C in one group. Not bundled. A first run (`--model tiny-mamba2 --max-minutes 42 --threads 1`, 2000 steps,
-    # 1588 s) stayed in stage 0 at 26.1% held-out recall (chance 25%). Why: the ShortConvolution's N(0, 0.02) init
-    # left the state's readout C^T S at 3.4e-4 of the D skip and the gradient reaching B's and C's in_proj rows at
-    # 3.3e-4 / 3.8e-4 of x's (A_log's gradient 1.6e-5); the loss and every gradient equal transformers' Mamba2
-    # torch path on the same weights (largest relative difference 1.1e-6), so the model was right and the init
-    # wrong. With torch's Conv1d init (_long_memory_gates) the readout is 2.2x the skip and B's, C's gradients
-    # 0.22x / 0.43x x's; the rerun (`--early-templates belongs --advance-per-template --steps 100000 --max-minutes 60
-    # --stop-recall 0.95 --threads 1 --out results/train/tiny-mamba2`) left the two-value plateau (training recall
-    # ~0.5) at step ~1100 and was at 0.82 (per 100 steps), still in stage 0, when stopped at step 1687 (53 min).
-    # The run log is in docs/history.md (Checkpoint log).
+    # B and C in one group. Its short convolution takes torch's Conv1d init (_long_memory_gates): with an N(0, 0.02)
+    # conv the state readout, cubic in the conv's outputs, starts at 3.4e-4 of the D skip and recall never leaves
+    # chance (docs/history.md, Checkpoint log).
     "tiny-mamba2": dict(model_type="mamba2", hidden_size=128, num_hidden_layers=4, num_heads=8, head_dim=32,
                         state_size=32, expand=2, n_groups=1, hidden_act="silu"),
 }
