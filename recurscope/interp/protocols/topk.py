@@ -151,11 +151,13 @@ def run_topk(model, *, formats: Sequence[str] = tuple(FORMATS), ranking: Optiona
             "n_components": len(orders[formats[0]])}
     result = ProtocolResult("topk", rows, sources, summary, info=info)
     curve = summary[summary["analysis"] == "recovery"]
+    m = getattr(model, "query_group", 1)
+    unit = "heads" if m == 1 else f"state groups (each read by {m} query heads)"
     if len(curve):
         figure = FigureSpec("topk", curve, dict(
             row_col="k", hue_col="format", panels=["recovery"], kind="lines", percent=["recovery"],
             reference={"recovery": 1.0}, panel_labels={"recovery": "recovery(k)"},
-            reference_labels={"recovery": "the all-head swap"}, row_name="k (top-k heads swapped jointly)",
+            reference_labels={"recovery": "the all-head swap"}, row_name=f"k (top-k {unit} swapped jointly)",
             title=f"{model_name}: joint top-k state swap ({', '.join(reported)})"))
     else:                  # every format refused by the gate: the figure shows why
         figure = FigureSpec("topk", summary, dict(
