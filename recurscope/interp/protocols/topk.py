@@ -152,13 +152,14 @@ def run_topk(model, *, formats: Sequence[str] = tuple(FORMATS), ranking: Optiona
     result = ProtocolResult("topk", rows, sources, summary, info=info)
     curve = summary[summary["analysis"] == "recovery"]
     m = getattr(model, "query_group", 1)
-    unit = "heads" if m == 1 else f"state groups (each read by {m} query heads)"
+    unit, whole = ("heads", "the all-head swap") if m == 1 else ("state groups", "the all-group swap")
     if len(curve):
         figure = FigureSpec("topk", curve, dict(
             row_col="k", hue_col="format", panels=["recovery"], kind="lines", percent=["recovery"],
             reference={"recovery": 1.0}, panel_labels={"recovery": "recovery(k)"},
-            reference_labels={"recovery": "the all-head swap"}, row_name=f"k (top-k {unit} swapped jointly)",
-            title=f"{model_name}: joint top-k state swap ({', '.join(reported)})"))
+            reference_labels={"recovery": whole}, row_name=f"k (top-k {unit} swapped jointly)",
+            title=f"{model_name}: joint top-k state swap ({', '.join(reported)}"
+                  + ("" if m == 1 else f"; groups of {m} query heads") + ")"))
     else:                  # every format refused by the gate: the figure shows why
         figure = FigureSpec("topk", summary, dict(
             row_col="format", hue_col="unit", panels=["clean_recall"], percent=["clean_recall"],
