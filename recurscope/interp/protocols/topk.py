@@ -151,7 +151,7 @@ def run_topk(model, *, formats: Sequence[str] = tuple(FORMATS), ranking: Optiona
             "n_components": len(orders[formats[0]])}
     result = ProtocolResult("topk", rows, sources, summary, info=info)
     curve = summary[summary["analysis"] == "recovery"]
-    m = getattr(model, "query_group", 1)
+    m = info["query_group"]
     unit, whole = ("heads", "the all-head swap") if m == 1 else ("state groups", "the all-group swap")
     if len(curve):
         figure = FigureSpec("topk", curve, dict(
