@@ -6,7 +6,7 @@
     result = rs.state_swap(model, pairs, heads=[(0, 0)])
 
 The code lives in `recurscope/kernels`, `recurscope/hooks` and `recurscope/interp` (the repository's top-level
-`kernels/`, `hooks/` and `interp/` are links to them).
+`kernels/`, `hooks/` and `interp/` are plain folders of links to their files).
 The names below are the ones a user needs first; everything else is in those modules. Each is imported on first
 use (a module `__getattr__`), so `import recurscope` costs nothing until a name is used, and
 `import recurscope.kernels` loads torch and the kernels only.

@@ -29,10 +29,20 @@ def test_no_path_manipulation_anywhere():
     assert offenders == [], offenders
 
 
-def test_the_design_card_folders_are_links_to_the_package():
+def test_the_design_card_folders_mirror_the_package_without_being_packages():
+    """Each card folder is a real folder (not a link, no `__init__.py`) with one link per entry of the package folder,
+    so its files are the package's and an installed distribution of the same name wins over it from the root."""
     for name in ("kernels", "hooks", "interp"):
-        top = ROOT / name
-        assert top.is_symlink() and top.resolve() == (PACKAGE / name).resolve(), name
+        top, package = ROOT / name, PACKAGE / name
+        assert top.is_dir() and not top.is_symlink(), f"{name}/ must be a plain folder, not a link"
+        assert not (top / "__init__.py").exists(), f"{name}/__init__.py would make {name}/ shadow installed packages"
+        expected = {p.name for p in package.iterdir() if p.name not in ("__init__.py", "__pycache__")}
+        found = {p.name for p in top.iterdir() if p.name != "__pycache__"}
+        assert found == expected, f"{name}/ lacks links {sorted(expected - found)}, has stray {sorted(found - expected)}"
+        for entry in top.iterdir():
+            if entry.name == "__pycache__":
+                continue
+            assert entry.is_symlink() and entry.resolve() == (package / entry.name).resolve(), entry
 
 
 def test_layering_contracts_hold():
@@ -64,11 +74,12 @@ def test_a_plain_copy_of_the_tree_imports_without_an_install(tmp_path):
 
 @pytest.mark.slow
 def test_a_wheel_ships_every_package_and_the_bundled_checkpoints(tmp_path):
-    # Without PYTHONPATH: a checkout on the path would put its `kernels` link before Hugging Face's `kernels`
-    # package, whose setuptools plugin the build loads (docs/architecture.md, "Layout").
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # With the checkout on the path, as from the root: its `kernels/` folder is no package, so Hugging Face's
+    # `kernels` (whose setuptools plugin the build loads) is still the one imported (docs/architecture.md, "Layout").
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600, env=env)
+                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600, env=env,
+                         cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     (wheel,) = tmp_path.glob("recurscope-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())

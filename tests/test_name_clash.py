@@ -1,7 +1,8 @@
 """recurscope installs under one namespace, so Hugging Face's `kernels` package and ours live side by side.
 
-The checks run in a subprocess started outside the repository: inside it the checkout's own `kernels/` folder is
-on the module search path (as any folder of the working directory is) and would shadow an installed `kernels` by design.
+The checks run in subprocesses, both outside the repository and from its root. At the root the working directory is
+first on the module search path, so the design card's top-level `kernels/`, `hooks/` and `interp/` must not be regular
+packages there: they are plain folders of links (docs/architecture.md, "Layout"), and an installed `kernels` wins.
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import recurscope
 from recurscope import kernels as our_kernels
 
 OURS = os.path.dirname(os.path.abspath(our_kernels.__file__))
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(code: str, cwd) -> dict:
@@ -57,6 +61,33 @@ def test_transformers_finds_hugging_faces_kernels(tmp_path):
     )
     assert out["FOUND"] == "True" and out["VERSION"] == out["DIST"]
     assert out["ORIGIN"] != OURS
+
+
+@pytest.mark.slow
+def test_transformers_fla_and_the_bridge_work_from_the_repository_root():
+    """The README's commands run from the root, where the checkout is first on the module path (issue 39)."""
+    out = _run(
+        "from transformers.utils.import_utils import is_kernels_available\n"
+        "print('KERNELS_AVAILABLE:', is_kernels_available())\n"
+        "import importlib.util, os\n"
+        "print('KERNELS_ORIGIN:', os.path.dirname(importlib.util.find_spec('kernels').origin))\n"
+        "import transformers.modeling_utils, fla\n"
+        "import torch, recurscope as rs\n"
+        "model = rs.load_model('tiny-qwen35')\n"
+        "tokens = model.to_tokens('the cat sat on the mat')\n"
+        "with torch.no_grad():\n"
+        "    logits = model(tokens)\n"
+        "print('KIND:', type(model).__name__)\n"
+        "print('FINITE:', bool(torch.isfinite(logits).all()))\n",
+        ROOT,
+    )
+    # Not vacuous: transformers must see an installed `kernels` it accepts, so that it imports it on its own.
+    assert out["KERNELS_AVAILABLE"] == "True", "the test extra must install a `kernels` that transformers accepts"
+    assert out["KERNELS_ORIGIN"] != OURS and not out["KERNELS_ORIGIN"].startswith(ROOT)
+    assert out["KIND"] == "BridgedLM" and out["FINITE"] == "True"
+    res = subprocess.run([sys.executable, "-m", "experiments.bench.transformers_run", "--help"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0 and "usage" in res.stdout, res.stderr[-3000:]
 
 
 def test_facade_names():

@@ -1,0 +1,1 @@
+../recurscope/hooks/patches.py

@@ -1,0 +1,1 @@
+../recurscope/interp/attribution.py

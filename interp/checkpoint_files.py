@@ -1,0 +1,1 @@
+../recurscope/interp/checkpoint_files.py

@@ -1,0 +1,1 @@
+../recurscope/interp/cli_checks.py

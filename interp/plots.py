@@ -1,0 +1,1 @@
+../recurscope/interp/plots.py

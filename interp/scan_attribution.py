@@ -1,0 +1,1 @@
+../recurscope/interp/scan_attribution.py

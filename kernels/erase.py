@@ -1,0 +1,1 @@
+../recurscope/kernels/erase.py

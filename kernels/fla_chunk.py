@@ -1,0 +1,1 @@
+../recurscope/kernels/fla_chunk.py

@@ -1,0 +1,1 @@
+../recurscope/kernels/low_rank.py

@@ -1,0 +1,1 @@
+../recurscope/kernels/scratch.py

@@ -1,0 +1,1 @@
+../recurscope/kernels/triton_recurrent.py
