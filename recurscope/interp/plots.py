@@ -320,12 +320,14 @@ def plot_intervention_effects(summary: pd.DataFrame, out_path, *, effect_metric:
 
 def plot_head_scan(scores: pd.DataFrame, out_path, *, selected: Optional[tuple] = None, score_col: str = "score",
                    source_col: str = "source", title: Optional[str] = None, dpi: int = 150,
-                   masked_layers: Optional[Mapping[int, str]] = None) -> PlotResult:
+                   masked_layers: Optional[Mapping[int, str]] = None, partial: bool = False) -> PlotResult:
     """Figure 9 style. ``scores`` has columns layer, head, score and (optionally) source. Left: layer × head heatmap
     of the mean score J(l, h) over sources (diverging colours centred on 0) with the selected head boxed (default:
     the largest mean). Right, when sources are given: the selected head's rank on each source (1 = best).
     ``masked_layers`` ({layer: reason}, e.g. a hybrid's full-attention layers) are drawn as hatched rows named by
     their reason, so that a layer with no recurrent state is visibly absent rather than silently dropped.
+    ``partial=True`` accepts scores for only some heads of a layer (an attribution scan's exactly scanned top K): the
+    heads not scanned are cross-hatched cells, never coloured as a zero.
 
     Returned data: one row per head with layer, head, mean_score, selected; plus, when sources exist, rows with
     kind == "rank" holding source and rank of the selected head. Kind "mean" marks the heatmap rows.
@@ -336,8 +338,9 @@ def plot_head_scan(scores: pd.DataFrame, out_path, *, selected: Optional[tuple] 
     has_sources = source_col in scores.columns
     mean = scores.groupby(["layer", "head"], sort=True)[score_col].mean()
     grid = mean.unstack("head").sort_index().sort_index(axis=1)
-    if grid.isna().to_numpy().any():
-        raise ValueError("scores does not cover a full layer × head grid; every layer needs the same heads")
+    if grid.isna().to_numpy().any() and not partial:
+        raise ValueError("scores does not cover a full layer × head grid; every layer needs the same heads "
+                         "(partial=True draws the heads not scanned as hatched cells)")
     if selected is None:
         selected = tuple(v.item() if isinstance(v, np.generic) else v for v in mean.idxmax())
     selected = tuple(selected)
@@ -362,6 +365,11 @@ def plot_head_scan(scores: pd.DataFrame, out_path, *, selected: Optional[tuple] 
         r = list(grid.index).index(layer)
         ax.add_patch(Rectangle((-0.5, r - 0.5), grid.shape[1], 1, facecolor="0.85", hatch="///", ec="0.6", lw=0,
                                gid=f"masked:{layer}"))
+    for r, layer in enumerate(grid.index):
+        for c, head in enumerate(grid.columns):
+            if layer not in masked and np.isnan(values[r, c]):
+                ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, facecolor="white", hatch="xx", ec="0.75", lw=0,
+                                       gid=f"unscanned:{layer}:{head}"))
     row = list(grid.index).index(selected[0])
     col = list(grid.columns).index(selected[1])
     ax.add_patch(Rectangle((col - 0.5, row - 0.5), 1, 1, fill=False, ec="black", lw=2, gid="selected"))

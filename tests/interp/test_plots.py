@@ -122,6 +122,25 @@ def test_head_scan_heatmap_and_ranks(tmp_path):
         P.plot_head_scan(scores, tmp_path / "scan3", selected=(9, 9))
 
 
+def test_head_scan_of_some_heads_hatches_the_rest_and_only_when_asked(tmp_path):
+    """An attribution scan's exact top K covers some heads of a layer: partial=True draws the others hatched and
+    uncoloured (never as a zero J); without it the partial grid is refused (issue 39: the README's
+    `scan --method attribution --confirm-top 3` exited 2 here)."""
+    scores = pd.DataFrame([{"source": s, "layer": layer, "head": head, "score": 1.0 + layer + head}
+                           for s in range(3) for layer, head in [(0, 1), (1, 0), (1, 1)]])
+    with pytest.raises(ValueError, match="full layer"):
+        P.plot_head_scan(scores, tmp_path / "refused")
+    result = P.plot_head_scan(scores, tmp_path / "scan", partial=True)
+    _check_files(result)
+    heat_ax = result.figure.axes[0]
+    drawn = np.ma.getmaskarray(heat_ax.images[0].get_array())
+    np.testing.assert_array_equal(drawn, [[True, False], [False, False]])   # L0H0 not scanned: masked, no colour
+    hatched = [p.get_gid() for p in heat_ax.patches if str(p.get_gid()).startswith("unscanned:")]
+    assert hatched == ["unscanned:0:0"]
+    selected = [p for p in heat_ax.patches if p.get_gid() == "selected"]
+    assert selected[0].get_xy() == (1 - 0.5, 1 - 0.5)                      # L1H1, the largest J
+
+
 def _accuracy_table():
     rng = np.random.default_rng(2)
     rows = []
