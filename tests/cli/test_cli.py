@@ -107,10 +107,14 @@ def test_bad_head_is_reported(study, capsys):
     assert "head 9 is out of range" in capsys.readouterr().err
 
 
-def test_models_lists_every_bundled_checkpoint(capsys):
+def test_models_lists_every_bundled_checkpoint_and_nothing_else(capfd):
+    """Standard output and error together hold the table alone: no loading bar or library warning between its rows
+    (transformers' "Loading weights" bar and fla's CPU warning did, issue 39)."""
     from recurscope.interp.loading import bundled_names
 
     assert main(["models"]) == 0
-    text = capsys.readouterr().out
-    for name in bundled_names():
-        assert name in text
+    out, err = capfd.readouterr()
+    lines = [line for line in (out + err).splitlines() if line.strip()]
+    assert lines[0].startswith("name") and len(lines) == 1 + len(bundled_names()), lines
+    for line, name in zip(lines[1:], bundled_names()):
+        assert line.split()[0] == name, line

@@ -1,6 +1,8 @@
 """Loading a local transformers checkpoint directory into a BridgedLM, with every problem named."""
 from __future__ import annotations
 
+import warnings
+
 from pathlib import Path
 from typing import Optional, Union
 
@@ -124,13 +126,19 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
         check_tokenizer_fits(tokenizer, int(text.vocab_size), directory)
     from transformers.utils import logging as hf_logging
 
-    previous = hf_logging.get_verbosity()
+    previous, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()   # its load report would repeat what the check below says in one line
+    hf_logging.disable_progress_bar()  # a bar per load would interleave with tables such as `recurscope models`
     try:
-        hf, info = model_cls.from_pretrained(str(directory), config=config, dtype=dtype or torch.float32,
-                                             output_loading_info=True, ignore_mismatched_sizes=True)
+        with warnings.catch_warnings():
+            # fla, imported by transformers for some families, warns on every CPU-only import; not the user's concern
+            warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
+            hf, info = model_cls.from_pretrained(str(directory), config=config, dtype=dtype or torch.float32,
+                                                 output_loading_info=True, ignore_mismatched_sizes=True)
     finally:
         hf_logging.set_verbosity(previous)
+        if bars:
+            hf_logging.enable_progress_bar()
     missing, unexpected = sorted(info.get("missing_keys", [])), sorted(info.get("unexpected_keys", []))
     wrong = sorted(f"{m[0]}: checkpoint {tuple(m[1])} vs config {tuple(m[2])}" if isinstance(m, (tuple, list))
                    and len(m) == 3 else str(m) for m in info.get("mismatched_keys", []))
