@@ -24,6 +24,10 @@ _SIGNALLED_CLI = textwrap.dedent("""
     import os, signal, sys
     from recurscope.interp import results
     sig, after, committed = getattr(signal, sys.argv[1]), int(sys.argv[2]), 0
+    # A terminal's Ctrl-C reaches a process whose SIGINT is Python's handler. A process started in the background
+    # by a non-interactive shell (as CI may start the suite) inherits SIGINT ignored, and Python then installs no
+    # handler, so the signal below would be dropped and the run would finish: restore the handler first.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     real_append = results.RowLog.append
 
     def append(self, rows):

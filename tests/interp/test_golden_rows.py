@@ -4,8 +4,10 @@ candidate logits, clean logits, by-products and name; the public functions with 
 included); the scan's rows; the confirmation's rows. Regenerate only on purpose:
 `PYTHONPATH=$PWD python -m tests.interp.test_golden_rows --write`.
 
-On the platform that wrote the file (same torch, same CPU capability) every number must be bit-identical; elsewhere
-the kernels' float rounding may differ, so the check falls back to 1e-5, far below any intervention's effect.
+Numbers are compared with one stated tolerance, GOLDEN_ATOL + GOLDEN_RTOL * |stored|, on every machine: float32
+rounding depends on the CPU's vector width, the BLAS build and the thread count (a machine with the same torch and
+the same reported CPU capability differed by 9.5e-7), and 1e-5 logits is far below any intervention's effect
+(the smallest stored arm moves the logits by more than 1e-3, checked below).
 """
 import json
 import sys
@@ -19,7 +21,8 @@ REFERENCE = Path(__file__).with_name("golden_rows_tiny_qed.json")
 CHECKPOINT = "tiny-qed"
 HEADS = [(0, 1), (1, 0)]
 SEED = 3
-LOOSE_ATOL = 1e-5
+GOLDEN_ATOL = 1e-5
+GOLDEN_RTOL = 1e-6
 
 
 def _platform() -> dict:
@@ -97,25 +100,21 @@ def _numeric(value):
         return None
 
 
-def _same(now, stored, exact: bool, where: str) -> None:
+def _same(now, stored, where: str) -> None:
     if isinstance(stored, dict):
         assert isinstance(now, dict) and set(now) == set(stored), f"{where}: keys differ"
         for key in stored:
-            _same(now[key], stored[key], exact, f"{where}.{key}")
+            _same(now[key], stored[key], f"{where}.{key}")
         return
     b = _numeric(stored)
     if b is not None and not isinstance(stored, bool):
         a = _numeric(now)
         assert a is not None and a.shape == b.shape, f"{where}: {now!r:.80} is not like {stored!r:.80}"
-        if exact:
-            assert np.array_equal(a, b, equal_nan=True), \
-                f"{where}: not bit-identical (max diff {np.nanmax(np.abs(a - b))})"
-        else:
-            np.testing.assert_allclose(a, b, atol=LOOSE_ATOL, rtol=0, err_msg=where)
+        np.testing.assert_allclose(a, b, atol=GOLDEN_ATOL, rtol=GOLDEN_RTOL, equal_nan=True, err_msg=where)
     elif isinstance(stored, list):
         assert isinstance(now, list) and len(now) == len(stored), f"{where}: lengths differ"
         for i, (x, y) in enumerate(zip(now, stored)):
-            _same(x, y, exact, f"{where}[{i}]")
+            _same(x, y, f"{where}[{i}]")
     else:
         assert now == stored, f"{where}: {now!r} != {stored!r}"
 
@@ -123,8 +122,8 @@ def _same(now, stored, exact: bool, where: str) -> None:
 def test_interventions_scan_and_confirm_rows_equal_the_stored_golden_outputs():
     stored = json.loads(REFERENCE.read_text())
     now = json.loads(json.dumps(compute()))            # through JSON, as stored
-    exact = now.pop("platform") == stored.pop("platform")
-    _same(now, stored, exact, "golden")
+    now.pop("platform"), stored.pop("platform")     # recorded for the reader; the tolerance is the same everywhere
+    _same(now, stored, "golden")
     # not vacuous: the stored arms move the logits, and the tables have rows
     moved = [n for n, r in stored["arms"].items()
              if np.abs(np.asarray(r["logits"]) - np.asarray(r["clean"])).max() > 1e-3]
