@@ -469,10 +469,13 @@ def cmd_scan(args):
             result = run_scan(model, pairs, run_dir=run, batch_size=args.batch_size, progress=progress)
     from recurscope.interp.plots import plot_head_scan
 
+    exact_top = method == "attribution" and args.confirm_top is not None
     plot_head_scan(result.scores, run.figure_path("scan_heatmap"), selected=result.winner,
                    title=f"{args.model}: state-swap donor-margin shift per head"
-                   + (" (first-order estimate)" if method == "attribution" and args.confirm_top is None else ""),
-                   masked_layers={layer: "attention" for layer in model.attention_layers})
+                   + (" (first-order estimate)" if method == "attribution" and args.confirm_top is None else "")
+                   + (f" (the top {args.confirm_top} by first-order estimate, scanned exactly; hatched: not scanned)"
+                      if exact_top else ""),
+                   masked_layers={layer: "attention" for layer in model.attention_layers}, partial=exact_top)
     best = result.heads.iloc[0]
     verdict = winner_verdict(result, run.path)
     name = (f"winner L{result.winner[0]}H{result.winner[1]}" if verdict["winner"] else
@@ -581,13 +584,28 @@ def cmd_patch(args):
           f"{pairs.candidates[0][int(pairs.recipient_answer_index[0])]!r}, donor answer "
           f"{pairs.candidates[0][int(pairs.donor_answer_index[0])]!r}; heads {heads}")
     print(f"{'intervention':<18}{'margin':>9}{'shift':>9}  candidate logits {pairs.candidates[0]}")
+    rows = []
     for entry in iv.REGISTRY:
         if entry.name not in iv.INTERVENTIONS:   # the five interventions; no controls or variants here
             continue
         arm = entry.name
         res = entry.run(model, pairs, heads, batch_size=1)
         m = example_metrics(pairs, res, intervention=arm).iloc[0]
+        rows.append({**m.to_dict(), "intervention": arm, "layer": args.layer, "heads": " ".join(map(str, args.head)),
+                     **{f"logit_{c}": float(v) for c, v in zip(pairs.candidates[0], res.logits[0].tolist())}})
         print(f"{arm:<18}{m['margin']:>+9.2f}{m['donor_margin_shift']:>+9.2f}  {[round(v, 2) for v in res.logits[0].tolist()]}")
+    if args.out is not None:
+        import pandas as pd
+
+        from recurscope.interp.results import RunDir
+
+        run = RunDir.create_or_open(args.out, kind="patch", model_name=args.model,
+                                    checkpoint_path=model.checkpoint_dir,
+                                    args={**_work_args(args, PAIR_KEYS), "layer": args.layer, "heads": args.head,
+                                          "source": args.source}, seeds=[args.seed],
+                                    sources=[args.source], split=args.sources, extra=_filler_record(pairs, args))
+        written = run.write_table("patch_rows", pd.DataFrame(rows))
+        print(f"table: {written['csv']}")
     return 0
 
 
@@ -668,6 +686,8 @@ def main(argv=None) -> int:
     p.add_argument("--layer", type=int, required=True)
     p.add_argument("--head", type=int, nargs="+", required=True)
     p.add_argument("--source", type=int, default=0)
+    p.add_argument("--out", default=None, help="also write the table to this result directory (manifest, "
+                                               "patch_rows.csv and .parquet); without it the table is only printed")
     p.set_defaults(fn=cmd_patch)
     p = sub.add_parser("run", parents=[common], help="the main job: scan on dev, confirm on held-out, write a report")
     _model_args(p)
