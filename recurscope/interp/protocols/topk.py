@@ -79,12 +79,7 @@ class SwapArm:
 def paper_checkpoint(model) -> Optional[str]:
     """The paper checkpoint whose E.2 numbers a model's family is compared with: RWKV-7 -> RWKV7-13.3B, GLA with
     query groups -> GLA-7B, GLA without -> GLA-340M; None for a family the appendix does not test."""
-    name = getattr(model.family, "name", "")
-    if name == "rwkv7":
-        return "RWKV7-13.3B"
-    if name == "gla":
-        return "GLA-7B" if getattr(model, "query_group", 1) > 1 else "GLA-340M"
-    return None
+    return model.family.paper_checkpoint(model)   # the family's spec says it
 
 
 def paper_claim(model, fmt: str) -> Optional[tuple[float, str]]:
