@@ -6,7 +6,7 @@ from typing import Optional
 
 from recurscope.interp.bridge.adapters import BridgeAdapter, adapters
 
-__all__ = ["BridgeAdapter", "adapters", "adapter_for", "bridge_family", "supported_model_types"]
+__all__ = ["BridgeAdapter", "adapters", "adapter_for", "bridge_family", "render_markdown", "supported_model_types"]
 
 
 def __getattr__(name: str):
@@ -33,3 +33,16 @@ def adapter_for(raw_config: dict) -> Optional[BridgeAdapter]:
 
 def supported_model_types() -> tuple:
     return tuple(t for adapter in adapters() for t in adapter.model_types)
+
+
+def render_markdown() -> str:
+    """The architecture table of docs/adding_a_family.md: one row per adapter."""
+    rows = ["| model_type | architecture | adapter | mixer | q | k | x | g | a | hooks it lacks |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for adapter in adapters():
+        s, k = adapter.spec, adapter.spec.kernel_inputs
+        module = type(adapter).__module__.rsplit(".", 1)[-1]
+        rows.append(f"| {', '.join(f'`{t}`' for t in adapter.model_types)} | {s.title} | "
+                    f"`adapters/{module}.py` | `{s.mixer}` | {k['q']} | {k['k']} | {k['x']} | {k['g']} | {k['a']} | "
+                    f"{', '.join(sorted(s.absent_hooks)) or '—'} |")
+    return "\n".join(rows)
