@@ -94,11 +94,11 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         text_cfg = text.config
         text_cfg._attn_implementation = "recurscope"
         self.bridge_family = family   # the architecture's adapter (bridge/adapters/)
-        self.text_layer_types = list(text_cfg.layer_types)
-        blocks = []
-        for i, layer in enumerate(text.layers):
+        self.text_layer_types = family.layer_types(text_cfg)
+        layers, blocks = family.decoder_layers(text), []
+        for i, layer in enumerate(layers):
             block = family.make_block(layer, self.text_layer_types[i])
-            text.layers[i] = block
+            layers[i] = block
             blocks.append(block)
         self.hf = hf
         self.text_model = [text]      # a plain list: not a second registration of the same modules
@@ -214,7 +214,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
             m.cu_seqlens = cu
         try:
             out = self.text_model[0](input_ids=tokens, position_ids=positions, cache=hf_cache,
-                                     use_cache=hf_cache is not None, **kwargs)
+                                     use_cache=use_cache or cache is not None, **kwargs)
         finally:
             for m in mixers:
                 m.state_positions = None
@@ -227,7 +227,8 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         logits = self._logits(hidden)
         new_cache = None
         if use_cache:
-            new_cache = self._from_hf_cache(hf_cache, offset + T)
+            # (the cache the model made, where the adapter hands it none to fill: xLSTM's is sized by the batch)
+            new_cache = self._from_hf_cache(out.cache if hf_cache is None else hf_cache, offset + T)
             if cu is not None:
                 new_cache = unpack_cache(new_cache, cu)
             elif cache is not None and cache.lengths is not None:
@@ -307,7 +308,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         """The LM head times logit_multiplier, as transformers' forward computes the logits."""
         logits = self.hf.lm_head(hidden)
         scale = self.logit_multiplier
-        return logits if scale == 1.0 else logits * scale
+        return self.bridge_family.cap_logits(self.hf, logits if scale == 1.0 else logits * scale)
 
     @property
     def unembed_weight(self) -> torch.Tensor:

@@ -121,6 +121,18 @@ class BridgeAdapter:
         """The short convolution's kernel (1 without one): write_block_conv_tail widens spans by it - 1."""
         return int(getattr(text_config, self.conv_kernel_key)) if self.short_conv else 1
 
+    def layer_types(self, text_config) -> list:
+        """Each decoder layer's kind, as transformers' config names it ("linear_attention", ...)."""
+        return list(text_config.layer_types)
+
+    def decoder_layers(self, text_model):
+        """The text model's nn.ModuleList of decoder layers (the bridge puts its blocks in their places)."""
+        return text_model.layers
+
+    def cap_logits(self, hf_model, logits):
+        """What transformers' forward does to the LM head's output after any multiplier (xLSTM: a soft cap)."""
+        return logits
+
     # ---- the blocks -----------------------------------------------------------------------------------------------
     def is_recurrent_type(self, layer_type: str) -> bool:
         return layer_type == "linear_attention"
