@@ -243,3 +243,14 @@ def test_recurscope_run_on_a_tiny_minimax(checkpoint, tmp_path, capsys):
     assert "Head selection" in report and "Confirmation on held-out sources" in report
     heads = pd.read_csv(study / "scan" / "scan_heads.csv")
     assert sorted(zip(heads["layer"], heads["head"])) == [(l, h) for l in range(3) for h in range(2)]
+
+
+def test_attribution_refuses_the_normed_residual_of_minimax(checkpoint):
+    """MiniMax's layers norm the mixer's output after out_proj (post_attention_layernorm of the normed stream), so
+    the candidate direction, which follows pre-norm blocks, is refused by name."""
+    from recurscope.interp.attribution import attribute_readout
+
+    _, path, _ = checkpoint
+    model = load_model(path)
+    with pytest.raises(ValueError, match="post-norm block.*explicit direction"):
+        attribute_readout(model, _tokens(model.cfg.vocab_size, B=1), 1, 0, 10, candidates=(5, 6))

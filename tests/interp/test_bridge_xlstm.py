@@ -222,3 +222,14 @@ def test_recurscope_run_on_a_tiny_xlstm(checkpoint, tmp_path, capsys):
     assert "Head selection" in report and "Confirmation on held-out sources" in report
     heads = pd.read_csv(study / "scan" / "scan_heads.csv")
     assert sorted(zip(heads["layer"], heads["head"])) == [(l, h) for l in range(3) for h in range(2)]
+
+
+def test_attribution_refuses_to_freeze_a_readout_divided_by_its_normaliser(checkpoint):
+    """hook_z is no per-channel scale of hook_head_out on xLSTM (h divides the memory's readout by the normaliser's),
+    so attribution's candidate direction is refused by name, not computed wrongly."""
+    from recurscope.interp.attribution import attribute_readout
+
+    _, path, _ = checkpoint
+    model = load_model(path)
+    with pytest.raises(ValueError, match="xlstm divides its readout by a normaliser.*explicit direction"):
+        attribute_readout(model, _tokens(model.cfg.vocab_size, B=1), 1, 0, 10, candidates=(5, 6))
