@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from functools import lru_cache
+from pathlib import Path
 
 from recurscope.interp.bridge.adapters.base import BridgeAdapter
 
@@ -16,7 +17,7 @@ __all__ = ["BridgeAdapter", "adapters"]
 def adapters() -> tuple[BridgeAdapter, ...]:
     """Every architecture's adapter, in their `order`."""
     found = []
-    for info in pkgutil.iter_modules(__path__):
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):   # this package's modules
         module = importlib.import_module(f"{__name__}.{info.name}")
         adapter = getattr(module, "ADAPTER", None)
         if isinstance(adapter, BridgeAdapter):
