@@ -45,7 +45,10 @@ def _build(layout: str, vocab: int):
     return tf.MiniMaxForCausalLM(tf.MiniMaxConfig(vocab_size=vocab, **MINIMAX)), tf.MiniMaxForCausalLM
 
 
-@pytest.fixture(scope="module", params=["minimax"])
+LAYOUTS = ("minimax",)
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
 def checkpoint(request, tmp_path_factory):
     return tiny_checkpoint(request.param, _build, tmp_path_factory)
 

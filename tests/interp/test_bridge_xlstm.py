@@ -45,7 +45,10 @@ def _build(layout: str, vocab: int):
     return hf, tf.xLSTMForCausalLM
 
 
-@pytest.fixture(scope="module", params=["xlstm"])
+LAYOUTS = ("xlstm",)
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
 def checkpoint(request, tmp_path_factory):
     return tiny_checkpoint(request.param, _build, tmp_path_factory)
 
