@@ -31,8 +31,8 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp.protocols._common import ProtocolResult, ci_text, head_label, max_length, pair_spec, run_arms
 from recurscope.interp.protocols.gate import capability_gate
-from recurscope.interp.protocols.heads import (arm_rows, frozen_ranking, recovery_records, scan_ranking, swap_arms,
-                                               top_k_sizes)
+from recurscope.interp.protocols._rankings import (arm_rows, frozen_ranking, recovery_records, scan_ranking,
+                                                   swap_arms, top_k_sizes)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.protocols.verbs import GATE_THRESHOLD, TOPK_FORMATS
 from recurscope.interp.verdicts import Claim, judge, measure_from

@@ -123,9 +123,11 @@ def _ray_options(p) -> None:
     p.add_argument("--workers", type=int, default=None, help="with --ray: at most this many workers")
 
 
-def add_verb(sub, verb: Verb, model_args, load, executor: Optional[Callable] = None) -> None:
+def add_verb(sub, verb: Verb, model_args, load, executor: Optional[Callable] = None,
+             run_verb: Optional[Callable] = None) -> None:
     """Adds `verb`'s parser to the subparsers `sub`: the shared model options (model_args), the option groups and
-    the verb's own options. Running it (runner.run_verb) imports the verb's module. executor(args) ->
+    the verb's own options. Running it calls run_verb(verb, work, args, load, executor) (protocols.register_verbs
+    passes runner.run_verb, which imports the verb's module; this table imports no runner). executor(args) ->
     executor(pairs, units, compute, on_rows): the CLI's Ray runner, for verbs with ray=True."""
     description = (verb.help + (f". Runs serially: {verb.serial}." if verb.serial else "")
                    + (f". {verb.note}." if verb.note else ""))
@@ -150,8 +152,6 @@ def add_verb(sub, verb: Verb, model_args, load, executor: Optional[Callable] = N
     work = ["model", *sorted({a.dest for a in p._actions} - before - NOT_WORK - {"help"})]
 
     def run(args):
-        from recurscope.interp.protocols.runner import run_verb
-
         return run_verb(verb, work, args, load, executor)
     p.set_defaults(fn=run, **verb.defaults)
 
