@@ -286,6 +286,10 @@ def _bridged_map(model, cache, layer: int, head: int, position: int, batch: int)
     form makes exact; tests/interp/test_bridge*.py check it against hand computations from the models' own gates."""
     mixer = model.blocks[layer].mixer
     o = cache[hook_name("hook_head_out", layer)][batch, position, head].double()
+    if o.shape[-1] != cache[hook_name("hook_z", layer)].shape[-1]:
+        raise ValueError(f"layer {layer}: hook_z is no per-channel scale of hook_head_out here ({model.family.name} "
+                         f"divides its readout by a normaliser), so candidate_direction cannot freeze it; pass an "
+                         f"explicit direction")
     skip = torch.zeros_like(o)
     if getattr(mixer, "D", None) is not None:
         skip = mixer.D.double().reshape(mixer.num_heads, -1)[head] * \

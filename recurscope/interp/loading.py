@@ -94,21 +94,17 @@ def _mismatch_error(directory: Path, model_type: str, missing, unexpected, wrong
 
 def checkpoint_format(raw_config: dict) -> str:
     """"fla" or "transformers", from config.json's model_type; anything else is refused by name."""
-    from recurscope.interp.bridge.families import bridge_family, supported_model_types
+    from recurscope.interp.bridge.families import adapter_for, supported_model_types
     from recurscope.interp.models.families import FAMILIES
 
     model_type = raw_config.get("model_type")
     if not isinstance(model_type, str):
         raise ValueError(f"`model_type` must be a string naming the architecture (e.g. \"gla\"), got {model_type!r}; "
                          "restore config.json from the original checkpoint")
-    if model_type == "mamba2" and ("layer_norm_epsilon" in raw_config or "time_step_limit" in raw_config):
-        # transformers' Mamba-2 shares fla's model_type and class name; its config names its options differently
-        # (layer_norm_epsilon, time_step_limit where fla has norm_eps, dt_limit): it goes through the bridge
+    if adapter_for(raw_config) is not None:   # an adapter claims it (Mamba-2's looks past the shared model_type)
         return "transformers"
     if model_type in FAMILIES:
         return "fla"
-    if bridge_family(model_type) is not None:
-        return "transformers"
     raise ValueError(
         f"unknown model_type {model_type!r} in config.json (architectures {raw_config.get('architectures')}): "
         f"recurscope loads fla's format ({', '.join(FAMILIES)}) and, through its transformers bridge, "

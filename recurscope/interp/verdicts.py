@@ -29,7 +29,7 @@ from typing import Optional
 import pandas as pd
 
 __all__ = ["AGREES", "OPPOSITE", "NO_EVIDENCE", "DIFFERS", "TOO_FEW", "NOT_COMPARED", "MIN_SOURCES", "Measure",
-           "Claim", "Verdict", "judge", "control_verdict", "measure_from", "GLA", "GDN", "PAPER_FAMILIES",
+           "Claim", "Verdict", "judge", "control_verdict", "measure_from", "GLA", "GDN",
            "paper_family", "judge_family"]
 
 AGREES = "agrees with the paper"
@@ -239,21 +239,17 @@ def control_verdict(name: str, margin: Optional[Measure], specific: Optional[Mea
 # ---- the paper's model families ----------------------------------------------------------------------------
 
 GLA, GDN = "GLA", "GDN"
-#: FamilySpec.name -> the paper's family whose numbers apply: its GLA-340M (gated linear attention, no erase) or its
-#: GDN-340M / 1.3B (the gated delta rule, including GDN-2, QED, the GDN layers of hybrids and of Qwen3.5 / Qwen3-Next /
-#: OLMo-hybrid, and Kimi's KDA, a gated delta rule with per-channel decay). Any other family (RWKV-7, Mamba-2 and
-#: its hybrids) has no number in the paper.
-PAPER_FAMILIES = {"gla": GLA, "gated_deltanet": GDN, "gated_deltanet2": GDN, "qwen3_5": GDN, "qwen3_next": GDN,
-                  "olmo_hybrid": GDN, "kimi_linear": GDN}
 
 
 def paper_family(model) -> str:
-    """GLA or GDN: the paper's family whose numbers a Reading compares `model` with (a model, its FamilySpec, or a
-    family name such as "gated_deltanet"); for a family the paper did not measure, that family's own name."""
-    name = model if isinstance(model, str) else getattr(getattr(model, "family", model), "name", None)
+    """GLA or GDN: the paper's family whose numbers a Reading compares `model` with (a model or its FamilySpec, whose
+    `paper_family` says it: GLA-340M's for gated linear attention, GDN-340M / 1.3B's for every gated delta rule); for
+    a family the paper did not measure (RWKV-7, Mamba-2 and its hybrids), that family's own name."""
+    spec = getattr(model, "family", model)
+    name = getattr(spec, "name", None)
     if not isinstance(name, str):
-        raise ValueError(f"cannot tell the model family of {model!r}; pass a model or a family name such as 'gla'")
-    return PAPER_FAMILIES.get(name, name)
+        raise ValueError(f"cannot tell the model family of {model!r}; pass a model or its FamilySpec")
+    return getattr(spec, "paper_family", None) or name
 
 
 def judge_family(measure: Optional[Measure], family: Optional[str], claims: dict, subject: str,

@@ -25,7 +25,7 @@ from recurscope.kernels.scratch import release_scratch, scratch_limit, set_scrat
 BACKENDS = ("auto", "reference", "chunked", "triton", "fla")
 
 __all__ = [
-    "BACKENDS", "ERASE_ARMS", "RecurrenceOutput", "erase_eigenvalue", "erase_vector", "project_out",
+    "BACKENDS", "ERASE_ARMS", "RecurrenceOutput", "erase_eigenvalue", "erase_vector", "l2_normalise", "project_out",
     "recurrence", "recurrence_low_rank", "release_scratch", "resolve_backend", "scratch_limit", "set_scratch_limit",
 ]
 
@@ -209,16 +209,17 @@ def _per_sequence(run, q, k, x, g, a, cu_seqlens, dtype, *, scale, initial_state
     return o, S, torch.cat(states, 1) if states else None
 
 
-def _l2norm(t):
-    """t / sqrt(|t|^2 + 1e-6) along K, worked in at least float32 and returned in t's dtype (as fla's l2norm)."""
+def l2_normalise(t: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """t / sqrt(|t|^2 + eps) along the last axis, worked in at least float32 and returned in t's dtype: the L2 norm
+    of q and k in fla's and transformers' delta rules (the one implementation the models and the bridge use)."""
     acc = t.to(torch.promote_types(t.dtype, torch.float32))
-    return (acc * torch.rsqrt((acc * acc).sum(-1, keepdim=True) + 1e-6)).to(t.dtype)
+    return (acc * torch.rsqrt((acc * acc).sum(-1, keepdim=True) + eps)).to(t.dtype)
 
 
 def _fla_options(q, k, x, g, a, use_qk_l2norm, beta, use_beta_sigmoid, A_log, dt_bias):
     """fla's in-kernel options as the torch operations they stand for; q and k keep their own (key) heads."""
     if use_qk_l2norm:
-        q, k = (_l2norm(t) for t in (q, k))
+        q, k = (l2_normalise(t) for t in (q, k))
     if A_log is not None or dt_bias is not None:
         if A_log is None:
             raise ValueError("dt_bias without A_log: the gate g = -exp(A_log) softplus(g + dt_bias) needs both (or "

@@ -545,8 +545,15 @@ def _documented_hooks(layout: str) -> set:
     the first); Mamba-2, Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1 and Zamba2 have tables of their own ("mlp
     block": a row marked "(MLP blocks)", Nemotron-H's blocks that hold only an MLP or MoE; `attn.` names are the
     attention beside Falcon-H1's recurrent mixer or in a use of Zamba2's shared block, kind "attention", as is
-    `hook_attn_out`, what that attention adds)."""
+    `hook_attn_out`, what that attention adds). An architecture added later has its own section, whose heading names
+    its model_type in backticks."""
     text = (ROOT / "docs" / "hooks.md").read_text().split("## On transformers checkpoints (the bridge)", 1)[1]
+    text = text.split("\n## ", 1)[0]
+    # an architecture's own section, whose heading names its model_type in backticks: "### MiniMax (`minimax`)"
+    for section in text.split("\n### ")[1:]:
+        if f"`{layout}`" in section.split("\n", 1)[0]:
+            return _hook_rows(section)
+    text = re.split(r"\n### [^\n]*\(`[a-z0-9_]+`\)", text, maxsplit=1)[0]   # the sections above, without those
     qwen, others = text.split("### Qwen3-Next, OLMo-hybrid and Kimi-Linear", 1)
     others, mamba = others.split("### Mamba-2", 1)
     mamba, nemotron = mamba.split("### Nemotron-H", 1)
@@ -557,26 +564,30 @@ def _documented_hooks(layout: str) -> set:
     own = {"mamba2": mamba, "nemotron_h": nemotron, "bamba": bamba, "granitemoehybrid": granite, "falcon_h1": falcon,
            "zamba2": zamba}
     tables = [qwen] if layout.startswith("qwen3_5") else [own[layout]] if layout in own else [qwen, others]
+    return set().union(*(_hook_rows(table) for table in tables))
+
+
+def _hook_rows(table: str) -> set:
+    """{(kind, name)} of one hook table's rows (see _documented_hooks)."""
     found = set()
-    for table in tables:
-        for line in table.splitlines():
-            if not line.startswith("| `"):
+    for line in table.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cell = line.split("|")[1]
+        context = "blocks.{l}"
+        for token in _HOOK_TOKEN.findall(cell):
+            if token == "hook_embed":
+                found.add(("model", token))
                 continue
-            cell = line.split("|")[1]
-            context = "blocks.{l}"
-            for token in _HOOK_TOKEN.findall(cell):
-                if token == "hook_embed":
-                    found.add(("model", token))
-                    continue
-                if token.startswith(("mixer.", "attn.")):
-                    token = "blocks.{l}." + token
-                elif not token.startswith("blocks."):   # a bare hook_x continues the cell's first name
-                    token = f"{context}.{token}"
-                context = token.rsplit(".", 1)[0]
-                kind = ("attention" if "(attention)" in cell else "recurrent") if ".mixer." in token \
-                    else "attention" if ".attn." in token or token.endswith(".hook_attn_out") \
-                    else "mlp block" if "(MLP blocks)" in cell else "block"
-                found.add((kind, token))
+            if token.startswith(("mixer.", "attn.")):
+                token = "blocks.{l}." + token
+            elif not token.startswith("blocks."):   # a bare hook_x continues the cell's first name
+                token = f"{context}.{token}"
+            context = token.rsplit(".", 1)[0]
+            kind = ("attention" if "(attention)" in cell else "recurrent") if ".mixer." in token \
+                else "attention" if ".attn." in token or token.endswith(".hook_attn_out") \
+                else "mlp block" if "(MLP blocks)" in cell else "block"
+            found.add((kind, token))
     return found
 
 

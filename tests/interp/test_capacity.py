@@ -8,7 +8,7 @@ import torch
 from helpers_models import tiny_model
 from recurscope.interp.data import TEMPLATES, build_pairs
 from recurscope.interp.data.words import NATURAL_TEMPLATES
-from recurscope.interp.protocols import capacity, gate
+from recurscope.interp.protocols import _layouts, capacity, gate
 
 SMALL = dict(n_facts=4, presentations=2, filler_tokens=12, gap_tokens=4)
 
@@ -69,7 +69,7 @@ def test_natural_template_is_separate_from_the_default_templates(word_tok):
 
 def test_load_curve_keeps_total_length_and_leaves_unevaluable_points_nan(word_tok, model):
     k4 = capacity.load_layout(4)
-    total = capacity._bare_length(word_tok, k4) + 20          # K=4 fits with 20 filler tokens, K=16 cannot
+    total = _layouts.bare_length(word_tok, k4) + 20          # K=4 fits with 20 filler tokens, K=16 cannot
     assert capacity.fixed_length_filler(word_tok, k4, total) == 20
     r = capacity.run_capacity(model, (0, 0), loads=(1, 4, 16), gaps=(8,), total_length=total, n_sources=2,
                               batch_size=8, n_resamples=100)
@@ -155,7 +155,7 @@ def test_aligned_write_keeps_the_original_key_in_the_erase(word_tok):
 def test_capacity_refuses_the_shift_of_a_condition_the_gate_refuses(word_tok, model):
     """An untrained model is near chance, so a 0.99 gate refuses every condition: recall is still reported, the
     state-swap shift is NaN with the gate's reason."""
-    total = capacity._bare_length(word_tok, capacity.load_layout(1)) + 8
+    total = _layouts.bare_length(word_tok, capacity.load_layout(1)) + 8
     r = capacity.run_capacity(model, (0, 0), loads=(1,), gaps=(), total_length=total, n_sources=3, batch_size=8,
                               n_resamples=100, gate_threshold=0.99)
     s = r.summary

@@ -10,7 +10,7 @@ from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp.data import build_pairs
 from recurscope.interp.data.words import TEMPLATES, VALUE_VOCABS
-from recurscope.interp.protocols import capacity, corrector, retention, reuse
+from recurscope.interp.protocols import _layouts, capacity, corrector, retention, reuse
 
 SMALL = dict(n_facts=4, presentations=2, filler_tokens=12, gap_tokens=4)
 
@@ -39,7 +39,7 @@ def test_retention_pairs_query_the_target_and_a_fixed_number_of_others(word_tok)
 
 
 def test_retention_leaves_unevaluated_points_nan_with_a_reason(word_tok, model):
-    total = capacity._bare_length(word_tok, capacity.load_layout(4)) + 10    # K = 16 cannot fit
+    total = _layouts.bare_length(word_tok, capacity.load_layout(4)) + 10    # K = 16 cannot fit
     r = retention.run_retention(model, (0, 0), loads=(1, 4, 16), total_length=total, n_sources=2, n_nontarget=2,
                                 batch_size=8, n_resamples=100)
     s = r.summary
@@ -60,7 +60,7 @@ def test_retention_leaves_unevaluated_points_nan_with_a_reason(word_tok, model):
 
 
 def test_retention_gate_keeps_recall_and_refuses_the_edit(word_tok, model):
-    total = capacity._bare_length(word_tok, capacity.load_layout(2)) + 8
+    total = _layouts.bare_length(word_tok, capacity.load_layout(2)) + 8
     r = retention.run_retention(model, (0, 0), loads=(2,), total_length=total, n_sources=3, n_nontarget=1,
                                 batch_size=8, n_resamples=100, gate_threshold=0.99)
     s = r.summary.set_index(["intervention", "metric"])
@@ -93,7 +93,7 @@ def test_run_corrector_never_fits_on_a_heldout_source(word_tok, model, monkeypat
         seen.append(corrector.source_keys(pairs))
         return real(model, pairs, head, **kw)
     monkeypatch.setattr(corrector, "fit_corrector", spy)
-    total = capacity._bare_length(word_tok, capacity.load_layout(2)) + 8
+    total = _layouts.bare_length(word_tok, capacity.load_layout(2)) + 8
     r = corrector.run_corrector(model, (0, 1), k=2, total_length=total, n_sources=3, n_fit=3, pairs_per_source=2,
                                 rank=2, batch_size=8, n_resamples=100, method=method)
     assert len(seen) == 2                                                        # frozen head and control head

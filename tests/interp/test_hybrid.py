@@ -128,16 +128,20 @@ def test_an_interrupted_run_resumes_at_the_first_source_without_rows(tmp_path, c
 
 
 def _bridged(layout, tmp_path_factory):
-    import test_bridge
-    import test_bridge_hybrids
-    import test_bridge_mamba
+    """A tiny random checkpoint of a bridged layout, built by the bridge test module that lists it (each
+    tests/interp/test_bridge*.py module's LAYOUTS and _build), so that a new architecture's module is found here."""
+    import importlib
+    from pathlib import Path
 
-    build = next(m._build for m in (test_bridge, test_bridge_hybrids, test_bridge_mamba) if layout in m.LAYOUTS)
+    import test_bridge
+
+    modules = [importlib.import_module(p.stem) for p in sorted(Path(__file__).parent.glob("test_bridge*.py"))]
+    build = next(m._build for m in modules if layout in getattr(m, "LAYOUTS", ()))
     return str(test_bridge.tiny_checkpoint(layout, build, tmp_path_factory)[1])
 
 
 BRIDGED = ("qwen3_5_dense", "qwen3_5_moe", "qwen3_5_multimodal", "qwen3_next", "olmo_hybrid", "kimi_linear",
-           "falcon_h1", "zamba2")
+           "falcon_h1", "zamba2", "minimax")
 
 
 @pytest.mark.slow

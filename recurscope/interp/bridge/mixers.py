@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from transformer_lens.hook_points import HookPoint
 
 from recurscope.hooks.points import is_intercepted
+from recurscope.kernels import l2_normalise
 from recurscope.interp.models.mixers import (RecurrentMixer, _repeat_heads, _split_heads, grouped_scores,
                                               grouped_values)
 
@@ -41,11 +42,6 @@ def _packed_conv(mixer, mixed: torch.Tensor, cache) -> torch.Tensor:
         cache.update_conv_state(tails.transpose(1, 2).contiguous(), mixer.layer_idx,
                                 conv_kernel_size=mixer.conv_kernel_size)
     return y.transpose(1, 2)
-
-
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    # x / sqrt(|x|^2 + eps), in float32, as transformers' (and fla's) gated delta rule normalises q and k
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 class BridgedDeltaRule(RecurrentMixer):
@@ -103,7 +99,7 @@ class BridgedDeltaRule(RecurrentMixer):
         q, k, v, beta, g, gate = self._project(hidden_states, cache)
         acc = torch.promote_types(hidden_states.dtype, torch.float32)   # float32, as transformers, or float64
         groups = self.num_v_heads // self.num_k_heads
-        q, k = _l2norm(q.to(acc)), _l2norm(k.to(acc))
+        q, k = l2_normalise(q.to(acc)), l2_normalise(k.to(acc))
         # Each key head serves `groups` consecutive value heads. The kernel takes q and k with the key heads (no copy);
         # they are repeated over the value heads only when a hook on them would see them, so that hook_q, hook_k and
         # hook_write_key keep one entry per value head.

@@ -22,8 +22,8 @@ import torch.nn as nn
 from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
-from recurscope.interp.bridge.families import BridgeFamily
-from recurscope.interp.bridge.mixers import add_attention_hooks
+from recurscope.interp.bridge.adapters import BridgeAdapter
+from recurscope.interp.bridge.blocks import BridgeBlock  # noqa: F401  (the blocks' class, importable from here as before)
 from recurscope.interp.models.cache import LayerCache, RecurrentCache
 from recurscope.interp.models.protocol import ProtocolMethods, at_positions, check_packed, unpack_cache
 from recurscope.interp.models.tl_compat import TLConfigAliases
@@ -39,7 +39,7 @@ class BridgeConfig(TLConfigAliases):
     family_spec: object
     conv_size: int                  # the short convolution's kernel (write_block_conv_tail widens spans by it - 1)
     max_position_embeddings: Optional[int] = None   # pairs longer than this are refused (the attention layers)
-    use_short_conv: bool = True     # every bridged linear-attention layer convolves q, k, v
+    use_short_conv: bool = True     # its recurrent layers convolve their inputs (the adapter's short_conv)
 
     @property
     def state_heads(self) -> int:
@@ -55,219 +55,6 @@ class BridgeConfig(TLConfigAliases):
     @property
     def hidden_size(self) -> int:
         return int(self.hf_config.hidden_size)
-
-
-class BridgeBlock(nn.Module):
-    """A decoder layer of transformers with recurscope's residual hooks; it holds the transformers layer's own
-    submodules under their own names. `norm="pre"`: input_layernorm before the mixer and post_attention_layernorm
-    before the MLP (Qwen3.5, Qwen3-Next, Kimi-Linear, OLMo-hybrid's linear layers); `norm="post"`:
-    post_attention_layernorm on the mixer's output and post_feedforward_layernorm on the MLP's (OLMo-hybrid's
-    attention layers). hook_mixer_out and hook_mlp_out are what the layer adds to the residual stream.
-
-    `attn_attr` (a module path in the layer): the layer also runs that attention module beside its recurrent mixer,
-    and the block is both a recurrent and an attention layer, with the attention's hook points at `blocks.{l}.attn.*`
-    (`attn` is that module) and its output at `hook_attn_out`. `attn_mode="parallel"` (Falcon-H1): the attention
-    runs side by side with the mixer on the same normed input, and both outputs are added to the residual stream
-    (hook_resid_mid is the residual plus both). `attn_mode="shared"` (Zamba2's hybrid layers): the layer first runs
-    its shared transformer block (`shared_transformer`: attention and MLP over the residual concatenated with the
-    token embeddings, `original_hidden_states`), projects it by `linear` (hook_attn_out) and adds that to the mixer's
-    input only, not to the residual stream; its mixer (`mixer_attr`) and mixer norm are module paths inside the
-    layer. `arg_names`: the names of the positional arguments after the hidden states with which the family's model
-    calls each layer (Zamba2's)."""
-
-    def __init__(self, hf_layer: nn.Module, mixer_attr: str, recurrent: bool, norm: str = "pre",
-                 mixer_norm_attr: str = "input_layernorm", mlp_only: bool = False, mlp_attr: str = "mlp",
-                 mlp_norm_attr: str = "post_attention_layernorm", mlp_fn=None, attn_attr: Optional[str] = None,
-                 attn_mode: str = "parallel", arg_names: tuple = ()):
-        super().__init__()
-        if norm not in ("pre", "post"):
-            raise ValueError(f"norm must be 'pre' or 'post', got {norm!r}")
-        for name, child in hf_layer.named_children():
-            setattr(self, name, child)
-        if hasattr(hf_layer, "block_type"):   # Nemotron-H's model picks each block's mask by it
-            self.block_type = hf_layer.block_type
-        self.mixer_attr, self.is_recurrent, self.norm_layout = mixer_attr, recurrent, norm
-        self.mixer_norm_attr = mixer_norm_attr
-        self.returns_tuple = False   # set by BridgedLM for a family whose model unpacks (hidden, weights) per layer
-        # mlp_only: the layer holds an MLP or MoE in place of a mixer (Nemotron-H's "mlp" / "moe" blocks): norm, MLP,
-        # residual; hook_resid_mid is its input (no mixer, no hook_mixer_out)
-        self.mlp_only = mlp_only
-        if attn_mode not in ("parallel", "shared"):
-            raise ValueError(f"attn_mode must be 'parallel' or 'shared', got {attn_mode!r}")
-        self.attn_attr, self.attn_mode, self.arg_names = attn_attr, attn_mode, tuple(arg_names)
-        self.is_attention = (not recurrent and not mlp_only) or attn_attr is not None
-        # Mamba-2's blocks are norm, mixer, residual only; their residual stream is kept in at least float32
-        # (transformers' residual_in_fp32), never narrowed
-        self.mlp_attr, self.mlp_norm_attr = mlp_attr, mlp_norm_attr   # Bamba: feed_forward, pre_ff_layernorm
-        self.has_mlp = hasattr(hf_layer, mlp_attr)
-        self.mlp_fn = mlp_fn
-        # Granite-4.0-H scales what each mixer and MLP adds to the residual stream (hook_mixer_out and hook_mlp_out
-        # hold the scaled outputs: what the layer adds)
-        self.residual_multiplier = float(getattr(hf_layer, "residual_multiplier", 1.0))
-        self.residual_in_fp32 = bool(getattr(getattr(hf_layer, "config", None), "residual_in_fp32", False))
-        # Falcon-H1's muP multipliers around its two mixers: the recurrent mixer's output times ssm_out_multiplier,
-        # the attention's input times attention_in_multiplier and its output times attn_out_multiplier
-        self.mixer_out_multiplier = float(getattr(hf_layer, "ssm_out_multiplier", 1.0))
-        self.attention_in_multiplier = float(getattr(hf_layer, "attention_in_multiplier", 1.0))
-        self.attention_out_multiplier = float(getattr(hf_layer, "attn_out_multiplier", 1.0))
-        # A list while BridgedLM.embed_suffix records the arguments transformers' model passes to each
-        # layer (masks, rotary tables, positions); the layer then computes nothing.
-        self.recorded: Optional[list] = None
-        self.hook_resid_pre = HookPoint()
-        if not mlp_only:
-            self.hook_mixer_out = HookPoint()
-        if attn_attr is not None:
-            self.hook_attn_out = HookPoint()
-        self.hook_resid_mid = HookPoint()
-        if self.has_mlp or mlp_only:
-            self.hook_mlp_out = HookPoint()
-        self.hook_resid_post = HookPoint()
-
-    @property
-    def mixer(self) -> nn.Module:
-        # not getattr: Mamba-2's layer names its mixer `mixer` itself (Zamba2's hybrid layers: a path inside the layer)
-        return self._sub(self.mixer_attr)
-
-    @property
-    def mixer_output_scale(self) -> float:
-        """What the block multiplies its mixer's output by before hook_mixer_out: Falcon-H1's ssm_out_multiplier in a
-        parallel block, Granite-4.0-H's residual_multiplier in a plain one, 1 in Zamba2's shared-block layers."""
-        if self.attn_attr is None:
-            return self.residual_multiplier
-        return self.mixer_out_multiplier if self.attn_mode == "parallel" else 1.0
-
-    @property
-    def attn(self) -> Optional[nn.Module]:
-        """The attention module a parallel or shared block runs beside its recurrent mixer (None in any other)."""
-        return None if self.attn_attr is None else self._sub(self.attn_attr)
-
-    @property
-    def attention(self) -> Optional[nn.Module]:
-        """The module that attends over cached K/V: `mixer` in an attention block, `attn` in a parallel block."""
-        return self.attn if self.attn_attr is not None else self.mixer if self.is_attention else None
-
-    def _sub(self, path: str) -> nn.Module:
-        module = self
-        for part in path.split("."):
-            module = module._modules[part]
-        return module
-
-    def forward(self, hidden_states, *args, **kwargs):
-        if len(args) > len(self.arg_names):
-            raise TypeError(f"{type(self).__name__} takes {len(self.arg_names)} positional arguments after the hidden "
-                            f"states ({', '.join(self.arg_names) or 'none'}), got {len(args)}")
-        kwargs.update(zip(self.arg_names, args))
-        out = self.block_forward(hidden_states, **kwargs)
-        return (out, None) if self.returns_tuple else out
-
-    def block_forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
-                      cache=None, **kwargs):
-        """The layer's residual update (a tensor), whatever its model expects the layer to return."""
-        kwargs.pop("use_cache", None)
-        if self.recorded is not None:
-            self.recorded.append(dict(kwargs, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                                      position_ids=position_ids))
-            return hidden_states
-        resid = self.hook_resid_pre(hidden_states)
-        pre = self.norm_layout == "pre"
-        if self.attn_mode == "shared" and self.attn_attr is not None:
-            return self._shared_forward(resid, attention_mask, position_ids, cache, position_embeddings, kwargs)
-        h = self._sub(self.mixer_norm_attr)(resid) if pre else resid
-        if self.residual_in_fp32:
-            resid = resid.to(torch.promote_types(resid.dtype, torch.float32))
-        if self.mlp_only:
-            resid = self.hook_resid_mid(resid)
-            return self.hook_resid_post(resid + self.hook_mlp_out(self.mixer(h)))
-        if self.attn_attr is not None:
-            return self._parallel_forward(resid, h, attention_mask, position_ids, cache, position_embeddings, kwargs)
-        if self.is_recurrent:
-            mixed = self.mixer(h, cache=cache, attention_mask=attention_mask)
-        else:
-            mixed, _ = self.mixer(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
-                                  cache=cache, position_embeddings=position_embeddings)
-        if not pre:
-            mixed = self.post_attention_layernorm(mixed)
-        if self.residual_multiplier != 1.0:
-            mixed = mixed * self.residual_multiplier
-        resid = self.hook_resid_mid(resid + self.hook_mixer_out(mixed))
-        return self._mlp_forward(resid, pre)
-
-    def _parallel_forward(self, resid, h, attention_mask, position_ids, cache, position_embeddings, kwargs):
-        """Falcon-H1's layer: the recurrent mixer and the attention on the same normed input h, both outputs added to
-        the residual stream (as transformers adds them: residual + (mixer + attention)), then the MLP."""
-        mixed = self.mixer(h, cache=cache, attention_mask=kwargs.get("mamba_attention_mask"))
-        if self.mixer_out_multiplier != 1.0:
-            mixed = mixed * self.mixer_out_multiplier
-        attended, _ = self.attn(hidden_states=h * self.attention_in_multiplier if self.attention_in_multiplier != 1.0
-                                else h, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                                position_embeddings=position_embeddings)
-        if self.attention_out_multiplier != 1.0:
-            attended = attended * self.attention_out_multiplier
-        resid = self.hook_resid_mid(resid + (self.hook_mixer_out(mixed) + self.hook_attn_out(attended)))
-        return self._mlp_forward(resid, True)
-
-    def _shared_forward(self, resid, attention_mask, position_ids, cache, position_embeddings, kwargs):
-        """Zamba2's hybrid layer: its shared transformer block reads the residual and the token embeddings; its
-        output, projected by `linear`, is added to the mixer's input (before the mixer norm), not to the residual
-        stream; then the mixer, whose output is added to the residual (attention_mask is the mixer's mask,
-        causal_mask the shared attention's)."""
-        shared = self.shared_transformer(resid, original_hidden_states=kwargs["original_hidden_states"],
-                                         layer_idx=kwargs["layer_idx"], attention_mask=kwargs.get("causal_mask"),
-                                         cache=cache, position_embeddings=position_embeddings,
-                                         position_ids=position_ids)
-        fed = self.hook_attn_out(self.linear(shared))
-        mixed = self.mixer(self._sub(self.mixer_norm_attr)(resid + fed), cache=cache, attention_mask=attention_mask)
-        resid = self.hook_resid_mid(resid + self.hook_mixer_out(mixed))
-        return self._mlp_forward(resid, True)
-
-    def _mlp_forward(self, resid, pre: bool):
-        if not self.has_mlp:
-            return self.hook_resid_post(resid)
-        h = getattr(self, self.mlp_norm_attr)(resid) if pre else resid
-        mlp = self.mlp_fn(self, h) if self.mlp_fn is not None else getattr(self, self.mlp_attr)(h)
-        if isinstance(mlp, tuple):   # MoE blocks may also return router logits
-            mlp = mlp[0]
-        if not pre:
-            mlp = self.post_feedforward_layernorm(mlp)
-        if self.residual_multiplier != 1.0:
-            mlp = mlp * self.residual_multiplier
-        return self.hook_resid_post(resid + self.hook_mlp_out(mlp))
-
-
-class _LayerView:
-    """What a bridged layer reads of transformers' cache, served from one recurscope LayerCache without writing it:
-    the layer's own call sees the cached state, conv tail and K/V with its new inputs appended, as transformers'
-    cache returns them, and nothing is stored. The head scan's rows share the recipient's cache as batch-expanded
-    views, which transformers' in-place cache updates could not take (and would copy per row)."""
-
-    def __init__(self, lc: LayerCache, seen: int, new_kv_only: bool = False, state_transposed: bool = False):
-        # new_kv_only: `update` returns the new K/V alone; the attention function reads the cached ones itself
-        # (the module's shared_kv, set by BridgedLM.run_layer). state_transposed: the layer reads its state as
-        # transformers keeps it, (V, K) per head (Mamba-2), while the LayerCache holds recurscope's (K, V)
-        self.lc, self.seen, self.new_kv_only, self.state_transposed = lc, seen, new_kv_only, state_transposed
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.seen
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
-        state = self.lc.state
-        return state.transpose(-1, -2) if self.state_transposed and state is not None else state
-
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
-        return self.lc.conv.get(str(state_idx))
-
-    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
-        tail = self.lc.conv.get(str(state_idx))
-        return conv_states if tail is None else torch.cat([tail.to(conv_states.dtype), conv_states], dim=-1)
-
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
-        return recurrent_states
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self.lc.keys is None or self.new_kv_only:
-            return key_states, value_states
-        return (torch.cat([self.lc.keys.transpose(1, 2), key_states], dim=-2),
-                torch.cat([self.lc.values.transpose(1, 2), value_states], dim=-2))
 
 
 _BLOCKS_KEY = re.compile(r"(?:^|\.)blocks\.\d+\.")
@@ -297,7 +84,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
     names under `hf.` (the `blocks.` aliases are left out of the state dict).
     """
 
-    def __init__(self, hf: nn.Module, family: BridgeFamily, tokenizer=None):
+    def __init__(self, hf: nn.Module, family: BridgeAdapter, tokenizer=None):
         super().__init__()
         from recurscope.interp.bridge.mixers import register_attention
 
@@ -306,30 +93,12 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         text = base.language_model if hasattr(base, "language_model") else base
         text_cfg = text.config
         text_cfg._attn_implementation = "recurscope"
-        self.bridge_family = family
-        self.text_layer_types = list(text_cfg.layer_types)
-        mixer_cls = family.spec.mixer_class
-        blocks = []
-        for i, layer in enumerate(text.layers):
-            parallel = self.text_layer_types[i] in family.parallel_block_types   # Falcon-H1: mixer and attention
-            shared = self.text_layer_types[i] in family.shared_block_types       # Zamba2: shared block, then mixer
-            recurrent = self.text_layer_types[i] == "linear_attention" or parallel or shared
-            mlp_only = self.text_layer_types[i] in family.mlp_block_types
-            mixer_path, norm_path, attn_path = (family.shared_block_paths if shared else
-                                                (family.linear_attr if recurrent else family.attention_attr,
-                                                 family.mixer_norm_attr, family.attention_attr))
-            if recurrent:
-                owner, _, name = mixer_path.rpartition(".")
-                owner = layer.get_submodule(owner) if owner else layer
-                setattr(owner, name, mixer_cls(getattr(owner, name)))
-            if parallel or shared or not (recurrent or mlp_only):
-                add_attention_hooks(layer.get_submodule(attn_path))
-            block = BridgeBlock(layer, mixer_path, recurrent, "pre" if recurrent else family.attention_norm,
-                                norm_path, mlp_only, family.mlp_attr, family.mlp_norm_attr, family.mlp_fn,
-                                attn_path if parallel or shared else None, "shared" if shared else "parallel",
-                                family.layer_args)
-            block.returns_tuple = family.layer_returns_tuple
-            text.layers[i] = block
+        self.bridge_family = family   # the architecture's adapter (bridge/adapters/)
+        self.text_layer_types = family.layer_types(text_cfg)
+        layers, blocks = family.decoder_layers(text), []
+        for i, layer in enumerate(layers):
+            block = family.make_block(layer, self.text_layer_types[i])
+            layers[i] = block
             blocks.append(block)
         self.hf = hf
         self.text_model = [text]      # a plain list: not a second registration of the same modules
@@ -340,8 +109,9 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         self.hook_embed = HookPoint()
         text.get_input_embeddings().register_forward_hook(lambda module, args, out: self.hook_embed(out))
         self.cfg = BridgeConfig(family.spec.name, int(text_cfg.vocab_size), int(text_cfg.num_hidden_layers),
-                                text_cfg, family.spec, conv_size=int(getattr(text_cfg, family.conv_kernel_key)),
-                                max_position_embeddings=getattr(text_cfg, "max_position_embeddings", None))
+                                text_cfg, family.spec, conv_size=family.conv_size(text_cfg),
+                                max_position_embeddings=getattr(text_cfg, "max_position_embeddings", None),
+                                use_short_conv=family.short_conv)
         self.tokenizer = tokenizer
         self.name_or_path: Optional[str] = None
         self.checkpoint_dir = None
@@ -378,52 +148,10 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
 
     # ---- the cache: RecurrentCache <-> transformers' DynamicCache ----------------------------------------------
     def _to_hf_cache(self, cache: Optional[RecurrentCache]):
-        from transformers import DynamicCache
-
-        hf_cache = DynamicCache(config=self.cfg.hf_config)
-        if cache is None:
-            return hf_cache
-        if len(cache.layers) != len(self.blocks):
-            raise ValueError(f"the cache has {len(cache.layers)} layers but the model has {len(self.blocks)}")
-        for i, lc in enumerate(cache.layers):
-            layer = hf_cache.layers[i]
-            if lc.kind == "none":   # an MLP-only block: transformers keeps no cache layer content for it
-                continue
-            if lc.kind in ("recurrent", "hybrid"):   # "hybrid": a parallel block's state, conv tail and K/V
-                for key, conv in lc.conv.items():
-                    idx = int(key)
-                    layer.conv_states[idx] = conv.clone()   # transformers updates its cache in place
-                    layer.conv_kernel_size[idx] = conv.shape[-1]
-                    layer.is_conv_states_initialized[idx] = True
-                    layer.has_previous_state[idx] = True
-                if lc.state is not None:
-                    state = lc.state.transpose(-1, -2) if self.bridge_family.state_transposed else lc.state
-                    layer.recurrent_states[0] = state.contiguous().clone()
-                    layer.is_recurrent_states_initialized[0] = True
-                    layer.has_previous_state[0] = True
-                layer.device, layer.dtype = lc.state.device, lc.state.dtype
-            if lc.kind != "recurrent" and lc.keys is not None:
-                layer.update(lc.keys.transpose(1, 2).contiguous(), lc.values.transpose(1, 2).contiguous())
-        return hf_cache
+        return self.bridge_family.to_hf_cache(self.blocks, cache, self.cfg.hf_config)
 
     def _from_hf_cache(self, hf_cache, seen: int) -> RecurrentCache:
-        layers = []
-        for i, block in enumerate(self.blocks):
-            layer = hf_cache.layers[i]
-            if block.is_recurrent:
-                conv = {str(k): v for k, v in layer.conv_states.items() if v is not None}
-                state = layer.recurrent_states[0]
-                if self.bridge_family.state_transposed and state is not None:
-                    state = state.transpose(-1, -2)
-                hybrid = block.attn_attr is not None   # Falcon-H1's and Zamba2's: the state and the attention's K/V
-                kv = {} if not hybrid or layer.keys is None else \
-                    dict(keys=layer.keys.transpose(1, 2), values=layer.values.transpose(1, 2))
-                layers.append(LayerCache("hybrid" if hybrid else "recurrent", state=state, conv=conv, **kv))
-            elif block.mlp_only:
-                layers.append(LayerCache("none"))
-            else:
-                layers.append(LayerCache("attention", keys=layer.keys.transpose(1, 2), values=layer.values.transpose(1, 2)))
-        return RecurrentCache(layers, seen)
+        return self.bridge_family.from_hf_cache(self.blocks, hf_cache, seen)
 
     # ---- packed sequences and caches of different lengths per row ---------------------------------------------
     def _mask_mapping(self, allowed: torch.Tensor) -> dict:
@@ -486,7 +214,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
             m.cu_seqlens = cu
         try:
             out = self.text_model[0](input_ids=tokens, position_ids=positions, cache=hf_cache,
-                                     use_cache=hf_cache is not None, **kwargs)
+                                     use_cache=use_cache or cache is not None, **kwargs)
         finally:
             for m in mixers:
                 m.state_positions = None
@@ -499,7 +227,8 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         logits = self._logits(hidden)
         new_cache = None
         if use_cache:
-            new_cache = self._from_hf_cache(hf_cache, offset + T)
+            # (the cache the model made, where the adapter hands it none to fill: xLSTM's is sized by the batch)
+            new_cache = self._from_hf_cache(out.cache if hf_cache is None else hf_cache, offset + T)
             if cu is not None:
                 new_cache = unpack_cache(new_cache, cu)
             elif cache is not None and cache.lengths is not None:
@@ -537,20 +266,9 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         return self._embedding()(tokens) * scale, (context, cache.seen_tokens)
 
     def run_layer(self, layer: int, resid: torch.Tensor, layer_cache: LayerCache, context) -> torch.Tensor:
-        kwargs, seen = context
-        if self.bridge_family.shared_block_types:
-            # Zamba2's shared blocks read the token embeddings at every use: the residual between layers carries them
-            # in its trailing channels (layer 0 takes the bare embeddings and appends them), so that rows regrouped
-            # between layers (the head scan's growing batch) keep their own
-            d = self.cfg.hidden_size
-            embeds = resid if layer == 0 else resid[..., d:]
-            per_layer = list(kwargs)
-            per_layer[layer] = dict(kwargs[layer], original_hidden_states=embeds)
-            out = self._run_block(layer, resid[..., :d], layer_cache, (per_layer, seen))
-            return torch.cat([out, embeds], dim=-1)
-        return self._run_block(layer, resid, layer_cache, context)
+        return self.bridge_family.run_layer(self, layer, resid, layer_cache, context)
 
-    def _run_block(self, layer: int, resid: torch.Tensor, layer_cache: LayerCache, context) -> torch.Tensor:
+    def run_block(self, layer: int, resid: torch.Tensor, layer_cache: LayerCache, context) -> torch.Tensor:
         kwargs, seen = context
         block = self.blocks[layer]
         keys = layer_cache.keys
@@ -558,15 +276,13 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         # function reads that row's K/V once for all rows instead of a per-row concatenation (hooked_attention).
         shared = (block.is_attention and self.bridge_family.cached_kv_to_attention and keys is not None
                   and keys.shape[0] > 1 and keys.stride(0) == 0 and layer_cache.values.stride(0) == 0)
-        transposed = self.bridge_family.state_transposed
+        view = self.bridge_family.layer_view
         if not shared:
-            return block.block_forward(resid, cache=_LayerView(layer_cache, seen, state_transposed=transposed),
-                                       **kwargs[layer])
+            return block.block_forward(resid, cache=view(layer_cache, seen), **kwargs[layer])
         attention = block.attention   # the block's mixer, or the attention beside a parallel block's mixer
         attention.shared_kv = (keys[:1].transpose(1, 2), layer_cache.values[:1].transpose(1, 2))
         try:
-            return block.block_forward(resid, cache=_LayerView(layer_cache, seen, new_kv_only=True,
-                                                                state_transposed=transposed), **kwargs[layer])
+            return block.block_forward(resid, cache=view(layer_cache, seen, new_kv_only=True), **kwargs[layer])
         finally:
             attention.shared_kv = None
 
@@ -592,7 +308,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         """The LM head times logit_multiplier, as transformers' forward computes the logits."""
         logits = self.hf.lm_head(hidden)
         scale = self.logit_multiplier
-        return logits if scale == 1.0 else logits * scale
+        return self.bridge_family.cap_logits(self.hf, logits if scale == 1.0 else logits * scale)
 
     @property
     def unembed_weight(self) -> torch.Tensor:

@@ -9,47 +9,22 @@ from __future__ import annotations
 import importlib
 from contextlib import contextmanager
 
-#: modeling modules of the families the bridge knows, and the kernel functions each dispatches.
-DISPATCHED = {
-    "transformers.models.qwen3_5.modeling_qwen3_5": ("causal_conv1d_update", "causal_conv1d_fn",
-                                                      "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
-    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe": ("causal_conv1d_update", "causal_conv1d_fn",
-                                                              "torch_chunk_gated_delta_rule",
-                                                              "torch_recurrent_gated_delta_rule"),
-    "transformers.models.qwen3_next.modeling_qwen3_next": ("causal_conv1d_update", "causal_conv1d_fn",
-                                                            "torch_chunk_gated_delta_rule",
-                                                            "torch_recurrent_gated_delta_rule"),
-    "transformers.models.olmo_hybrid.modeling_olmo_hybrid": ("causal_conv1d_update", "causal_conv1d_fn",
-                                                              "torch_chunk_gated_delta_rule",
-                                                              "torch_recurrent_gated_delta_rule"),
-    "transformers.models.kimi_linear.modeling_kimi_linear": ("causal_conv1d_update", "causal_conv1d_fn",
-                                                              "recurrent_kimi_delta_attention",
-                                                              "chunk_kimi_delta_attention"),
-    "transformers.models.mamba2.modeling_mamba2": ("causal_conv1d_update", "causal_conv1d_fn",
-                                                    "mamba2_split_conv1d_scan_combined",
-                                                    "mamba2_selective_state_update", "mamba2_chunk_scan"),
-    "transformers.models.bamba.modeling_bamba": ("causal_conv1d_update", "causal_conv1d_fn",
-                                                  "mamba2_split_conv1d_scan_combined",
-                                                  "mamba2_selective_state_update", "mamba2_chunk_scan"),
-    "transformers.models.granitemoehybrid.modeling_granitemoehybrid": ("causal_conv1d_update", "causal_conv1d_fn",
-                                                                        "mamba2_split_conv1d_scan_combined",
-                                                                        "mamba2_selective_state_update",
-                                                                        "mamba2_chunk_scan"),
-    "transformers.models.falcon_h1.modeling_falcon_h1": ("causal_conv1d_update", "causal_conv1d_fn",
-                                                          "mamba2_split_conv1d_scan_combined",
-                                                          "mamba2_selective_state_update", "mamba2_chunk_scan"),
-    "transformers.models.zamba2.modeling_zamba2": ("causal_conv1d_update", "causal_conv1d_fn",
-                                                    "mamba2_split_conv1d_scan_combined",
-                                                    "mamba2_selective_state_update", "mamba2_chunk_scan"),
-    "transformers.models.nemotron_h.modeling_nemotron_h": ("causal_conv1d_update", "causal_conv1d_fn",
-                                                            "mamba2_split_conv1d_scan_combined",
-                                                            "mamba2_selective_state_update", "mamba2_chunk_scan"),
-}
+def dispatched() -> dict:
+    """{modeling module: the kernel functions it dispatches}, from every architecture's adapter (`dispatched`)."""
+    from recurscope.interp.bridge.families import adapters
+
+    return {module: names for adapter in adapters() for module, names in adapter.dispatched.items()}
+
+
+def __getattr__(name: str):
+    if name == "DISPATCHED":   # the earlier table, now each adapter's own entry
+        return dispatched()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _torch_functions(module):
     out = {}
-    for name in DISPATCHED[module.__name__]:
+    for name in dispatched()[module.__name__]:
         fn = getattr(module, name, None)
         inner = getattr(fn, "__wrapped__", None)
         if inner is not None:
@@ -62,7 +37,7 @@ def use_torch_path(module_names=None) -> dict:
     returns {(module, name): dispatching function} so that `restore` can undo it. Without names, a family this
     transformers version lacks is skipped; a named module must import."""
     saved = {}
-    for module_name in module_names or DISPATCHED:
+    for module_name in module_names or dispatched():
         try:
             module = importlib.import_module(module_name)
         except ImportError:
@@ -92,8 +67,8 @@ def torch_reference_path(module_names=None):
 
 @contextmanager
 def torch_reference():
-    """transformers' own forward of every family the bridge knows (Qwen3.5, Qwen3-Next, OLMo-hybrid, Kimi-Linear,
-    Mamba-2) on its PyTorch functions, on any device, within the block: the baseline against which the bridge is
+    """transformers' own forward of every architecture the bridge knows (each adapter's `dispatched`) on its PyTorch
+    functions, on any device, within the block: the baseline against which the bridge is
     checked.
     Without it transformers hands the recurrence and the short convolution to fla's Triton kernels or the
     causal-conv1d package whenever those import, which fails on a CPU. Public as `recurscope.torch_reference()`.

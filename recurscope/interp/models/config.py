@@ -42,26 +42,11 @@ class ModelConfig(TLConfigAliases):
     eos_token_id: Optional[int] = 2
     pad_token_id: Optional[int] = None
     fuse_norm: bool = True
-    # GLA
-    expand_k: float = 0.5
-    expand_v: float = 1.0
-    num_kv_heads: Optional[int] = None
-    feature_map: Optional[str] = None
     use_short_conv: bool = False
     conv_size: int = 4
     conv_bias: bool = False
-    use_output_gate: bool = True
-    clamp_min: Optional[float] = None
-    elementwise_affine: bool = True
-    gate_logit_normalizer: float = 16.0
-    gate_low_rank_dim: int = 16
-    # GDN / GDN-2
-    head_dim: int = 256
-    num_v_heads: Optional[int] = None
-    use_gate: bool = True
-    allow_neg_eigval: bool = False
-    output_gate_activation: str = "swish"
-    # the family's own options (FamilySpec.option_defaults), read as attributes: cfg.erase_arm for GDN-2
+    # the family's own options (FamilySpec.option_defaults: GLA's expand_k, GDN's head_dim, GDN-2's erase_arm, ...),
+    # read as attributes, cfg.<option>; the fields above are the ones every fla family shares
     options: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 

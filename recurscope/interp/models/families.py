@@ -121,6 +121,9 @@ class FamilySpec:
     final_norm: cfg -> the final norm module, when it is not the RMSNorm (RWKV-7: a LayerNorm).
     token_shift_reach: how many tokens after a span the family's token shift carries its inputs into (RWKV-7: 1), which
     `interventions.spans_with_conv_tail` adds to a fact span as it adds a short convolution's reach.
+    paper_family: the paper's family whose numbers apply ("GLA": its GLA-340M; "GDN": its GDN-340M / 1.3B, for every
+    gated delta rule), None for a family the paper did not measure (verdicts.paper_family).
+    paper_checkpoint: model -> the paper checkpoint whose App. E.2 top-k numbers apply, or None (protocols.topk).
     """
     name: str
     title: str
@@ -143,6 +146,8 @@ class FamilySpec:
     block: Optional[str] = None
     final_norm: Optional[Callable] = None
     token_shift_reach: int = 0
+    paper_family: Optional[str] = None
+    paper_checkpoint: Callable = lambda model: None
 
     def __post_init__(self):
         stray = sorted(set(self.option_defaults) - set(self.config_keys))
@@ -215,7 +220,11 @@ GLA = FamilySpec(
     mixer="GLAMixer", state_shape=_gla_state_shape, state_heads=lambda cfg: cfg.num_kv_heads or cfg.num_heads,
     query_group=lambda cfg: cfg.num_heads // (cfg.num_kv_heads or cfg.num_heads),
     absent_hooks=frozenset({"hook_erase", "hook_erase_gate"}), validate=_gla_validate,
-    readout_norm=_gla_norm, readout_gate=_gla_gate,
+    readout_norm=_gla_norm, readout_gate=_gla_gate, paper_family="GLA",
+    option_defaults={"expand_k": 0.5, "expand_v": 1.0, "num_kv_heads": None, "feature_map": None,
+                     "use_output_gate": True, "clamp_min": None, "elementwise_affine": True,
+                     "gate_logit_normalizer": 16.0, "gate_low_rank_dim": 16},
+    paper_checkpoint=lambda model: "GLA-7B" if getattr(model, "query_group", 1) > 1 else "GLA-340M",
 )
 
 
@@ -257,6 +266,8 @@ def _gdn2_gate(mixer, h):
 
 _DELTA_KEYS = frozenset({"head_dim", "num_v_heads", "expand_v", "use_gate", "allow_neg_eigval",
                          "output_gate_activation"})
+_DELTA_DEFAULTS = {"head_dim": 256, "num_v_heads": None, "expand_v": 1.0, "use_gate": True, "allow_neg_eigval": False,
+                   "output_gate_activation": "swish"}
 
 GATED_DELTANET = FamilySpec(
     name="gated_deltanet", title="Gated DeltaNet (fla)", weights=FLA_WEIGHTS, config_keys=_DELTA_KEYS,
@@ -266,6 +277,8 @@ GATED_DELTANET = FamilySpec(
     mixer="GatedDeltaNetMixer", state_shape=_delta_state_shape, state_heads=lambda cfg: cfg.num_v_heads or cfg.num_heads,
     validate=_delta_validate, readout_norm=lambda mixer: mixer.o_norm, readout_gate=_gdn_gate,
     absent_hooks=frozenset({"hook_erase_gate"}),   # beta is its erase gate, folded into a; only GDN-2 hooks b
+    paper_family="GDN",
+    option_defaults=_DELTA_DEFAULTS,
 )
 
 GATED_DELTANET2 = FamilySpec(
@@ -280,7 +293,8 @@ GATED_DELTANET2 = FamilySpec(
     label=lambda cfg: "gated_deltanet2" + ("" if cfg.erase_arm == "gdn2" else f"/{cfg.erase_arm}"),
     readout_norm=lambda mixer: mixer.o_norm, readout_gate=_gdn2_gate,
     # QED: the erase arm and lam_h = qed_lambda_max * sigmoid(theta_h), theta_h starting at qed_theta_init
-    option_defaults={"erase_arm": "gdn2", "qed_lambda_max": 0.25, "qed_theta_init": -2.0},
+    option_defaults={**_DELTA_DEFAULTS, "erase_arm": "gdn2", "qed_lambda_max": 0.25, "qed_theta_init": -2.0},
+    paper_family="GDN",
 )
 
 
@@ -365,7 +379,7 @@ MAMBA2 = FamilySpec(
     # conv_init, A_init_range, dt_min, dt_max, dt_init_floor and rescale_prenorm_residual only initialise weights;
     # chunk_size is fla's kernel chunk; residual_in_fp32 changes nothing in float32 (recurscope keeps the residual
     # in the model's dtype).
-    option_defaults={"state_size": 128, "expand": 2, "n_groups": 1, "conv_kernel": 4, "use_bias": False,
+    option_defaults={"head_dim": 256, "state_size": 128, "expand": 2, "n_groups": 1, "conv_kernel": 4, "use_bias": False,
                      "use_conv_bias": True, "D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False,
                      "dt_limit": [0.0, {"__float__": "Infinity"}], "residual_in_fp32": True, "chunk_size": 256,
                      "conv_init": None, "A_init_range": [1, 16], "dt_min": 0.001, "dt_max": 0.1,
@@ -435,8 +449,10 @@ RWKV7 = FamilySpec(
     final_norm=_rwkv7_final_norm, token_shift_reach=1,
     state_shape=lambda cfg: (cfg.head_dim, cfg.head_dim), state_heads=lambda cfg: cfg.num_heads,
     validate=_rwkv7_validate, readout_map=_rwkv7_readout_map,
-    option_defaults={"decay_low_rank_dim": 64, "a_low_rank_dim": 64, "v_low_rank_dim": 16, "norm_first": True,
-                     "norm_bias": True, "value_dim": None},
+    paper_checkpoint=lambda model: "RWKV7-13.3B",
+    option_defaults={"head_dim": 256, "decay_low_rank_dim": 64, "gate_low_rank_dim": 16, "a_low_rank_dim": 64,
+                     "v_low_rank_dim": 16, "norm_first": True, "norm_bias": True, "value_dim": None,
+                     "elementwise_affine": True},
 )
 
 #: fla-format families, by config.json model_type.

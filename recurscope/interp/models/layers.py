@@ -19,12 +19,6 @@ def rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(|x|^2 + eps), the form fla's kernels use inside the delta rules."""
-    xf = _accumulate(x)
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = True):
         super().__init__()

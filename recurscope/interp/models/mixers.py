@@ -18,7 +18,7 @@ from recurscope import kernels
 from recurscope.hooks.points import StateHookPoint, is_intercepted
 from recurscope.interp.models.cache import LayerCache
 from recurscope.interp.models.config import ModelConfig
-from recurscope.interp.models.layers import GatedRMSNorm, RMSNorm, ShortConvolution, l2_normalise, rotary
+from recurscope.interp.models.layers import GatedRMSNorm, RMSNorm, ShortConvolution, rotary
 
 
 def _split_heads(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -28,15 +28,6 @@ def _split_heads(t: torch.Tensor, dim: int) -> torch.Tensor:
 def _acc(t: torch.Tensor) -> torch.dtype:
     """The gates' dtype: at least float32, float64 in a float64 model."""
     return torch.promote_types(t.dtype, torch.float32)
-
-
-def _readout(S: torch.Tensor, q_t: torch.Tensor, scale: float) -> torch.Tensor:
-    """o_t = scale S_t^T q_t for states (B, H, K, V) and q_t (B, H_k, K), H = n H_k (key head h // n per value
-    head h)."""
-    q_t = q_t.to(S.dtype)
-    if q_t.shape[1] != S.shape[1]:
-        q_t = q_t.repeat_interleave(S.shape[1] // q_t.shape[1], dim=1)
-    return scale * torch.einsum("bhkv,bhk->bhv", S, q_t)
 
 
 def _repeat_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -332,8 +323,8 @@ class _DeltaBase(RecurrentMixer):
             v = self._conv_or_act("v", self.v_proj(h), layer_cache, new_conv)
         else:
             q, k, v = F.silu(self.q_proj(h)), F.silu(self.k_proj(h)), F.silu(self.v_proj(h))
-        q = _repeat_heads(l2_normalise(_split_heads(q, self.head_k)), self.groups)
-        k = _repeat_heads(l2_normalise(_split_heads(k, self.head_k)), self.groups)
+        q = _repeat_heads(kernels.l2_normalise(_split_heads(q, self.head_k)), self.groups)
+        k = _repeat_heads(kernels.l2_normalise(_split_heads(k, self.head_k)), self.groups)
         v = _split_heads(v, self.head_v)
         return self.hook_q(q), self.hook_k(k), self.hook_v(v)
 

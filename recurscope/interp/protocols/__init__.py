@@ -47,5 +47,10 @@ def register_verbs(subparsers, model_args, load, executor=None) -> None:
     interp.cli; executor(args), also from interp.cli, runs a verb's independent units on Ray (--ray)."""
     from recurscope.interp.protocols.verbs import TABLE, add_verb
 
+    def run_verb(*args):   # the runner (pandas, the modules) only when a verb runs
+        from recurscope.interp.protocols.runner import run_verb as run
+
+        return run(*args)
+
     for verb in VERBS:
-        add_verb(subparsers, TABLE[verb], model_args, load, executor)
+        add_verb(subparsers, TABLE[verb], model_args, load, executor, run_verb)

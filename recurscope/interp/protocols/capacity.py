@@ -26,34 +26,14 @@ from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, run_arms,
                                                  max_length, pair_spec, PairSpec)
+from recurscope.interp.protocols._layouts import HIGH_LOAD, bare_length, fixed_length_filler, load_layout  # noqa: F401  (shared)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.protocols.verbs import GAPS, LOADS   # the verb's defaults, written once
 from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from, paper_family
 
 __all__ = ["LOADS", "GAPS", "load_layout", "fixed_length_filler", "loss_contrasts", "run_capacity", "reading"]
 
-#: K at and above which the high-load layout (one presentation per fact, 4-token gaps) is used.
-HIGH_LOAD = 32
 METRICS = ("clean_correct", "donor_margin_shift")
-
-
-def load_layout(k: int, layout=None) -> PairSpec:
-    """The pairs (a PairSpec; its filler is set by the caller) for K facts: `layout` (a PairSpec, PairLayout or
-    layout name; default the §3.3 layout) with K facts below HIGH_LOAD, else the high-load layout, one presentation
-    per fact with 4-token gaps."""
-    if k >= HIGH_LOAD:
-        return pair_spec(layout, n_facts=k, presentations=1, gap_tokens=4)
-    return pair_spec(layout, n_facts=k)
-
-
-def fixed_length_filler(tokenizer, layout: PairSpec, total_length: int) -> int:
-    """The filler before the query that makes a sequence of `layout` exactly `total_length` tokens long; raises
-    ValueError when the facts alone are longer."""
-    filler = total_length - _bare_length(tokenizer, layout)
-    if filler < 0:
-        raise ValueError(f"K={layout.layout.n_facts} needs {-filler} more tokens than the fixed total length "
-                         f"{total_length}")
-    return filler
 
 
 def loss_contrasts(sources: pd.DataFrame, loads: Sequence[int], gaps: Sequence[int], *, n_resamples: int = 9999,
@@ -147,7 +127,7 @@ def run_capacity(model, head: Optional[Sequence[int]] = None, *, from_scan=None,
     chosen, _ = frozen_head(model, head, from_scan, n_dev=n_dev, layout=base)
     tok = model.tokenizer
     if total_length is None:
-        total_length = 128 + _bare_length(tok, load_layout(16, base))
+        total_length = 128 + bare_length(tok, load_layout(16, base))
     conditions = {}
     for k in loads:
         conditions[f"load:{k}"] = ("load", int(k), load_layout(int(k), base), None)
@@ -204,13 +184,6 @@ def run_capacity(model, head: Optional[Sequence[int]] = None, *, from_scan=None,
     return finish(result, run_dir, lambda r: capacity_section(r, model_name), figures)
 
 
-def _bare_length(tokenizer, layout: PairSpec) -> int:
-    from recurscope.interp.data import build_pairs
-
-    bare = build_pairs(tokenizer, split="heldout", n_sources=1, **layout.with_(filler_tokens=0).kwargs())
-    return int(bare.recipient_ids.shape[1])
-
-
 def capacity_section(result: ProtocolResult, model_name: str) -> Section:
     s, info = result.summary, result.info
     table = ["| series | x | clean recall | state-swap shift | not evaluated because |", "|---|---|---|---|---|"]
@@ -250,3 +223,7 @@ def reading(s: pd.DataFrame, *, family: Optional[str]) -> list[str]:
                             "The load loss minus the gap loss (paired over sources)",
                             "load costs more recall than the gap on GLA-340M and GDN-340M"))
     return out
+
+
+#: the earlier private name, which interp.cli_checks still reads (until the main job leaves cli.py)
+_bare_length = bare_length

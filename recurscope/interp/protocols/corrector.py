@@ -39,7 +39,7 @@ from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen
 from recurscope.interp.protocols.verbs import CORRECTOR_METHODS
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import GDN, GLA, Claim, judge, judge_family, measure_from, paper_family
-from recurscope.interp.protocols.capacity import _bare_length, fixed_length_filler, load_layout
+from recurscope.interp.protocols._layouts import bare_length, fixed_length_filler, load_layout
 
 __all__ = ["ARMS", "METHODS", "PAPER", "Corrector", "source_keys", "collect_features", "fit_corrector",
            "random_corrector", "corrected_logits", "corrector_logits", "run_corrector"]
@@ -292,7 +292,7 @@ def run_corrector(model, head: Optional[Sequence[int]] = None, *, from_scan=None
     control = iv.choose_control_heads(model, [chosen], scan_heads)[0]
     tok = model.tokenizer
     if total_length is None:
-        total_length = 128 + _bare_length(tok, load_layout(16, base))
+        total_length = 128 + bare_length(tok, load_layout(16, base))
     spec = load_layout(int(k), base)
     spec = spec.with_(filler_tokens=fixed_length_filler(tok, spec, total_length))
     common = dict(max_length=max_length(model), pairs_per_source=pairs_per_source, **spec.kwargs())

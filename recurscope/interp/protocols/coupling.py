@@ -26,7 +26,7 @@ from recurscope.interp import stats
 from recurscope.interp.protocols._common import ProtocolResult, ci_text, frozen_setup, head_label, source_units
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from, paper_family
-from recurscope.interp.protocols.selectivity import build_selectivity_pairs
+from recurscope.interp.protocols._layouts import build_selectivity_pairs
 
 __all__ = ["ARMS", "split_parallel", "run_coupling", "reading"]
 

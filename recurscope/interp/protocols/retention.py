@@ -32,7 +32,8 @@ from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import (AGREES, GDN, GLA, Claim, control_verdict, judge, judge_family, measure_from,
                                         paper_family)
-from recurscope.interp.protocols.capacity import HIGH_LOAD, LOADS, _bare_length, fixed_length_filler, load_layout
+from recurscope.interp.protocols._layouts import HIGH_LOAD, bare_length, fixed_length_filler, load_layout
+from recurscope.interp.protocols.verbs import LOADS
 
 __all__ = ["LOADS", "ARMS", "METRICS", "PAPER", "retention_pairs", "shift_kept", "run_retention", "reading"]
 
@@ -161,7 +162,7 @@ def run_retention(model, head: Optional[Sequence[int]] = None, *, from_scan=None
     chosen, _ = frozen_head(model, head, from_scan, n_dev=n_dev, layout=base)
     tok = model.tokenizer
     if total_length is None:
-        total_length = 128 + _bare_length(tok, load_layout(16, base))
+        total_length = 128 + bare_length(tok, load_layout(16, base))
     arms = [f"{int(k)}:{arm}" for k in loads for arm in ARMS]
     compute = LoadArm(base, total_length, n_sources, n_nontarget, chosen, batch_size, gate_threshold, n_resamples,
                       seed)

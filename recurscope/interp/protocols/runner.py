@@ -97,6 +97,10 @@ def run_verb(verb: Verb, work: Sequence[str], args, load, executor=None) -> int:
     else:
         fn = getattr(module, verb.run)
         result = fn(model, run_dir=run, progress=progress, **extra, **run_kwargs(fn, args))
+    undeclared = sorted(set(getattr(result, "figures", {})) - set(verb.figures))
+    if undeclared:   # the table is what tests and docs read; a figure it does not name is a slip in the table
+        raise RuntimeError(f"{verb.name} drew figures {undeclared} that its entry in protocols/verbs.py does not declare "
+                           f"(figures={verb.figures!r}); add them there")
     print(result.section)
     print(f"results in {run.path}")
     return 0

@@ -19,7 +19,8 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, source_means, summarise_metrics
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_setup, head_label, logged_arms,
-                                                 logged_arms_on, max_length, pair_spec, pooled_break_rate)
+                                                 logged_arms_on, pooled_break_rate)
+from recurscope.interp.protocols._layouts import build_selectivity_pairs  # noqa: F401  (shared with coupling)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import GDN, GLA, Claim, control_verdict, judge_family, measure_from, paper_family
 
@@ -40,16 +41,6 @@ PAPER_SPAN = {GLA: {"donor_answer": (0.891, 0.891), "pooled_break_rate": (0.0142
 #: Each control's causal arm: its donor-margin shift is the control's yardstick.
 CONTROL_OF = {"random_update": "state_swap", "random_write": "donor_write", "control_head:state_swap": "state_swap",
               "control_head:donor_write": "donor_write"}
-
-
-def build_selectivity_pairs(tokenizer, *, n_sources: int = 32, split: str = "heldout", model=None, layout=None):
-    """Swap pairs with every fact queried (build_multifact_pairs) in `layout` (a PairSpec, PairLayout or layout
-    name; default the §3.3 layout, _common.PROTOCOL_LAYOUT)."""
-    from recurscope.interp.data import build_multifact_pairs
-
-    return build_multifact_pairs(tokenizer, split=split, n_sources=n_sources,
-                                 max_length=None if model is None else max_length(model),
-                                 **pair_spec(layout).kwargs())
 
 
 def _arm(model, pairs, head, arm: str, *, seed: int, batch_size: int, scan_heads=None, rows=None) -> pd.DataFrame:

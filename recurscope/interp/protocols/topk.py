@@ -31,8 +31,8 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp.protocols._common import ProtocolResult, ci_text, head_label, max_length, pair_spec, run_arms
 from recurscope.interp.protocols.gate import capability_gate
-from recurscope.interp.protocols.heads import (arm_rows, frozen_ranking, recovery_records, scan_ranking, swap_arms,
-                                               top_k_sizes)
+from recurscope.interp.protocols._rankings import (arm_rows, frozen_ranking, recovery_records, scan_ranking,
+                                                   swap_arms, top_k_sizes)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.protocols.verbs import GATE_THRESHOLD, TOPK_FORMATS
 from recurscope.interp.verdicts import Claim, judge, measure_from
@@ -79,12 +79,7 @@ class SwapArm:
 def paper_checkpoint(model) -> Optional[str]:
     """The paper checkpoint whose E.2 numbers a model's family is compared with: RWKV-7 -> RWKV7-13.3B, GLA with
     query groups -> GLA-7B, GLA without -> GLA-340M; None for a family the appendix does not test."""
-    name = getattr(model.family, "name", "")
-    if name == "rwkv7":
-        return "RWKV7-13.3B"
-    if name == "gla":
-        return "GLA-7B" if getattr(model, "query_group", 1) > 1 else "GLA-340M"
-    return None
+    return model.family.paper_checkpoint(model)   # the family's spec says it
 
 
 def paper_claim(model, fmt: str) -> Optional[tuple[float, str]]:

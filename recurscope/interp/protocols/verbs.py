@@ -68,6 +68,7 @@ class Verb:
     ray: bool = False                    # --ray / --workers: the verb's independent units on Ray
     serial: str = ""                     # without --ray: why its units are not independent (said in --help)
     note: str = ""                       # said in --help after the help line (e.g. why a verb takes no --layout)
+    figures: tuple = ()                  # the figures it draws (figures/<name>.png), which runner.run_verb holds it to
 
     @property
     def module(self) -> str:
@@ -122,9 +123,11 @@ def _ray_options(p) -> None:
     p.add_argument("--workers", type=int, default=None, help="with --ray: at most this many workers")
 
 
-def add_verb(sub, verb: Verb, model_args, load, executor: Optional[Callable] = None) -> None:
+def add_verb(sub, verb: Verb, model_args, load, executor: Optional[Callable] = None,
+             run_verb: Optional[Callable] = None) -> None:
     """Adds `verb`'s parser to the subparsers `sub`: the shared model options (model_args), the option groups and
-    the verb's own options. Running it (runner.run_verb) imports the verb's module. executor(args) ->
+    the verb's own options. Running it calls run_verb(verb, work, args, load, executor) (protocols.register_verbs
+    passes runner.run_verb, which imports the verb's module; this table imports no runner). executor(args) ->
     executor(pairs, units, compute, on_rows): the CLI's Ray runner, for verbs with ray=True."""
     description = (verb.help + (f". Runs serially: {verb.serial}." if verb.serial else "")
                    + (f". {verb.note}." if verb.note else ""))
@@ -149,8 +152,6 @@ def add_verb(sub, verb: Verb, model_args, load, executor: Optional[Callable] = N
     work = ["model", *sorted({a.dest for a in p._actions} - before - NOT_WORK - {"help"})]
 
     def run(args):
-        from recurscope.interp.protocols.runner import run_verb
-
         return run_verb(verb, work, args, load, executor)
     p.set_defaults(fn=run, **verb.defaults)
 
@@ -231,47 +232,47 @@ def _topk_options(p) -> None:
 # ---- the table --------------------------------------------------------------------------------------------
 
 TABLE: dict[str, Verb] = {v.name: v for v in (
-    Verb("selectivity", "four-fact selectivity of the frozen head (§3.3, Fig. 5a-b)", "run_selectivity", ray=True),
-    Verb("coupling", "Frobenius coupling of two facts' state changes (§2.4, Fig. 5c)", "run_coupling", ray=True),
-    Verb("neutral", "neutral suppression of the target fact (App. D.1, Fig. 12)", "run_neutral", ray=True),
+    Verb("selectivity", "four-fact selectivity of the frozen head (§3.3, Fig. 5a-b)", "run_selectivity", ray=True, figures=('selectivity',)),
+    Verb("coupling", "Frobenius coupling of two facts' state changes (§2.4, Fig. 5c)", "run_coupling", ray=True, figures=('coupling',)),
+    Verb("neutral", "neutral suppression of the target fact (App. D.1, Fig. 12)", "run_neutral", ray=True, figures=('neutral',)),
     Verb("heads", "write-block non-additivity and joint top-k recovery (Fig. 3c, App. E.2)", "run_heads",
          from_args="_from_args", n_sources=64, head=False, n_dev=32,
          from_scan_help="a scan directory whose ranking to freeze (default: a fresh scan on --n-dev dev sources)",
-         ray=True),
+         ray=True, figures=('recovery', 'nonadditivity')),
     Verb("headscan", "held-out all-head write and read scans (App. C, Fig. 10)", "run_headscan",
-         defaults={"resamples": 2000}, ray=True),
+         defaults={"resamples": 2000}, ray=True, figures=('headscan',)),
     Verb("lens", "logit lens per layer and recurrent sublayer, localised on dev and confirmed held out (App. C, "
          "Fig. 11)", "run_lens", n_sources=128, head=False, ranking=False, options=_lens_options,
-         ray=True),
+         ray=True, figures=('lens',)),
     Verb("gate", "the App. F.2 capability gate: one evidence sentence, two phrasings, full-vocabulary top-1 against a "
          "preset threshold, with an evidence-removed control", "run_gate", from_args="_from_args", head=False,
          ranking=False, layout=False, options=_gate_options, ray=True,
          note="Its layout is App. F.2's own (one evidence sentence, one fact, --fillers, --gap), so it takes no "
-              "--layout"),
+              "--layout", figures=('gate',)),
     Verb("capacity", "clean recall and state-swap shift against load K and gap (§4.2, Fig. 7a-b)", "run_capacity",
-         filler=False, presentations=False, gap=False, fixed_length=True, options=_capacity_options, ray=True),
+         filler=False, presentations=False, gap=False, fixed_length=True, options=_capacity_options, ray=True, figures=('load', 'gap')),
     Verb("overlap", "write-key overlap: interfering writes aligned with the target's write direction (§4.2, "
-         "Fig. 7c)", "run_overlap", from_args="_from_args", options=_overlap_options, ray=True),
+         "Fig. 7c)", "run_overlap", from_args="_from_args", options=_overlap_options, ray=True, figures=('overlap',)),
     Verb("retention", "clean recall, state-swap edit shift and non-target break rate against load K, with the "
          "random-update control (§4.2, Fig. 8)", "run_retention", n_sources=16, filler=False, presentations=False,
-         gap=False, fixed_length=True, options=_retention_options, ray=True),
+         gap=False, fixed_length=True, options=_retention_options, ray=True, figures=('retention',)),
     Verb("corrector", "a low-rank state-feature corrector fitted on dev sources, applied on held-out sources at high "
          "load (App. F.1)", "run_corrector", filler=False, presentations=False, gap=False, fixed_length=True,
          options=_corrector_options, serial="the corrector is fitted once on all --n-fit dev sources, and every arm "
-         "(the corrector, its random map, the control head's corrector) applies that fit to every held-out source"),
+         "(the corrector, its random map, the control head's corrector) applies that fit to every held-out source", figures=('corrector',)),
     Verb("reuse", "the frozen head's donor write across templates, value vocabularies and the update format, and the "
          "rank-4 colour-to-shape subspace transfer (App. D.2)", "run_reuse", from_args="_from_args",
-         presentations=False, gap=False, template=False, options=_reuse_options, ray=True),
+         presentations=False, gap=False, template=False, options=_reuse_options, ray=True, figures=('reuse', 'subspace')),
     Verb("hybrid", "hybrid cache factorial: recurrent caches, attention KV, both (Sec. 4.1, Fig. 6); --task update "
          "or niah: Table 2", "run_hybrid", from_args="_from_args", check="require_hybrid", n_sources=128, head=False,
-         ranking=False, options=_hybrid_options, ray=True),
+         ranking=False, options=_hybrid_options, ray=True, figures=('hybrid',)),
     Verb("topk", "the App. E.2 top-k test in the compact and naturalized formats, gated by clean recall (App. E.2, "
          "Fig. 14)", "run_topk", from_args="_from_args", n_sources=64, head=False, n_dev=32, layout=False,
          options=_topk_options, ray=True,
          from_scan_help="a scan directory whose ranking to freeze for every format (default: a fresh scan per "
                         "format on --n-dev dev sources)",
          note="Each format is App. B's layout in that format's wording (--filler, --presentations, --gap), so it "
-              "takes no --layout"),
+              "takes no --layout", figures=('topk',)),
 )}
 
 #: One line per verb, for `recurscope --help`.
