@@ -71,9 +71,9 @@ MIN_SOURCES = 2
 #: Below this many sources a source bootstrap has at most 10 distinct resamples (3 sources): its 95% interval is
 #: little more than the range of the source means, so nothing is judged on it.
 MIN_INFORMATIVE_SOURCES = 4
-#: An interval wider than its reference (the paper's value, the estimate, or the effect's own scale) cannot tell the
-#: paper's number from zero or from twice it: not informative.
-MAX_WIDTH_FRACTION = 1.0
+#: An interval wider than twice its reference (the paper's value, the estimate, or the effect's own scale) spans more
+#: than zero to twice that value: it cannot tell the paper's number from zero or from double it, so not informative.
+MAX_WIDTH_FRACTION = 2.0
 #: An effect whose whole interval lies within 5% of its own scale (e.g. the hub's effect) is negligible: too small
 #: to carry a claim about its sign, whatever its interval says.
 NEGLIGIBLE_FRACTION = 0.05
@@ -268,6 +268,8 @@ def _kind(m: Measure, c: Claim) -> tuple[str, str]:
     if c.kind == "range":
         span = (f"range {m.number(c.value)} to {m.number(c.upper)}" if c.upper != c.value else
                 m.number(c.value))
+        if (c.value > 0 and hi < 0) or (c.upper < 0 and lo > 0):
+            return OPPOSITE, f"the interval excludes zero on the other side of the paper's {span}"
         if hi < c.value or lo > c.upper:
             return DIFFERS, f"the interval lies {'above' if lo > c.upper else 'below'} the paper's {span}"
         if (c.value > 0 and lo <= 0) or (c.upper < 0 and hi >= 0):

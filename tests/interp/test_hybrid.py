@@ -17,7 +17,8 @@ from recurscope.interp.loading import load_model
 from recurscope.interp.protocols import hybrid
 from recurscope.interp.verdicts import AGREES, DIFFERS, NO_EVIDENCE
 
-TINY = ["--n-sources", "3", "--filler", "12", "--presentations", "2", "--gap", "4", "--resamples", "100",
+TINY = ["--n-sources", "3", "--filler", "12", "--presentations", "2", "--gap", "4",
+        "--gate-threshold", "0", "--resamples", "100",
         "--batch-size", "4"]
 
 
