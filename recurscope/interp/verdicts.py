@@ -45,7 +45,7 @@ __all__ = ["AGREES", "SAME_SIGN", "OPPOSITE", "NO_EVIDENCE", "DIFFERS", "TOO_FEW
            "NEGLIGIBLE", "UNDEFINED", "NO_PAPER_NUMBER", "IDENTITY", "NOT_GATED", "REFUSED", "KINDS", "MIN_SOURCES",
            "MIN_INFORMATIVE_SOURCES", "MAX_WIDTH_FRACTION", "NEGLIGIBLE_FRACTION", "SCALE_CAVEAT_RATIO",
            "IDENTITY_TOLERANCE", "AMBIGUITIES", "Measure", "Claim", "Verdict", "judge", "control_verdict",
-           "no_paper_number", "identity_check", "refused", "gate_off", "gated", "scale_caveat", "measure_from", "GLA",
+           "no_paper_number", "identity_check", "not_informative", "refused", "gate_off", "gated", "scale_caveat", "measure_from", "GLA",
            "GDN", "PAPER_FAMILIES", "paper_family", "judge_family", "count_kinds"]
 
 AGREES = "agrees with the paper"
@@ -366,6 +366,16 @@ def identity_check(measure: Optional[Measure], subject: str, why: str) -> Verdic
     reads): its number checks the plumbing and is excluded from agreement."""
     what = f"is {measure.text()}" if measure is not None and measure.defined else "was not evaluated"
     return Verdict(IDENTITY, f"{subject} {what}: {IDENTITY}, not evidence ({why}).", measure, subject)
+
+
+def not_informative(measure: Optional[Measure], subject: str, why: str) -> Verdict:
+    """No comparison, for a reason outside the interval (e.g. no hub: the ranking it rests on is tied); "not
+    gated" inside gate_off()."""
+    what = f"is {measure.text()}" if measure is not None and measure.defined else "was not evaluated"
+    if not gated():
+        return Verdict(NOT_GATED, f"{subject} {what}: {NOT_GATED} (the capability gate is off, --gate-threshold 0, "
+                                  "so nothing is compared with the paper).", measure, subject)
+    return Verdict(NOT_INFORMATIVE, f"{subject} {what}: {NOT_INFORMATIVE} ({why}).", measure, subject)
 
 
 def refused(subject: str, why: str) -> Verdict:

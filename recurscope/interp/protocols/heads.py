@@ -25,7 +25,7 @@ from recurscope.interp.metrics import example_metrics
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, head_label, max_length, model_record,
                                                  pair_spec, rank_heads, ranking_names_a_head, run_arms)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import GLA, Claim, judge_family, measure_from, refused
+from recurscope.interp.verdicts import GLA, Claim, judge_family, measure_from, not_informative
 from recurscope.interp.scan import all_heads
 
 __all__ = ["run_heads", "top_k_sizes", "swap_arms", "arm_rows", "recovery_records", "frozen_ranking",
@@ -213,8 +213,11 @@ def reading(s: pd.DataFrame, n_heads: int, *, family: Optional[str], hub_named: 
                 "joint": "Blocking the hub and the second head together minus the sum of their single blocks",
                 "hub": "The hub's write block minus the all-head write block, in the correct answer's margin"}
     if not hub_named:
-        why = "the frozen ranking's best J is tied or inside the scan's noise floor, so no head is the hub"
-        return out + [refused(subject, why) for subject in subjects.values()]
+        why = "no hub: the frozen ranking's best J is tied or inside the scan's noise floor"
+        where = {"recovery": ({"analysis": "recovery", "k": 1}, "recovery", "pct"),
+                 "joint": ({"analysis": "nonadditivity", "unit": "hub+second"}, "joint_minus_sum", "logit"),
+                 "hub": ({"analysis": "hub_vs_all", "unit": "hub"}, "hub_minus_all", "logit")}
+        return out + [not_informative(measure_from(s, *where[key]), subject, why) for key, subject in subjects.items()]
     ks = sorted(s.loc[s["analysis"] == "recovery", "k"].dropna().astype(int).unique())
     all_shift = measure_from(s, {"analysis": "recovery", "k": ks[-1]}, "shift") if ks else None
     recovery = Claim.equals(0.947, "94.7% on GLA-340M, 12.3% on GLA-7B")
