@@ -388,8 +388,8 @@ def scale_caveat(n_params: Optional[float], paper_params: float, paper_model: st
     SCALE_CAVEAT_RATIO times larger than the model measured (n_params); None otherwise or when unknown."""
     if not n_params or not paper_params or paper_params < SCALE_CAVEAT_RATIO * n_params:
         return None
-    return (f"Scale: the paper's {paper_model} is about {paper_params / n_params:,.0f} times larger than this "
-            f"{_size(n_params)}-parameter model; an agreement or a difference here need not hold at that scale.")
+    return (f"Scale: this model has {_size(n_params)} parameters, about 1/{paper_params / n_params:,.0f} of the "
+            f"paper's {paper_model}; an agreement or a difference here need not hold at that scale.")
 
 
 def _size(n: float) -> str:
@@ -445,8 +445,8 @@ def judge_family(measure: Optional[Measure], family: Optional[str], claims: dict
     paper_family). For a family without a claim (one the paper did not measure), no verdict: the sentence gives
     the estimate and says the paper reports none for that family, with `context` (the paper's GLA / GDN numbers)."""
     claim = claims.get(family)
-    if claim is not None:
-        return judge(measure, claim, subject, **judge_options)
+    if claim is not None or not gated():
+        return judge(measure, claim or Claim.nonzero(), subject, **judge_options)
     ctx = f"; for context, the paper: {context}" if context else ""
     what = f"is {measure.text()}" if measure is not None and measure.defined else "was not evaluated"
     return Verdict(NOT_COMPARED, f"{subject} {what}: {NOT_COMPARED} (the paper reports no number for "

@@ -135,7 +135,9 @@ def test_every_other_ungated_verb_on_a_random_model_reads_not_gated(verb, random
     rc, captured, out = _ungated(verb, random_gla, tmp_path, capsys)
     assert rc == 0, captured.err
     report = (out / "report.md").read_text()
-    assert V.AGREES not in report and V.NOT_GATED in report
+    reading = report.split("### Reading", 1)[1]
+    # every verdict reads "not gated"; a verb with a gate of its own (topk's per-format gate) says it refused
+    assert V.AGREES not in report and (V.NOT_GATED in reading or "under the 80% gate" in reading)
 
 
 def test_a_head_is_never_frozen_from_a_scan_inside_its_noise_floor(live_noise, tmp_path, capsys):

@@ -25,7 +25,7 @@ from recurscope.interp.metrics import example_metrics
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, head_label, max_length, model_record,
                                                  pair_spec, rank_heads, ranking_names_a_head, run_arms)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import GLA, Claim, judge_family, measure_from, not_informative
+from recurscope.interp.verdicts import GLA, Claim, gated, judge_family, measure_from, not_informative
 from recurscope.interp.scan import all_heads
 
 __all__ = ["run_heads", "top_k_sizes", "swap_arms", "arm_rows", "recovery_records", "frozen_ranking",
@@ -195,7 +195,9 @@ def heads_section(result: ProtocolResult, model_name: str) -> Section:
     named = info.get("hub_named", True)
     intro = (f"Ranking frozen on dev sources: {ranking}. {info['n_sources']} held-out sources."
              + ("" if named else " **No hub is named**: the ranking's best J is tied or inside the scan's noise "
-                                 "floor, so 'hub' and 'second' below are only the first two heads of the order."))
+                                 "floor, so 'hub' and 'second' below are only the first two heads of the order.")
+             + ("" if gated() or not named else " **No hub is named**: the capability gate is off "
+                                                "(--gate-threshold 0), so the order is a diagnostic, not a finding."))
     return Section(f"Head structure: {model_name}", intro, [blocks, joint, recovery],
                    reading(s, len(info["ranking"]), family=info.get("family"), hub_named=named))
 
