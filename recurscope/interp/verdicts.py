@@ -347,8 +347,7 @@ def judge(measure: Optional[Measure], claim: Claim, subject: str, *, scale: Opti
             ((claim.value > 0 and lo > 0) or (claim.kind == "value" and claim.value < 0 and hi < 0)
              or (claim.kind == "range" and claim.upper < 0 and hi < 0))):
         kind = SAME_SIGN
-        reason = f"ours {measure.number(measure.estimate)} [{measure.number(lo)}, {measure.number(hi)}]; paper " \
-                 f"{_paper_text(measure, claim)}"
+        reason = f"ours {measure.text().rsplit(', n = ', 1)[0]}; paper {_paper_text(measure, claim)}"
     return Verdict(kind, f"{subject} is {measure.text()}: {kind} ({reason}{paper}).", measure, subject)
 
 
