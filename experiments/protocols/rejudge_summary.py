@@ -70,8 +70,10 @@ def measure_of(row: dict) -> Measure:
     m = _MEASURED.match(row["measured (95% interval)"])
     if not m:
         raise ValueError(f"no 'estimate [low, high]' in {row['measured (95% interval)']!r}")
-    estimate, _, low, high = m.groups()
-    return Measure(float(estimate), float(low), float(high), int(row["n"]), "ratio")
+    estimate, suffix, low, high = m.groups()
+    # "%" marks a percentage of a whole (a rate, a share, a recovery), which has no sign to share with the paper's
+    unit = "pct" if suffix == "%" else "ratio"
+    return Measure(float(estimate), float(low), float(high), int(row["n"]), unit)   # the page's numbers as printed
 
 
 def claim_of(text: str):

@@ -6,8 +6,9 @@ least / at most a number) or a range. judge(measure, claim) returns a Verdict wh
 
 - AGREES: the paper's number or range overlaps the interval, or the interval excludes the opposite of a sign claim
   (a range claim of an effect, e.g. a 30-40 pp loss, also needs the interval to exclude zero);
-- SAME_SIGN: the paper gives a number, the interval excludes it and excludes zero on the paper's side: "same sign,
-  magnitude differs (ours X [a, b]; paper Y)", never "agrees";
+- SAME_SIGN: the paper gives a number for a signed effect (not a percentage of a whole, unit "pct"), the interval
+  excludes it and excludes zero on the paper's side: "same sign, magnitude differs (ours X [a, b]; paper Y)", never
+  "agrees";
 - OPPOSITE: the interval excludes zero on the side opposite to the paper's sign;
 - NO_EVIDENCE: the interval includes the reference (zero for a sign), so the data decide neither way;
 - DIFFERS: the interval excludes the paper's number (or bound, or range) without a sign flip;
@@ -343,7 +344,9 @@ def judge(measure: Optional[Measure], claim: Claim, subject: str, *, scale: Opti
         return _not_informative(measure, f"wider than {MAX_WIDTH_FRACTION:g}x its reference "
                                          f"{measure.number(reference)}", subject, paper)
     kind, reason = _kind(measure, claim)
-    if (kind == DIFFERS and claim.kind in ("value", "range") and
+    # a percentage of a whole (a rate, a share, a recovery; unit "pct") has no sign to share: outside the paper's
+    # number it differs; a signed effect (logits, pp changes, correlations) on the paper's side differs in size only
+    if (kind == DIFFERS and measure.unit != "pct" and claim.kind in ("value", "range") and
             ((claim.value > 0 and lo > 0) or (claim.kind == "value" and claim.value < 0 and hi < 0)
              or (claim.kind == "range" and claim.upper < 0 and hi < 0))):
         kind = SAME_SIGN

@@ -69,7 +69,8 @@ def test_an_effect_claim_needs_the_interval_to_exclude_zero():
     assert V.judge(Measure(0.01, 0.0, 0.02, 16, "pct"), Claim.effect(0.0142), "x").kind == V.NO_EVIDENCE
     assert V.judge(Measure(0.01, 0.0, 0.05, 16, "pct"), Claim.effect(0.0142), "x").kind == V.NOT_INFORMATIVE
     assert V.judge(Measure(0.02, 0.01, 0.05, 16, "pct"), Claim.effect(0.0142), "x").kind == V.AGREES
-    assert V.judge(Measure(0.1, 0.05, 0.15, 16, "pct"), Claim.effect(0.0142), "x").kind == V.SAME_SIGN
+    assert V.judge(Measure(0.1, 0.05, 0.15, 16, "pct"), Claim.effect(0.0142), "x").kind == V.DIFFERS
+    assert V.judge(Measure(0.1, 0.05, 0.15, 16, "pp"), Claim.effect(0.0142), "x").kind == V.SAME_SIGN
 
 
 # ---- each Reading's family choice ---------------------------------------------------------------------------------
@@ -80,8 +81,8 @@ def test_selectivity_reading_uses_the_family_rate():
     # 85% [80, 90]: holds GLA's 89.1%, lies above GDN's 61.3-71.9%
     s = _rows([_r("donor_answer", 0.85, 0.80, 0.90, arm="state_swap"),
                _r("pooled_break_rate", 0.005, 0.0045, 0.0052, arm="state_swap")])   # GDN's 0.41-0.56%, not 1.42%
-    assert kinds(selectivity.reading(s, family=GLA)) == [V.AGREES, V.SAME_SIGN]
-    assert kinds(selectivity.reading(s, family=GDN)) == [V.SAME_SIGN, V.AGREES]
+    assert kinds(selectivity.reading(s, family=GLA)) == [V.AGREES, V.DIFFERS]
+    assert kinds(selectivity.reading(s, family=GDN)) == [V.DIFFERS, V.AGREES]
     assert kinds(selectivity.reading(s, family=OTHER)) == [V.NOT_COMPARED] * 2
 
 
@@ -91,7 +92,7 @@ def test_headscan_reading_uses_the_family_spearman_and_count():
     s = _rows([_r("frozen_head_rank", 1, 1, 1, scan="write"), _r("frozen_head_rank", 1, 1, 1, scan="read"),
                _r("joint_fraction_above_threshold", 0.03, 0.02, 0.04, scan="both"),      # GDN's 3.1%, not GLA's 1.0%
                _r("spearman", 0.15, 0.140, 0.160, scan="write_vs_read")])                # GDN's 0.149, not 0.173
-    assert kinds(headscan.reading(s, 96, family=GLA)) == [V.AGREES, V.AGREES, V.SAME_SIGN, V.SAME_SIGN]
+    assert kinds(headscan.reading(s, 96, family=GLA)) == [V.AGREES, V.AGREES, V.DIFFERS, V.SAME_SIGN]
     assert kinds(headscan.reading(s, 96, family=GDN)) == [V.AGREES] * 4
     assert kinds(headscan.reading(s, 96, family=OTHER)) == [V.NOT_COMPARED] * 4
 
@@ -146,7 +147,7 @@ def test_retention_reading_uses_the_family_recall_and_break_bound():
                _r("pooled_break_rate", 0.05, 0.03, 0.07, k=32, intervention="state_swap")])  # about 5%: GLA's
     info = {"loads": [1, 32]}
     assert kinds(retention.reading(s, {**info, "family": GLA})) == [V.AGREES] * 4
-    assert kinds(retention.reading(s, {**info, "family": GDN})) == [V.SAME_SIGN, V.AGREES, V.AGREES, V.DIFFERS]
+    assert kinds(retention.reading(s, {**info, "family": GDN})) == [V.DIFFERS, V.AGREES, V.AGREES, V.DIFFERS]
     assert kinds(retention.reading(s, {**info, "family": OTHER})) == [V.NOT_COMPARED] * 4
 
 

@@ -216,7 +216,7 @@ def test_selectivity_reading():
     assert kinds(selectivity.reading(summary((0.1, -0.2, 0.4), (0.0, 0.0, 0.076)), family=V.GLA))[1] == \
         V.NOT_INFORMATIVE                    # 0-7.6% is more than twice the paper's 1.42% wide
     low = _rows([_r("donor_answer", 0.3, 0.2, 0.4, arm="state_swap")])
-    assert kinds(selectivity.reading(low, family=V.GLA)) == [V.SAME_SIGN]
+    assert kinds(selectivity.reading(low, family=V.GLA)) == [V.DIFFERS]   # a rate: no sign to share
 
 
 def test_coupling_reading_calls_the_issue_parallel_part_opposite():
@@ -293,7 +293,7 @@ def test_headscan_reading():
                       _r("joint_fraction_above_threshold", *joint, scan="both"),
                       _r("spearman", *rho, scan="write_vs_read")])
     got = kinds(headscan.reading(summary((0.562, 0.321, 0.731), (0.125, 0.0625, 0.1875)), 16, family=V.GLA))
-    assert got == [V.AGREES, V.NO_EVIDENCE, V.SAME_SIGN, V.SAME_SIGN]
+    assert got == [V.AGREES, V.NO_EVIDENCE, V.DIFFERS, V.SAME_SIGN]     # a share differs; a correlation has a sign
     got = kinds(headscan.reading(summary((0.2, -0.01, 0.35), (0.02, 0.01, 0.04)), 96, family=V.GLA))
     assert got == [V.AGREES, V.NO_EVIDENCE, V.AGREES, V.AGREES]
     got = kinds(headscan.reading(summary((0.2, -0.01, 0.35), (0.01, 0.0, 0.03)), 96, family=V.GLA))
@@ -329,7 +329,7 @@ def test_heads_reading():
                       _r("hub_minus_all", *hub, analysis="hub_vs_all", unit="hub")])
     assert kinds(heads.reading(summary((0.95, 0.9, 0.98), (0.5, 0.2, 0.8), (-1, -2, -0.5)), 96, family=V.GLA)) == [V.AGREES] * 3
     assert kinds(heads.reading(summary((0.5, 0.4, 0.6), (0.1, -0.2, 0.4), (1, 0.5, 2)), 96, family=V.GLA)) == \
-        [V.SAME_SIGN, V.NO_EVIDENCE, V.OPPOSITE]
+        [V.DIFFERS, V.NO_EVIDENCE, V.OPPOSITE]
 
 
 def test_neutral_overlap_and_corrector_readings():
