@@ -214,3 +214,43 @@ def test_reuse_does_not_crash_without_a_denominator(word_tok):
          "estimate": float("nan"), "low": float("nan"), "high": float("nan"), "n_sources": 8}])
     got = _verdicts(reuse.reading(s, {"formats": [], "rank": 4, "family": V.GLA}))
     assert got[0].kind == V.UNDEFINED
+
+
+def test_a_four_way_tie_names_no_hub_and_no_frozen_head():
+    """The issue's heads named L0H0 the hub from a four-way tie (all J equal): a tied ranking names no head."""
+    import pandas as pd
+
+    from recurscope.interp.protocols._common import _refuse_noise, ranking_names_a_head
+
+    tied = pd.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1], "J": [0.0] * 4})
+    assert not ranking_names_a_head(tied)
+    assert not ranking_names_a_head(tied.assign(J=[5e-8, 1e-8, 0.0, 0.0]))          # inside float noise
+    assert not ranking_names_a_head(tied.assign(J=[0.5, 0.1, 0.0, 0.0], J_low=[-0.1] + [float("nan")] * 3))
+    assert ranking_names_a_head(tied.assign(J=[0.5, 0.1, 0.0, 0.0], J_low=[0.2] + [float("nan")] * 3))
+    with pytest.raises(ValueError, match="names no head"):
+        _refuse_noise(tied)
+
+
+def test_overlap_controls_are_not_near_zero_against_a_noise_sized_aligned_effect():
+    """The issue's overlap on a random model (clean recall 18.8%): its near-zero arms 'agreed'. Judged against the
+    aligned key's own effect, noise of the same size is not informative."""
+    import pandas as pd
+
+    from recurscope.interp.protocols import overlap
+
+    s = pd.DataFrame([{"metric": "target_margin_change", "arm": arm, "estimate": est, "low": lo, "high": hi,
+                       "n_sources": 4} for arm, est, lo, hi in (("aligned", -0.01, -0.03, 0.01),
+                                                                ("orthogonal", 0.0, -0.02, 0.02),
+                                                                ("control_head:aligned", 0.0, -0.03, 0.03))])
+    got = [v.kind for v in _verdicts(overlap.reading(s, family=V.GLA))]
+    assert V.AGREES not in got and got[1:] == [V.NOT_INFORMATIVE] * 2
+
+
+def test_topk_on_tiny_rwkv7_says_the_scale_in_its_reading():
+    """The issue's topk tiny-rwkv7: 56.5% 'agrees' with RWKV7-13.3B's 54.8%, with no word about a 12,500-fold
+    difference in size. The Reading now says it."""
+    from recurscope.interp.protocols.runner import paper_scale_caveat
+
+    caveat = paper_scale_caveat({"n_params": 1_062_016, "paper_params": 13.3e9, "paper_model": "RWKV7-13.3B"})
+    assert "RWKV7-13.3B" in caveat and "1/12,523" in caveat
+    assert paper_scale_caveat({"n_params": 340e6 / 50}) is None         # within 100x of 340M: no caveat
