@@ -36,12 +36,16 @@ WORDS = {V.AGREES: "agrees", V.SAME_SIGN: "same sign, magnitude differs", V.OPPO
          V.NEGLIGIBLE: "negligible", V.UNDEFINED: "undefined", V.TOO_FEW: "too few sources",
          V.NO_PAPER_NUMBER: "no paper number", V.IDENTITY: "identity check"}
 CONTROL_WORDS = {V.AGREES: "consistent with zero", V.DIFFERS: "NOT zero", V.NOT_INFORMATIVE: "not informative",
-                 V.TOO_FEW: "too few sources"}
+                 V.NEGLIGIBLE: "negligible", V.TOO_FEW: "too few sources"}
 NOT_JUDGED = "not judged"
 #: The order of the counts in the summary.
 COUNT_ORDER = ["agrees", "same sign, magnitude differs", "differs", "opposite sign", "no evidence either way",
                "not informative", "negligible", "undefined", "no paper number", "identity check", "not gated",
                "not judged", "consistent with zero", "NOT zero"]
+
+#: Kinds the count names even at zero (issue 40 asks for each).
+ALWAYS_COUNTED = {"agrees", "same sign, magnitude differs", "differs", "opposite sign", "not informative",
+                  "no paper number", "identity check", "not gated"}
 
 _NUMBER = r"[+-]?\d+(?:\.\d+)?"
 _MEASURED = re.compile(rf"^({_NUMBER})\s*(%| pp)?\s*\[({_NUMBER}),\s*({_NUMBER})\]")
@@ -209,8 +213,8 @@ def counts(rows: list[dict]) -> dict:
 
 def counts_block(rows: list[dict]) -> str:
     c = counts(rows)
-    judged = [k for k in COUNT_ORDER[:-2] if c[k]]
-    controls = [k for k in COUNT_ORDER[-2:] if c[k]]
+    judged = [k for k in COUNT_ORDER[:-2] if c[k] or k in ALWAYS_COUNTED]
+    controls = COUNT_ORDER[-2:]
     return (f"Verdicts by kind over the {len(rows)} rows: " + "; ".join(f"{k} {c[k]}" for k in judged)
             + "; controls (judged on the donor-margin shift against zero): "
             + "; ".join(f"{k} {c[k]}" for k in controls) + ".")

@@ -491,8 +491,10 @@ def winner_verdict(result, run_path=None) -> dict:
     layer, head = result.winner
     scores = result.scores[(result.scores["layer"] == layer) & (result.scores["head"] == head)]
     ci = stats.source_bootstrap_ci(scores["score"].to_numpy(), scores["source"].to_numpy())
+    J = result.heads["J"].to_numpy()
+    tied = len(J) > 1 and J[0] == J[1]            # a tie at the top names no head (stats.top_is_tied)
     verdict = {"layer": layer, "head": head, "J": ci.estimate, "low": ci.low, "high": ci.high,
-               "n_sources": int(scores["source"].nunique()), "winner": bool(ci.low > 0)}
+               "n_sources": int(scores["source"].nunique()), "winner": bool(ci.low > 0) and not tied}
     if run_path is not None:
         (Path(run_path) / "winner.json").write_text(json.dumps(verdict, indent=1) + "\n")
     return verdict

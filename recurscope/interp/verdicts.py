@@ -15,7 +15,9 @@ least / at most a number) or a range. judge(measure, claim) returns a Verdict wh
 - NOT_INFORMATIVE: fewer than MIN_INFORMATIVE_SOURCES sources, or an interval wider than MAX_WIDTH_FRACTION of its
   reference (the paper's value, the estimate itself, or the effect's own scale, e.g. the full swap);
 - NEGLIGIBLE: the whole interval lies within NEGLIGIBLE_FRACTION of the effect's own scale, so an effect's sign
-  claim is not judged on it (a joint-minus-sum of +0.03 beside a hub effect of -9.18);
+  claim is not judged on it (a joint-minus-sum of +0.03 beside a hub effect of -9.18), and a near-zero claim whose
+  interval excludes zero by less than that is a size, not agreement (an interval within IDENTITY_TOLERANCE of zero
+  is float noise, and agrees with zero);
 - UNDEFINED: a ratio whose denominator's interval includes zero;
 - TOO_FEW: fewer than MIN_SOURCES sources, or no estimate: no comparison is made;
 
@@ -333,17 +335,21 @@ def judge(measure: Optional[Measure], claim: Claim, subject: str, *, scale: Opti
         return Verdict(NEGLIGIBLE, f"{subject} is {measure.text()}: {NEGLIGIBLE} (the whole interval lies within "
                                    f"{100 * NEGLIGIBLE_FRACTION:.0f}% of its scale, {measure.number(scale)}{paper}).",
                        measure, subject)
-    if claim.kind == "value" and claim.value == 0:
-        floor = max(IDENTITY_TOLERANCE, NEGLIGIBLE_FRACTION * abs(scale) if scale else 0.0)
-        if max(abs(lo), abs(hi)) < floor:
-            return Verdict(AGREES, f"{subject} is {measure.text()}: {AGREES} (the whole interval lies within "
-                                   f"{measure.number(floor)} of zero, {'5% of its scale' if floor > IDENTITY_TOLERANCE else 'float precision'}{paper}).",
-                           measure, subject)
     reference = _reference(measure, claim, scale)
     if reference is not None and hi - lo > MAX_WIDTH_FRACTION * reference:
         return _not_informative(measure, f"wider than {MAX_WIDTH_FRACTION:g}x its reference "
                                          f"{measure.number(reference)}", subject, paper)
     kind, reason = _kind(measure, claim)
+    if claim.kind == "value" and claim.value == 0 and kind in (DIFFERS, OPPOSITE):
+        # an interval off zero by float noise is zero; one off zero by less than 5% of its scale is negligible, a
+        # size, never agreement
+        if max(abs(lo), abs(hi)) < IDENTITY_TOLERANCE:
+            return Verdict(AGREES, f"{subject} is {measure.text()}: {AGREES} (the whole interval lies within "
+                                   f"{IDENTITY_TOLERANCE:g} of zero, float precision{paper}).", measure, subject)
+        if scale and max(abs(lo), abs(hi)) < NEGLIGIBLE_FRACTION * abs(scale):
+            return Verdict(NEGLIGIBLE, f"{subject} is {measure.text()}: {NEGLIGIBLE} (not zero, but the whole "
+                                       f"interval lies within {100 * NEGLIGIBLE_FRACTION:.0f}% of its scale, "
+                                       f"{measure.number(scale)}{paper}).", measure, subject)
     # a percentage of a whole (a rate, a share, a recovery; unit "pct") has no sign to share: outside the paper's
     # number it differs; a signed effect (logits, pp changes, correlations) on the paper's side differs in size only
     if (kind == DIFFERS and measure.unit != "pct" and claim.kind in ("value", "range") and
