@@ -24,7 +24,8 @@ least / at most a number) or a range. judge(measure, claim) returns a Verdict wh
 and whose sentence carries the estimate, its interval and n. Three kinds are never comparisons: NO_PAPER_NUMBER
 (no_paper_number: a control or quantity the paper does not report, given with its value, never against an invented
 0), IDENTITY (identity_check: an arm equal to clean by construction, excluded from agreement) and NOT_GATED (inside
-gate_off(): the capability gate was turned off, --gate-threshold 0, so nothing is compared). Controls
+gate_off(): the capability gate was turned off, --gate-threshold 0, so nothing is compared); REFUSED names what
+the capability gate refused (interp.capability), which gets no verdict at all. Controls
 (control_verdict) are judged on the paper's metric, the donor-margin shift, against zero; the donor-specific shift
 is written beside it as a diagnostic and never changes the verdict.
 
@@ -48,7 +49,7 @@ __all__ = ["AGREES", "SAME_SIGN", "OPPOSITE", "NO_EVIDENCE", "DIFFERS", "TOO_FEW
            "NEGLIGIBLE", "UNDEFINED", "NO_PAPER_NUMBER", "IDENTITY", "NOT_GATED", "REFUSED", "KINDS", "MIN_SOURCES",
            "MIN_INFORMATIVE_SOURCES", "MAX_WIDTH_FRACTION", "NEGLIGIBLE_FRACTION", "SCALE_CAVEAT_RATIO",
            "IDENTITY_TOLERANCE", "AMBIGUITIES", "Measure", "Claim", "Verdict", "judge", "control_verdict",
-           "no_paper_number", "identity_check", "not_informative", "refused", "gate_off", "gated", "scale_caveat", "measure_from", "GLA",
+           "no_paper_number", "identity_check", "not_informative", "gate_off", "gated", "scale_caveat", "measure_from", "GLA",
            "GDN", "PAPER_FAMILIES", "paper_family", "judge_family", "count_kinds"]
 
 AGREES = "agrees with the paper"
@@ -384,11 +385,6 @@ def not_informative(measure: Optional[Measure], subject: str, why: str) -> Verdi
         return Verdict(NOT_GATED, f"{subject} {what}: {NOT_GATED} (the capability gate is off, --gate-threshold 0, "
                                   "so nothing is compared with the paper).", measure, subject)
     return Verdict(NOT_INFORMATIVE, f"{subject} {what}: {NOT_INFORMATIVE} ({why}).", measure, subject)
-
-
-def refused(subject: str, why: str) -> Verdict:
-    """No verdict: the capability gate refused the condition (the model does not do the task)."""
-    return Verdict(REFUSED, f"{subject}: {REFUSED}, no verdict ({why}).", None, subject)
 
 
 def scale_caveat(n_params: Optional[float], paper_params: float, paper_model: str) -> Optional[str]:

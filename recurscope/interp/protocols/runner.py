@@ -161,7 +161,9 @@ def verb_gate(model, args, run_dir=None):
 
 def refusal_section(verb: str, model_name: str, gate) -> str:
     """The report of a verb the capability gate refused: why, and no verdict, no head."""
-    return "\n".join([f"## {verb}: {model_name} refused by the capability gate", "",
+    from recurscope.interp.verdicts import REFUSED
+
+    return "\n".join([f"## {verb}: {model_name} {REFUSED}", "",
                       f"THE MODEL DOES NOT DO THE TASK: {gate.describe()}.", "", "### Reading", "",
                       "No verdict is given and no head is named: patching a model that does not recall the bindings "
                       "measures nothing (App. F.2 gates at 80%). Check the layout (--layout), the filler and the "
