@@ -28,7 +28,7 @@ from recurscope.interp.interventions.common import candidate_logits, model_devic
 from recurscope.interp.metrics import example_metrics
 from recurscope.interp.protocols._common import model_record, ProtocolResult, ci_text, max_length, pair_spec
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import GDN, Claim, Measure, judge, judge_family, measure_from
+from recurscope.interp.verdicts import AMBIGUITIES, GDN, Claim, Measure, judge, judge_family, measure_from
 
 __all__ = ["ARMS", "PARTS", "require_hybrid", "cache_factorial", "shares", "run_hybrid", "reading"]
 
@@ -336,7 +336,8 @@ def reading(s: pd.DataFrame, task: str = "recall", chance: Optional[float] = Non
     another family (`family`, verdicts.paper_family: Mamba-2's Nemotron-H, Falcon-H1, ...) gets its shares without a
     verdict."""
     spec = TASKS[task]
-    out = [f"The paper: {spec.paper}."]
+    out = [f"The paper: {spec.paper}. (Its hybrid GDN-340M has 16 recurrent and 8 attention layers by App. A's list, "
+           f"which its text calls 3:1: {AMBIGUITIES}.)"]
     compare = True
     if chance is not None:
         clean = judge(measure_from(s, {"arm": "both"}, "clean_correct", "pct"),
