@@ -24,8 +24,8 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import (model_record, ProtocolResult, ci_text, frozen_head, head_label, run_arms,
-                                                 max_length, pair_spec, PairSpec)
+from recurscope.interp.protocols._common import (PairSpec, ProtocolResult, ci_text, frozen_head, head_label, max_length,
+                                                 model_record, pair_spec, run_arms)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.protocols.verbs import GAPS, LOADS   # the verb's defaults, written once
 from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from

@@ -34,8 +34,8 @@ import torch
 from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import summarise_metrics
-from recurscope.interp.protocols._common import (model_record, ProtocolResult, ci_text, frozen_head, head_label, logged_arms,
-                                                 max_length, pair_spec)
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, logged_arms,
+                                                 max_length, model_record, pair_spec)
 from recurscope.interp.protocols.verbs import CORRECTOR_METHODS
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from, no_paper_number

@@ -23,7 +23,8 @@ import torch
 
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import model_record, ProtocolResult, ci_text, frozen_setup, head_label, source_units
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_setup, head_label, model_record,
+                                                 source_units)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from
 from recurscope.interp.protocols.selectivity import build_selectivity_pairs

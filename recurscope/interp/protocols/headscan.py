@@ -25,8 +25,8 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import (model_record, ProtocolResult, arm_records, frozen_setup, head_label, heldout_pairs,
-                                                 source_units)
+from recurscope.interp.protocols._common import (ProtocolResult, arm_records, frozen_setup, head_label, heldout_pairs,
+                                                 model_record, source_units)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import GDN, GLA, Claim, Measure, judge_family
 from recurscope.interp.scan import all_heads, run_scan

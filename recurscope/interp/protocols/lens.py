@@ -26,7 +26,8 @@ import torch
 from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import model_record, PairSpec, ProtocolResult, max_length, pair_spec, unit_frames
+from recurscope.interp.protocols._common import (PairSpec, ProtocolResult, max_length, model_record, pair_spec,
+                                                 unit_frames)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from
 

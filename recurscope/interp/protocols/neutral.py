@@ -17,8 +17,8 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import (model_record, ProtocolResult, ci_text, frozen_setup, head_label, logged_arms,
-                                                 logged_arms_on, max_length, pair_spec)
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_setup, head_label, logged_arms,
+                                                 logged_arms_on, max_length, model_record, pair_spec)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from, no_paper_number
 

@@ -25,8 +25,8 @@ from recurscope.hooks.patches import WriteReplace, head_mask
 from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, source_means, summarise_metrics
-from recurscope.interp.protocols._common import (model_record, PairSpec, ProtocolResult, arm_records, ci_text, frozen_setup,
-                                                 head_label, heldout_pairs, pair_spec)
+from recurscope.interp.protocols._common import (PairSpec, ProtocolResult, arm_records, ci_text, frozen_setup,
+                                                 head_label, heldout_pairs, model_record, pair_spec)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import GDN, GLA, Claim, judge, judge_family, measure_from
 

@@ -27,11 +27,11 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, summarise_metrics
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import (model_record, ProtocolResult, ci_text, frozen_head, head_label, run_arms,
-                                                 max_length, pair_spec, PairSpec, pooled_break_rate)
+from recurscope.interp.protocols._common import (PairSpec, ProtocolResult, ci_text, frozen_head, head_label, max_length,
+                                                 model_record, pair_spec, pooled_break_rate, run_arms)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import (AGREES, AMBIGUITIES, GDN, GLA, Claim, control_verdict, judge, judge_family, measure_from,
-                                        paper_family)
+from recurscope.interp.verdicts import (AGREES, AMBIGUITIES, GDN, GLA, Claim, control_verdict, judge, judge_family,
+                                        measure_from)
 from recurscope.interp.protocols.capacity import HIGH_LOAD, LOADS, _bare_length, fixed_length_filler, load_layout
 
 __all__ = ["LOADS", "ARMS", "METRICS", "PAPER", "retention_pairs", "shift_kept", "run_retention", "reading"]

@@ -30,8 +30,8 @@ from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.data.words import TEMPLATES, VALUE_VOCABS
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import (model_record, ProtocolResult, ci_text, frozen_head, head_label, max_length,
-                                                 pair_spec, PairSpec, run_arms)
+from recurscope.interp.protocols._common import (PairSpec, ProtocolResult, ci_text, frozen_head, head_label, max_length,
+                                                 model_record, pair_spec, run_arms)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from
 from recurscope.interp.protocols.gate import GATE_THRESHOLD, capability_gate

@@ -18,8 +18,8 @@ import pandas as pd
 
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, source_means, summarise_metrics
-from recurscope.interp.protocols._common import (model_record, ProtocolResult, ci_text, frozen_setup, head_label, logged_arms,
-                                                 logged_arms_on, max_length, pair_spec, pooled_break_rate)
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_setup, head_label, logged_arms,
+                                                 logged_arms_on, max_length, model_record, pair_spec, pooled_break_rate)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import AMBIGUITIES, GDN, GLA, Claim, control_verdict, judge_family, measure_from
 
