@@ -109,7 +109,7 @@ class ConditionArm:
 
     def __call__(self, model, pairs, arm: str) -> pd.DataFrame:
         from recurscope.interp.data import build_pairs
-        from recurscope.interp.protocols.gate import capability_gate
+        from recurscope.interp.capability import capability_gate
 
         tok, total_length, batch_size = model.tokenizer, self.total_length, self.batch_size
         series, x, layout, _ = self.conditions[arm]

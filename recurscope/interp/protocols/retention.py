@@ -104,7 +104,7 @@ class LoadArm:
     built: dict = field(default_factory=dict, compare=False, repr=False)
 
     def pairs_for(self, model, k: int):
-        from recurscope.interp.protocols.gate import capability_gate
+        from recurscope.interp.capability import capability_gate
 
         if k not in self.built:
             tok = model.tokenizer

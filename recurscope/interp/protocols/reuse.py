@@ -34,7 +34,7 @@ from recurscope.interp.protocols._common import (PairSpec, ProtocolResult, ci_te
                                                  model_record, pair_spec, run_arms)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from
-from recurscope.interp.protocols.gate import GATE_THRESHOLD, capability_gate
+from recurscope.interp.capability import GATE_THRESHOLD, capability_gate
 
 __all__ = ["FORMATS", "SUBSPACE_ARMS", "PAPER", "format_layouts", "edit_deltas", "fit_basis", "random_basis",
            "projected_output_patch", "run_reuse", "reading"]

@@ -31,7 +31,7 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, head_label, max_length, model_record,
                                                  pair_spec, run_arms)
-from recurscope.interp.protocols.gate import capability_gate
+from recurscope.interp.capability import capability_gate
 from recurscope.interp.protocols.heads import (arm_rows, frozen_ranking, recovery_records, scan_ranking, swap_arms,
                                                top_k_sizes)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
