@@ -1,5 +1,5 @@
 """Times the head-selection scan against one clean plus one donor forward, interleaved and order-rotated, on
-GLA-340M-, GDN-340M- and GDN-hybrid-340M-shaped models with random weights, at two sequence lengths.
+GLA-340M-, GDN-340M- and hybrid-GDN-340M-shaped models with random weights, at two sequence lengths.
 
 Per (shape, length) each round runs, in an order rotated by one place per round:
     clean + donor forward, batched    model(recipient and donor as one 2-row batch), full logits
@@ -12,9 +12,11 @@ a shared machine inflate every figure. --naive-heads N also times one full patch
 
 Shapes (fla's configs): GLA-340M: 24 layers, hidden 1024, 4 heads, expand_k 0.5, expand_v 1 (state 128 x 256 per
 head); GDN-340M: 24 layers, hidden 1024, 4 heads, head_dim 256, expand_v 1 (state 256 x 256). 96 heads each.
-GDN-hybrid-340M (`gdn_hybrid`, the family of the bundled tiny-gdn-hybrid): GDN-340M with every 4th layer (3, 7, ...,
-23) full softmax attention, 3:1 as Qwen3.5, 8 query and 2 KV heads of 128 with RoPE (fla's `attn` option); 18
-recurrent layers, so 72 scanned heads.
+Hybrid GDN-340M (`gdn_hybrid`): GDN-340M with full softmax attention at the layers the paper's App. A lists, 2, 5,
+8, ..., 23 (16 recurrent and 8 attention layers, 2:1; the paper's text calls it 3:1, docs/paper_ambiguities.md), 8
+query and 2 KV heads of 128 with RoPE (fla's `attn` option): 64 scanned heads. `gdn_hybrid_3to1`: the 3:1 variant,
+attention at every 4th layer (3, 7, ..., 23) as Qwen3.5 and the bundled tiny-gdn-hybrid's pattern; 18 recurrent
+layers, 72 scanned heads.
 Pairs: word-tokenizer recall pairs with a 7-token query; 4 facts and 256 filler tokens give 611 tokens, 2 facts
 and 126 filler tokens 307. Targets: scan <= 1.5x clean + donor at 611 tokens, <= 2x at 307.
 
@@ -69,8 +71,12 @@ SHAPES = {
     "gdn": dict(model_type="gated_deltanet", vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_heads=4,
                 head_dim=256, expand_v=1.0, hidden_ratio=4, tie_word_embeddings=False),
 }
-# GDN-340M with fla's hybrid attention on every 4th layer (layer_types 3:1, as Qwen3.5 and tiny-gdn-hybrid's family).
-SHAPES["gdn_hybrid"] = dict(SHAPES["gdn"], attn={"layers": [3, 7, 11, 15, 19, 23], "num_heads": 8, "num_kv_heads": 2})
+# Each hybrid's attention layers as (first, step): the paper's hybrid GDN-340M (App. A's list 2, 5, ..., 23: 16 / 8,
+# 2:1) and the 3:1 pattern of Qwen3.5 and tiny-gdn-hybrid (3, 7, ..., 23: 18 / 6).
+HYBRID_ATTENTION = {"gdn_hybrid": (2, 3), "gdn_hybrid_3to1": (3, 4)}
+for _name, (_first, _step) in HYBRID_ATTENTION.items():
+    SHAPES[_name] = dict(SHAPES["gdn"], attn={"layers": list(range(_first, 24, _step)), "num_heads": 8,
+                                              "num_kv_heads": 2})
 # transformers' Qwen3_5TextConfig keys: a small Qwen3.5-0.8B-like text model, run through the bridge.
 BRIDGED_SHAPES = {
     "qwen35": dict(vocab_size=32000, hidden_size=512, intermediate_size=1792, num_hidden_layers=8,
@@ -117,7 +123,7 @@ def load_baseline(path: str):
 
 def build(shape: str, layers, device, workdir: str):
     """A native RecurrentLM from SHAPES, or a transformers model from BRIDGED_SHAPES saved and loaded through the
-    bridge; `layers` (None: the shape's own) keeps a hybrid's 3:1 layout."""
+    bridge; `layers` (None: the shape's own) keeps a hybrid's attention pattern (HYBRID_ATTENTION)."""
     if shape in BRIDGED_SHAPES:
         import transformers as tf
 
@@ -134,8 +140,9 @@ def build(shape: str, layers, device, workdir: str):
     raw = dict(SHAPES[shape])
     if layers:
         raw["num_hidden_layers"] = layers
-    if raw.get("attn"):   # keep the 3:1 layout when --layers shortens the model
-        raw["attn"] = dict(raw["attn"], layers=list(range(3, raw["num_hidden_layers"], 4)))
+    if raw.get("attn"):   # keep the hybrid's pattern when --layers shortens the model
+        first, step = HYBRID_ATTENTION[shape]
+        raw["attn"] = dict(raw["attn"], layers=list(range(first, raw["num_hidden_layers"], step)))
     return RecurrentLM(ModelConfig.from_dict(raw)).eval().to(device), f"{shape.upper()}-340M shape"
 
 

@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 
 from recurscope.interp import cli_checks   # the guards; standard library only at import
+# Clean recall below GATE_THRESHOLD means the model does not do the task: no head is named and no control is read
+# (App. F.2 gates at 80% top-1); the library's one gate owns the number (its module imports torch only to measure).
+from recurscope.interp.capability import GATE_THRESHOLD
 
 #: --dtype choices: names of torch dtypes
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -183,9 +186,6 @@ def _filler_record(pairs, args) -> dict:
             "pairs_per_source": args.pairs_per_source, "device": args.device, "batch_size": args.batch_size}
 
 
-# Clean recall below this share of the pairs means the model does not do the task: no head is named and no control
-# is read (How Linear Attention Remembers, App. F.2 gates at 80% top-1).
-GATE_THRESHOLD = 0.8
 # Intervals over fewer sources than this are flagged in the output and the report.
 MIN_INTERVAL_SOURCES = 8
 
@@ -198,23 +198,21 @@ def _gate_args(p):
 
 
 def _capability(model, pairs, args, run) -> dict:
-    """Clean recall of recipient and donor on `pairs`, against --gate-threshold; written to gate.json in `run`.
-    --gate-threshold 0 turns the gate off (plumbing checks on random weights); the record and the report say so."""
-    from recurscope.interp.protocols.gate import capability_gate
+    """Clean recall of recipient and donor on `pairs`, against --gate-threshold (the library's one gate,
+    interp.capability.check_capability); written to gate.json in `run`. --gate-threshold 0 turns the gate off
+    (plumbing checks on random weights); the record and the report say so, and the report's verdicts read
+    "not gated"."""
+    from recurscope.interp.capability import check_capability, gate_record
 
-    if args.gate_threshold == 0:
-        record = {"threshold": 0.0, "passed": True, "off": True, "split": args.sources}
-        (Path(run.path) / "gate.json").write_text(json.dumps(record, indent=1) + "\n")
+    gate = check_capability(model, pairs, args.gate_threshold, condition=f"{args.sources} pairs",
+                            batch_size=args.batch_size, seed=args.seed)
+    n_sources = None if gate.off else int(pairs.source_id.unique().numel())
+    record = gate_record(gate, n_sources, args.sources)
+    (Path(run.path) / "gate.json").write_text(json.dumps(record, indent=1) + "\n")
+    if gate.off:
         print("WARNING: --gate-threshold 0: the capability gate is off; nothing here shows the model does the task",
               file=sys.stderr)
         return record
-    gate = capability_gate(model, pairs, threshold=args.gate_threshold, condition=f"{args.sources} pairs",
-                           batch_size=args.batch_size, seed=args.seed)
-    n_sources = int(pairs.source_id.unique().numel())
-    record = {"threshold": gate.threshold, "passed": gate.passed, "n_sources": n_sources,
-              "recipient": [gate.recipient.estimate, gate.recipient.low, gate.recipient.high],
-              "donor": [gate.donor.estimate, gate.donor.low, gate.donor.high], "split": args.sources}
-    (Path(run.path) / "gate.json").write_text(json.dumps(record, indent=1) + "\n")
     line = (f"clean recall on these {args.sources} pairs: recipient {100 * gate.recipient.estimate:.1f}% "
             f"[{100 * gate.recipient.low:.1f}, {100 * gate.recipient.high:.1f}], donor "
             f"{100 * gate.donor.estimate:.1f}% (n = {n_sources} sources; gate {100 * gate.threshold:.0f}%)")
@@ -496,8 +494,10 @@ def winner_verdict(result, run_path=None) -> dict:
     layer, head = result.winner
     scores = result.scores[(result.scores["layer"] == layer) & (result.scores["head"] == head)]
     ci = stats.source_bootstrap_ci(scores["score"].to_numpy(), scores["source"].to_numpy())
+    J = result.heads["J"].to_numpy()
+    tied = len(J) > 1 and J[0] == J[1]            # a tie at the top names no head (stats.top_is_tied)
     verdict = {"layer": layer, "head": head, "J": ci.estimate, "low": ci.low, "high": ci.high,
-               "n_sources": int(scores["source"].nunique()), "winner": bool(ci.low > 0)}
+               "n_sources": int(scores["source"].nunique()), "winner": bool(ci.low > 0) and not tied}
     if run_path is not None:
         (Path(run_path) / "winner.json").write_text(json.dumps(verdict, indent=1) + "\n")
     return verdict

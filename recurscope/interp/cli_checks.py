@@ -23,7 +23,7 @@ AT_LEAST = {
     "resamples": 100,   # stats' bootstrap refuses fewer (after the whole computation, before this check)
 }
 LIST_AT_LEAST = {"loads": 1, "gaps": 0, "fillers": 0}   # --head: cli.validate_args
-FRACTIONS = ("threshold", "gate", "gate_threshold")
+FRACTIONS = ("threshold", "gate", "gate_threshold", "capability_threshold")
 WHY = {"resamples": " (bootstrap intervals need at least 100; default 9999)",
        "head": " (heads and layers are numbered from 0)"}
 
@@ -33,6 +33,8 @@ class CheckError(ValueError):
 
 
 def _flag(name: str) -> str:
+    if name == "capability_threshold":       # the protocol verbs' --gate-threshold (its dest avoids their --gate)
+        return "--gate-threshold"
     return "--" + name.replace("_", "-")
 
 

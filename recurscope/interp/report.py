@@ -9,7 +9,7 @@ from typing import Optional
 import pandas as pd
 
 from recurscope.interp.interventions.registry import INTERVENTIONS, REGISTRY, controls_of, named_intervention
-from recurscope.interp.verdicts import Claim, control_verdict, judge, measure_from
+from recurscope.interp.verdicts import Claim, control_verdict, gate_off, identity_check, judge, measure_from
 
 #: Report names of the interventions, in protocol order (from interventions.REGISTRY).
 LABELS = {entry.name: entry.label for entry in REGISTRY}
@@ -79,7 +79,8 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
         return path
     lines += ["## Head selection (dev sources)", "",
               "J(l, h) is the mean over sources of the donor-margin shift from a state swap of that single head at "
-              "the query boundary (the difference the paper's text defines; its eq. 6 prints a product by mistake).", "",
+              "the query boundary (the difference the paper's text defines; its eq. 6 prints a product, a reading "
+              "docs/paper_ambiguities.md sets beside it).", "",
               "| rank | head | J (logits) | sources won | mean rank |", "|---|---|---|---|---|"]
     for i, r in enumerate(scan_heads.head(10).itertuples(), 1):
         lines.append(f"| {i} | L{r.layer}H{r.head} | {r.J:+.3f} | {r.wins}/{r.n_sources} | {r.mean_rank:.1f} |")
@@ -126,7 +127,13 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
         lines += ["", "Arms equal by construction here:"] + [f"- {line}" for line in identities]
     if "effects" in figures:
         lines += ["", f"![intervention effects]({Path(figures['effects']).name})"]
-    lines += ["", "## Reading", ""] + _reading(summary)
+    n_layers = _n_layers(manifest.get("checkpoint_path"))
+    if gate is not None and gate.get("off"):
+        with gate_off():
+            reading = _reading(summary, heads, n_layers)
+    else:
+        reading = _reading(summary, heads, n_layers)
+    lines += ["", "## Reading", ""] + reading
     lines += ["", "How to read this: a positive donor-margin shift means the intervention moved the answer towards the "
               "donor's value; the donor-answer rate counts examples whose argmax over the 4 candidates became the "
               "donor's value (chance for a random pick: 25%). Controls should sit near zero. Joint effects of several "
@@ -219,8 +226,20 @@ def _intervals_line(summary: pd.DataFrame) -> str:
             "would collapse to zero width at 0% and 100%); with several, a source-cluster bootstrap.")
 
 
-def _reading(summary: pd.DataFrame) -> list[str]:
-    """The report's reading lines; every verdict comes from interp.verdicts (judge, control_verdict)."""
+def _n_layers(checkpoint_path) -> Optional[int]:
+    """num_hidden_layers of the checkpoint's config.json (either format), or None where it cannot be read."""
+    path = None if checkpoint_path is None else Path(checkpoint_path) / "config.json"
+    if path is None or not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    n = config.get("num_hidden_layers", config.get("text_config", {}).get("num_hidden_layers"))
+    return int(n) if isinstance(n, int) else None
+
+
+def _reading(summary: pd.DataFrame, heads=(), n_layers: Optional[int] = None) -> list[str]:
+    """The report's reading lines; every verdict comes from interp.verdicts (judge, control_verdict). With `heads`
+    all in the last of `n_layers` layers, the answer-position restore equals clean by construction (no later layer
+    reads the head's other readouts): an identity check, not evidence."""
     out = []
 
     def m(arm, metric, unit="logit"):
@@ -239,10 +258,18 @@ def _reading(summary: pd.DataFrame) -> list[str]:
                    "through its readouts. It checks the patching; it is not evidence for the paper's claim.")
     last = m("output_restore_last", named_intervention("output_restore_last").metric)
     if last:
-        out.append("- The informative arm is the restore at the answer position only. "
-                   + str(judge(last, Claim.near_zero("near zero: the swap's effect passes through the readout at the "
-                                                     "answer position"),
-                               "Its donor-margin shift after restoring the recipient's query-time readout there")))
+        subject = "Its donor-margin shift after restoring the recipient's query-time readout there"
+        last_layer = n_layers is not None and heads and all(int(layer) == n_layers - 1 for layer, _ in heads)
+        if last_layer:
+            out.append("- The restore at the answer position only. " + str(identity_check(
+                last, subject, f"the head(s) sit in the last layer, L{n_layers - 1}: no later layer reads their other "
+                               "readouts, so restoring the answer position's readout gives the clean margin whatever "
+                               "the model")))
+        else:
+            scale = swap.estimate if swap is not None and swap.defined and swap.estimate != 0 else None
+            out.append("- The informative arm is the restore at the answer position only. "
+                       + str(judge(last, Claim.near_zero("near zero: the swap's effect passes through the readout at "
+                                                         "the answer position"), subject, scale=scale)))
     for main in INTERVENTIONS:
         for control in controls_of(main):
             out.extend(_control_line(summary, control, main))

@@ -24,7 +24,7 @@ def test_headscan_read_scan_survives_sigkill_and_resumes(tmp_path, tiny_checkpoi
     ckpt = tiny_checkpoint(tmp_path / "ckpt", family="gated_deltanet")   # 2 layers x 2 heads
     n_sources, n_heads = 6, 4
     common = ["headscan", str(ckpt), "--head", "0", "1", "--n-sources", str(n_sources), "--filler", "12",
-              "--presentations", "2", "--gap", "4", "--resamples", "100", "--batch-size", "1"]
+              "--presentations", "2", "--gap", "4", "--gate-threshold", "0", "--resamples", "100", "--batch-size", "1"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     killed_out, clean_out = tmp_path / "killed", tmp_path / "clean"
     writes = n_sources * n_heads                   # the write scan commits one head (6 rows) per append

@@ -11,20 +11,21 @@ from recurscope.interp.plots import overlapping_text
 from recurscope.interp.protocols import VERBS
 from recurscope.interp.protocols.verbs import TABLE
 
-TINY = ["--n-sources", "2", "--filler", "16", "--presentations", "2", "--gap", "4", "--resamples", "100",
+TINY = ["--n-sources", "2", "--filler", "16", "--presentations", "2", "--gap", "4",
+        "--gate-threshold", "0", "--resamples", "100",
         "--batch-size", "8"]
 #: The figures each verb draws, as the verbs' table declares them (runner.run_verb holds a run to it).
 FIGURES = {name: list(verb.figures) for name, verb in TABLE.items()}
 #: Verbs with their own layout options instead of the shared --filler/--presentations/--gap.
 OWN_ARGS = {"gate": ["--n-sources", "2", "--fillers", "8", "16", "--resamples", "100", "--batch-size", "8"],
             "capacity": ["--n-sources", "2", "--loads", "1", "2", "--gaps", "8", "16", "--total-length", "120",
-                         "--resamples", "100", "--batch-size", "8"],
+                         "--gate-threshold", "0", "--resamples", "100", "--batch-size", "8"],
             "retention": ["--n-sources", "2", "--loads", "1", "2", "--total-length", "200", "--n-nontarget", "1",
-                          "--resamples", "100", "--batch-size", "8"],
+                          "--gate-threshold", "0", "--resamples", "100", "--batch-size", "8"],
             "corrector": ["--n-sources", "2", "--n-fit", "2", "--pairs-per-source", "2", "--k", "2",
-                          "--total-length", "200", "--resamples", "100", "--batch-size", "8"],
+                          "--total-length", "200", "--gate-threshold", "0", "--resamples", "100", "--batch-size", "8"],
             "reuse": ["--n-sources", "2", "--n-fit", "2", "--filler", "16", "--formats", "template:is_in",
-                      "update:is_in", "--resamples", "100", "--batch-size", "8"]}
+                      "update:is_in", "--gate-threshold", "0", "--resamples", "100", "--batch-size", "8"]}
 
 
 def catch_figures(monkeypatch) -> dict:
@@ -133,7 +134,8 @@ def test_verb_layout_builds_that_layouts_prompts(layout, template, query, tmp_pa
         return types.SimpleNamespace(section="done")
 
     monkeypatch.setattr(selectivity, "run_selectivity", run)
-    argv = ["selectivity", "tiny-gla", "--head", "0", "1", "--filler", "8", "--out", str(tmp_path / "o")]
+    argv = ["selectivity", "tiny-gla", "--head", "0", "1", "--filler", "8", "--gate-threshold", "0", "--out",
+            str(tmp_path / "o")]
     assert main(argv + ([] if layout is None else ["--layout", layout])) == 0
     spec = seen["spec"]
     assert spec.layout.template == template and spec.layout.filler_tokens == 8

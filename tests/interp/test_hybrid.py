@@ -15,9 +15,10 @@ from recurscope.interp.data import build_pairs
 from recurscope.interp.interventions import clean_run
 from recurscope.interp.loading import load_model
 from recurscope.interp.protocols import hybrid
-from recurscope.interp.verdicts import AGREES, DIFFERS, NO_EVIDENCE
+from recurscope.interp.verdicts import AGREES, DIFFERS, NO_EVIDENCE, NOT_INFORMATIVE
 
-TINY = ["--n-sources", "3", "--filler", "12", "--presentations", "2", "--gap", "4", "--resamples", "100",
+TINY = ["--n-sources", "3", "--filler", "12", "--presentations", "2", "--gap", "4",
+        "--gate-threshold", "0", "--resamples", "100",
         "--batch-size", "4"]
 
 
@@ -74,7 +75,9 @@ def _summary(recurrent, kv, full=(20.0, 15.0, 25.0), n=16):
 @pytest.mark.parametrize("recurrent, kv, expected", [
     ((0.01, 0.0, 0.03), (0.99, 0.97, 1.0), (AGREES, AGREES)),        # the paper's KV-dominated hybrid
     ((0.88, 0.85, 0.90), (0.12, 0.10, 0.15), (DIFFERS, DIFFERS)),    # tiny-gdn-hybrid's recurrent memory
-    ((0.02, -0.01, 0.10), (0.98, 0.90, 1.01), (NO_EVIDENCE, NO_EVIDENCE)),   # intervals across the bounds
+    # intervals across the bounds: the recurrent one is more than twice as wide as the paper's 3.6%
+    ((0.02, -0.01, 0.10), (0.98, 0.90, 1.01), (NOT_INFORMATIVE, NO_EVIDENCE)),
+    ((0.02, -0.01, 0.05), (0.98, 0.90, 1.01), (NO_EVIDENCE, NO_EVIDENCE)),
 ])
 def test_reading_judges_the_shares_against_the_papers_bounds(recurrent, kv, expected):
     sentences = hybrid.reading(_summary(recurrent, kv))

@@ -5,7 +5,8 @@ import pytest
 
 from recurscope.interp.cli import main
 
-TINY = ["--n-sources", "3", "--filler", "12", "--presentations", "2", "--gap", "4", "--resamples", "100",
+TINY = ["--n-sources", "3", "--filler", "12", "--presentations", "2", "--gap", "4",
+        "--gate-threshold", "0", "--resamples", "100",
         "--batch-size", "8", "--head", "0", "1"]
 
 

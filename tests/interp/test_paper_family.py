@@ -75,16 +75,18 @@ def test_judge_family_picks_the_claim_and_compares_nothing_for_another_family():
     m = Measure(0.149, 0.1, 0.2, 16, "ratio")
     claims = {GLA: Claim.equals(0.173), GDN: Claim.equals(0.149)}
     assert V.judge_family(m, GDN, claims, "rho").kind == V.AGREES
-    assert V.judge_family(Measure(0.149, 0.12, 0.16, 16, "ratio"), GLA, claims, "rho").kind == V.DIFFERS
+    assert V.judge_family(Measure(0.149, 0.12, 0.16, 16, "ratio"), GLA, claims, "rho").kind == V.SAME_SIGN
     other = V.judge_family(m, OTHER, claims, "rho", "GLA 0.173, GDN 0.149")
     assert other.kind == V.NOT_COMPARED and "rwkv7" in other.sentence and "GLA 0.173, GDN 0.149" in other.sentence
     assert m.text() in other.sentence
 
 
 def test_an_effect_claim_needs_the_interval_to_exclude_zero():
-    assert V.judge(Measure(0.01, 0.0, 0.05, 16, "pct"), Claim.effect(0.0142), "x").kind == V.NO_EVIDENCE
+    assert V.judge(Measure(0.01, 0.0, 0.02, 16, "pct"), Claim.effect(0.0142), "x").kind == V.NO_EVIDENCE
+    assert V.judge(Measure(0.01, 0.0, 0.05, 16, "pct"), Claim.effect(0.0142), "x").kind == V.NOT_INFORMATIVE
     assert V.judge(Measure(0.02, 0.01, 0.05, 16, "pct"), Claim.effect(0.0142), "x").kind == V.AGREES
     assert V.judge(Measure(0.1, 0.05, 0.15, 16, "pct"), Claim.effect(0.0142), "x").kind == V.DIFFERS
+    assert V.judge(Measure(0.1, 0.05, 0.15, 16, "pp"), Claim.effect(0.0142), "x").kind == V.SAME_SIGN
 
 
 # ---- each Reading's family choice ---------------------------------------------------------------------------------
@@ -106,7 +108,7 @@ def test_headscan_reading_uses_the_family_spearman_and_count():
     s = _rows([_r("frozen_head_rank", 1, 1, 1, scan="write"), _r("frozen_head_rank", 1, 1, 1, scan="read"),
                _r("joint_fraction_above_threshold", 0.03, 0.02, 0.04, scan="both"),      # GDN's 3.1%, not GLA's 1.0%
                _r("spearman", 0.15, 0.140, 0.160, scan="write_vs_read")])                # GDN's 0.149, not 0.173
-    assert kinds(headscan.reading(s, 96, family=GLA)) == [V.AGREES, V.AGREES, V.DIFFERS, V.DIFFERS]
+    assert kinds(headscan.reading(s, 96, family=GLA)) == [V.AGREES, V.AGREES, V.DIFFERS, V.SAME_SIGN]
     assert kinds(headscan.reading(s, 96, family=GDN)) == [V.AGREES] * 4
     assert kinds(headscan.reading(s, 96, family=OTHER)) == [V.NOT_COMPARED] * 4
 
@@ -128,13 +130,15 @@ def test_corrector_reading_uses_the_family_gain():
                _r("accuracy_change", 0.0, -0.01, 0.01, arm="random_map"),
                _r("accuracy_change", 0.0, -0.01, 0.01, arm="control_head")])
     info = {"method": "logits_and_state"}
-    assert kinds(corrector.reading(s, {**info, "family": GLA})) == [V.AGREES, V.AGREES, V.AGREES]  # a gain (> 0)
+    # a gain of +1.5 pp against GLA's +28.1 pp: the sign, not the size; the controls have no paper number
+    assert kinds(corrector.reading(s, {**info, "family": GLA})) == [V.SAME_SIGN, V.NO_PAPER_NUMBER,
+                                                                    V.NO_PAPER_NUMBER]
     big = s.assign(estimate=[0.28, 0.0, 0.0], low=[0.2, -0.01, -0.01], high=[0.35, 0.01, 0.01])
     assert kinds(corrector.reading(big, {**info, "family": GLA}))[0] == V.AGREES
-    assert kinds(corrector.reading(big, {**info, "family": GDN}))[0] == V.DIFFERS     # far above GDN's +1.5 pp
+    assert kinds(corrector.reading(big, {**info, "family": GDN}))[0] == V.SAME_SIGN   # far above GDN's +1.5 pp
     assert kinds(corrector.reading(s, {**info, "family": GDN}))[0] == V.AGREES
-    # the controls are judged on any model
-    assert kinds(corrector.reading(s, {**info, "family": OTHER})) == [V.NOT_COMPARED, V.AGREES, V.AGREES]
+    assert kinds(corrector.reading(s, {**info, "family": OTHER})) == [V.NOT_COMPARED, V.NO_PAPER_NUMBER,
+                                                                      V.NO_PAPER_NUMBER]
 
 
 def test_neutral_reading_uses_the_family_gain_of_the_others():
@@ -143,9 +147,10 @@ def test_neutral_reading_uses_the_family_gain_of_the_others():
     s = _rows([_r("target_accuracy_change", -0.6, -0.7, -0.5, arm="state_swap"),
                _r("others_accuracy_change", 0.011, 0.005, 0.015, arm="state_swap"),    # GDN's +1.11, not +2.15 pp
                _r("target_accuracy_change", 0.0, -0.05, 0.05, arm="random_update")])
-    assert kinds(neutral.reading(s, family=GLA)) == [V.AGREES, V.DIFFERS, V.AGREES]
-    assert kinds(neutral.reading(s, family=GDN)) == [V.AGREES, V.AGREES, V.AGREES]
-    assert kinds(neutral.reading(s, family=OTHER)) == [V.NOT_COMPARED, V.NOT_COMPARED, V.AGREES]
+    # -60 pp: GDN's -59.0 pp, not GLA's -84.2 pp; the random update is the project's control (no paper number)
+    assert kinds(neutral.reading(s, family=GLA)) == [V.SAME_SIGN, V.SAME_SIGN, V.NO_PAPER_NUMBER]
+    assert kinds(neutral.reading(s, family=GDN)) == [V.AGREES, V.AGREES, V.NO_PAPER_NUMBER]
+    assert kinds(neutral.reading(s, family=OTHER)) == [V.NOT_COMPARED, V.NOT_COMPARED, V.NO_PAPER_NUMBER]
 
 
 def test_retention_reading_uses_the_family_recall_and_break_bound():
@@ -194,7 +199,9 @@ def test_readings_with_one_claim_for_both_families_compare_no_other_family(modul
                _r("sublayer_jump", 0.6, 0.5, 0.7, split="heldout", task="retention", layer=1, side="sublayer"),
                _r("sublayer_jump", 0.3, 0.2, 0.4, split="heldout", task="update", layer=1, side="sublayer")])
     gla, gdn, other = (kinds(call(m, s, f)) for f in (GLA, GDN, OTHER))
-    assert gla == gdn and gla and all(k == V.AGREES for k in gla)
+    assert gla and all(k == V.AGREES for k in gla)
+    # the lens's jumps are each family's own numbers (GLA +66.4 / +28.9 pp, GDN +74.2 / +43.0 pp)
+    assert gdn == ([V.SAME_SIGN, V.SAME_SIGN] if module == "lens" else gla)
     # overlap's control head is a control, judged on any model; nothing else is compared for RWKV-7
     expected = [V.NOT_COMPARED] * (len(gla) - 1) + [V.AGREES] if module == "overlap" else [V.NOT_COMPARED] * len(gla)
     assert other == expected

@@ -12,7 +12,8 @@ from recurscope.interp.cli import main
 from recurscope.interp.protocols.verbs import TABLE
 from recurscope.interp.results import RowLog
 
-TINY = ["--n-sources", "3", "--filler", "12", "--presentations", "2", "--gap", "4", "--resamples", "100",
+TINY = ["--n-sources", "3", "--filler", "12", "--presentations", "2", "--gap", "4",
+        "--gate-threshold", "0", "--resamples", "100",
         "--batch-size", "4"]
 HEAD = ["--head", "0", "1"]
 VERBS = {
@@ -25,12 +26,12 @@ VERBS = {
     "lens": ["tiny-gla", *TINY, "--n-localise", "2"],
     "gate": ["tiny-gla", "--n-sources", "3", "--fillers", "8", "16", "--resamples", "100", "--batch-size", "4"],
     "capacity": ["tiny-gla", *HEAD, "--n-sources", "2", "--loads", "1", "2", "--gaps", "8", "16", "--total-length",
-                 "120", "--resamples", "100", "--batch-size", "4"],
+                 "120", "--gate-threshold", "0", "--resamples", "100", "--batch-size", "4"],
     "overlap": ["tiny-gla", *HEAD, *TINY, "--n-facts", "2", "4"],
     "retention": ["tiny-gla", *HEAD, "--n-sources", "2", "--loads", "1", "2", "--total-length", "200",
-                  "--n-nontarget", "1", "--resamples", "100", "--batch-size", "4"],
+                  "--n-nontarget", "1", "--gate-threshold", "0", "--resamples", "100", "--batch-size", "4"],
     "reuse": ["tiny-gla", *HEAD, "--n-sources", "2", "--n-fit", "2", "--filler", "16", "--formats", "template:is_in",
-              "update:is_in", "--resamples", "100", "--batch-size", "4"],
+              "update:is_in", "--gate-threshold", "0", "--resamples", "100", "--batch-size", "4"],
     "topk": ["tiny-gla", *TINY, "--n-dev", "2", "--no-gate"],
 }
 #: Verbs whose Ray units are sources of a batched in-process computation (the rest: whole arms, loads, heads, ...).

@@ -295,7 +295,13 @@ def test_bootstrap_rank_interval_known_answers():
     mixed = S.bootstrap_rank_interval(table, (0, 1), n_resamples=2000, seed=0)
     assert (mixed.rank, mixed.low, mixed.high) == (1, 1, 2)
     tied_last = S.bootstrap_rank_interval(table, (0, 0), n_resamples=500, seed=0)  # tied with (1, 1) everywhere
-    assert (tied_last.rank, tied_last.low, tied_last.high) == (3, 3, 3)
+    assert (tied_last.rank, tied_last.low, tied_last.high) == (3, 3, 4)            # the tie is reported, [3, 4]
+    # an all-equal scan (the random model: every read J exactly 0.0) ranks every head [1, n], names none
+    flat = table.assign(score=0.0)
+    for unit in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        ri = S.bootstrap_rank_interval(flat, unit, n_resamples=200, seed=0)
+        assert (ri.low, ri.high) == (1, 4)
+    assert S.top_is_tied(flat) and not S.top_is_tied(table)
     dominant = table.copy()
     dominant.loc[(dominant["layer"] == 1) & (dominant["head"] == 1), "score"] = 20.0
     best = S.bootstrap_rank_interval(dominant, (1, 1), n_resamples=500, seed=0)

@@ -8,7 +8,7 @@ import pytest
 from helpers_models import tiny_model
 from recurscope.interp.data import build_pairs
 from recurscope.interp.protocols import topk
-from recurscope.interp.verdicts import AGREES, DIFFERS
+from recurscope.interp.verdicts import AGREES, DIFFERS, SAME_SIGN
 
 SMALL = dict(filler=32, presentations=3, gap=4)
 
@@ -70,7 +70,7 @@ def test_reading_judges_a_gated_model_on_both_sides_of_the_paper_number():
     near = _reading(_summary((0.08, 0.05, 0.11), (0.95, 0.9, 1.0)), _info(True))
     assert AGREES in near[-1] and "7.5%" in near[-1]
     far = _reading(_summary((0.40, 0.30, 0.50), (0.95, 0.9, 1.0)), _info(True))
-    assert DIFFERS in far[-1]
+    assert DIFFERS in far[-1] and SAME_SIGN not in far[-1]    # a recovery is a share: it differs, never "agrees"
     nat = _reading(_summary((0.50, 0.45, 0.60), (0.95, 0.9, 1.0), fmt="naturalized"),
                        _info(True, fmt="naturalized"))
     assert AGREES in nat[-1] and "54.8%" in nat[-1]

@@ -13,7 +13,7 @@ verdict comes from interp.verdicts.
 | heads | heads.py | Fig. 3c, App. E.2: non-additivity of write blocks, joint top-k recovery |
 | headscan | headscan.py | App. C, Fig. 10: held-out all-head write and read scans |
 | lens | lens.py | App. C, Fig. 11: logit lens per layer for retention and update |
-| gate | gate.py | App. F.2, Table 3: natural-sentence capability gate (reusable: capability_gate, require_capability) |
+| gate | gate.py | App. F.2, Table 3: natural-sentence capability gate (the reusable gate of every verb: interp.capability) |
 | capacity | capacity.py | §4.2, Fig. 7a-b: clean recall and state-swap shift against load K and gap |
 | overlap | overlap.py | §4.2, Fig. 7c: interfering write keys aligned with the target's write direction |
 | retention | retention.py | §4.2, Fig. 8: clean recall, state-swap edit shift and non-target breakage against K |

@@ -12,6 +12,7 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp.data.layout import PairLayout, resolve_layout
 from recurscope.interp.results import RunDir
+from recurscope.interp.verdicts import paper_family
 
 Head = tuple[int, int]
 
@@ -105,15 +106,53 @@ def max_length(model) -> Optional[int]:
     return getattr(model.cfg, "max_position_embeddings", None) if model.attention_layers else None
 
 
+def model_record(model) -> dict:
+    """What every protocol's info records about the model: the paper's family whose numbers apply
+    (verdicts.paper_family) and the parameter count, for the Reading's scale caveat (verdicts.scale_caveat)."""
+    params = getattr(model, "parameters", None)
+    n_params = sum(p.numel() for p in params()) if callable(params) else None
+    return {"family": paper_family(model), "n_params": n_params}
+
+
 def rank_heads(model, *, n_dev: int = 16, layout: "PairSpec | PairLayout | str | None" = None,
                batch_size: int = 96) -> pd.DataFrame:
-    """Every recurrent head ranked by J on `n_dev` dev sources (interp.scan.run_scan): the frozen ranking."""
+    """Every recurrent head ranked by J on `n_dev` dev sources (interp.scan.run_scan): the frozen ranking, with the
+    top head's source-bootstrap J interval in J_low / J_high (on the first row; ranking_names_a_head reads it)."""
+    from recurscope.interp import stats
     from recurscope.interp.data import build_pairs
     from recurscope.interp.scan import run_scan
 
     dev = build_pairs(model.tokenizer, split="dev", n_sources=n_dev, max_length=max_length(model),
                       **pair_spec(layout).kwargs())
-    return run_scan(model, dev, batch_size=batch_size).heads
+    result = run_scan(model, dev, batch_size=batch_size)
+    table = result.heads.copy()
+    top = result.scores[(result.scores["layer"] == table.iloc[0]["layer"])
+                        & (result.scores["head"] == table.iloc[0]["head"])]
+    ci = stats.source_bootstrap_ci(top["score"].to_numpy(), top["source"].to_numpy(), n_resamples=2000)
+    table["J_low"], table["J_high"] = float("nan"), float("nan")
+    table.loc[table.index[0], ["J_low", "J_high"]] = [ci.low, ci.high]
+    return table
+
+
+def ranking_names_a_head(ranking: pd.DataFrame, scan_dir=None) -> bool:
+    """Whether a scan's per-head table (layer, head, J) names a head: its best J is not tied with the next, lies
+    above verdicts.IDENTITY_TOLERANCE (float noise), and its source-bootstrap interval excludes zero where known
+    (J_low on the table, or the scan directory's winner.json). Otherwise the scan is inside its noise floor."""
+    import json
+    import math
+
+    from recurscope.interp.verdicts import IDENTITY_TOLERANCE
+
+    J = ranking.sort_values("J", ascending=False, kind="stable")["J"].to_numpy(float)
+    if len(J) == 0 or J[0] <= IDENTITY_TOLERANCE or (len(J) > 1 and J[0] == J[1]):
+        return False
+    top = ranking.sort_values("J", ascending=False, kind="stable").iloc[0]
+    if "J_low" in ranking.columns and not math.isnan(float(top["J_low"])):
+        return bool(top["J_low"] > 0)
+    winner = None if scan_dir is None else Path(scan_dir) / "winner.json"
+    if winner is not None and winner.is_file():
+        return bool(json.loads(winner.read_text()).get("winner", True))
+    return True
 
 
 def frozen_head(model, head: Optional[Sequence[int]] = None, from_scan=None, *, n_dev: int = 16,
@@ -129,9 +168,26 @@ def frozen_head(model, head: Optional[Sequence[int]] = None, from_scan=None, *, 
         from recurscope.interp.confirm import heads_from_scan
 
         table = pd.read_csv(Path(from_scan) / "scan_heads.csv") if (Path(from_scan) / "scan_heads.csv").is_file() else None
-        return heads_from_scan(from_scan, model, top_k=1)[0], table
+        chosen = heads_from_scan(from_scan, model, top_k=1)[0]
+        if table is not None:
+            _refuse_noise(table, from_scan)
+        return chosen, table
     table = rank_heads(model, n_dev=n_dev, layout=layout)
+    _refuse_noise(table)
     return (int(table.iloc[0]["layer"]), int(table.iloc[0]["head"])), table
+
+
+def _refuse_noise(table: pd.DataFrame, scan_dir=None) -> None:
+    """A head is frozen from a scan only when the scan names one (ranking_names_a_head); otherwise a one-line
+    refusal that says why and how to study a head anyway."""
+    if ranking_names_a_head(table, scan_dir):
+        return
+    top = table.sort_values("J", ascending=False, kind="stable").iloc[0]
+    interval = (f" [{top['J_low']:+.3g}, {top['J_high']:+.3g}]" if "J_low" in table.columns
+                and pd.notna(top["J_low"]) else "")
+    raise ValueError(f"the scan names no head: its best J, {top['J']:+.3g}{interval} (L{int(top['layer'])}"
+                     f"H{int(top['head'])}), is tied or inside its noise floor, so no head can be frozen from it; "
+                     "check that the model does the task, or pass --head LAYER HEAD to study a head you choose")
 
 
 def frozen_setup(model, pairs, head, from_scan, *, n_dev: int, layout: "PairSpec | PairLayout | str | None",

@@ -9,7 +9,7 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import rank_heads
+from recurscope.interp.protocols._common import rank_heads, ranking_names_a_head
 from recurscope.interp.scan import all_heads
 
 
@@ -55,16 +55,19 @@ def recovery_records(wide: pd.DataFrame, ks: list, *, n_resamples: int, seed: in
     return out
 
 
-def frozen_ranking(model, ranking: Optional[pd.DataFrame], n_dev: int, layout) -> list[tuple[int, int]]:
-    """Every recurrent head (state group), best J first: `ranking` (a scan's scan_heads) or a fresh dev scan."""
+def frozen_ranking(model, ranking: Optional[pd.DataFrame], n_dev: int, layout, with_tie: bool = False):
+    """Every recurrent head (state group), best J first: `ranking` (a scan's scan_heads) or a fresh dev scan. With
+    `with_tie`, (order, hub_named): hub_named is False when the best J is tied or inside the scan's noise floor
+    (ranking_names_a_head), so no head is called the hub."""
     if ranking is None:
         ranking = rank_heads(model, n_dev=n_dev, layout=layout)
+    named = ranking_names_a_head(ranking)
     ranking = ranking.sort_values("J", ascending=False, kind="stable")
     order = [(int(r.layer), int(r.head)) for r in ranking.itertuples()]
     if sorted(order) != all_heads(model):
         raise ValueError("the ranking must score every recurrent head of the model once; pass a full scan's "
                          "scan_heads table")
-    return order
+    return (order, named) if with_tie else order
 
 
 def scan_ranking(model, from_scan) -> Optional[pd.DataFrame]:

@@ -24,12 +24,12 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, run_arms,
-                                                 max_length, pair_spec, PairSpec)
+from recurscope.interp.protocols._common import (PairSpec, ProtocolResult, ci_text, frozen_head, head_label, max_length,
+                                                 model_record, pair_spec, run_arms)
 from recurscope.interp.protocols._layouts import HIGH_LOAD, bare_length, fixed_length_filler, load_layout  # noqa: F401  (shared)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
 from recurscope.interp.protocols.verbs import GAPS, LOADS   # the verb's defaults, written once
-from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from, paper_family
+from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from
 
 __all__ = ["LOADS", "GAPS", "load_layout", "fixed_length_filler", "loss_contrasts", "run_capacity", "reading"]
 
@@ -89,7 +89,7 @@ class ConditionArm:
 
     def __call__(self, model, pairs, arm: str) -> pd.DataFrame:
         from recurscope.interp.data import build_pairs
-        from recurscope.interp.protocols.gate import capability_gate
+        from recurscope.interp.capability import capability_gate
 
         tok, total_length, batch_size = model.tokenizer, self.total_length, self.batch_size
         series, x, layout, _ = self.conditions[arm]
@@ -166,7 +166,7 @@ def run_capacity(model, head: Optional[Sequence[int]] = None, *, from_scan=None,
     sources = pd.concat(source_frames, ignore_index=True) if source_frames else pd.DataFrame()
     summary = pd.concat([pd.DataFrame(records), loss_contrasts(sources, loads, gaps, n_resamples=n_resamples,
                                                                seed=seed)], ignore_index=True)
-    info = {"head": chosen, "family": paper_family(model), "total_length": int(total_length), "loads": [int(k) for k in loads],
+    info = {"head": chosen, **model_record(model), "total_length": int(total_length), "loads": [int(k) for k in loads],
             "gaps": [int(g) for g in gaps], "n_sources": n_sources, "template": base.layout.template,
             "vocab": base.vocab}
     result = ProtocolResult("capacity", rows, sources, summary, info=info)

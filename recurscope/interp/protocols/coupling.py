@@ -23,9 +23,10 @@ import torch
 
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import ProtocolResult, ci_text, frozen_setup, head_label, source_units
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_setup, head_label, model_record,
+                                                 source_units)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from, paper_family
+from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from
 from recurscope.interp.protocols._layouts import build_selectivity_pairs
 
 __all__ = ["ARMS", "split_parallel", "run_coupling", "reading"]
@@ -181,7 +182,7 @@ def run_coupling(model, pairs=None, head: Optional[Sequence[int]] = None, *, run
     metrics = ["margin_change_b", "cos_ab", "norm_edit"]
     sources = rows.groupby(["arm", "source"])[metrics].mean().reset_index()
     summary = stats.summarise(rows, metrics, by=["arm"], n_resamples=n_resamples, seed=seed)
-    info = {"head": chosen, "family": paper_family(model), "n_sources": int(rows["source"].nunique()), "n_pairs_ab": int(len(rows) / len(ARMS))}
+    info = {"head": chosen, **model_record(model), "n_sources": int(rows["source"].nunique()), "n_pairs_ab": int(len(rows) / len(ARMS))}
     result = ProtocolResult("coupling", rows, sources, summary, info=info)
     figure = FigureSpec("coupling", summary, dict(row_col="arm", rows=list(ARMS), panels=["margin_change_b"],
                                                   panel_labels={"margin_change_b": "change in B's margin"},

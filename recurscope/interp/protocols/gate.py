@@ -9,8 +9,10 @@ answer on the donor sequence), and an evidence-removed control (the evidence sen
 length: the answer must then be lost). `--recall candidates` reads top-1 among the pair's four candidates instead
 (an easier test, labelled as such).
 
-capability_gate() is the reusable check the other protocols' --gate options use on their own pairs: top-1 among the
-pair's candidates (the project's clean_run); GateResult.passed or require_capability() (CapabilityGateError).
+capability_gate() (interp.capability, re-exported here) is the reusable check the other protocols' --gate options use
+on their own pairs: top-1 among the pair's candidates (the project's clean_run); GateResult.passed or
+require_capability() (CapabilityGateError). interp.capability.check_capability is the one gate every verb, `run`
+and notebook 02 pass before any verdict.
 
 Paper (pure recurrent model, natural sentences): recipient / donor 56.3 / 53.1% at 512 filler, 71.9 / 68.8% at 128;
 both under the 80% gate, so the paper stopped there.
@@ -29,6 +31,7 @@ from recurscope.interp import stats
 from recurscope.interp.protocols._common import ProtocolResult, ci_text, max_length, unit_frames
 from recurscope.interp.protocols import verbs
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
+from recurscope.interp.capability import CapabilityGateError, GateResult, capability_gate, require_capability
 from recurscope.interp.verdicts import measure_from
 
 __all__ = ["GATE_THRESHOLD", "NATURAL_TEMPLATE", "GATE_CITIES", "PHRASINGS", "CapabilityGateError", "GateResult",
@@ -77,60 +80,11 @@ def _ask(tokenizer, pairs, question: str) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 
-class CapabilityGateError(RuntimeError):
-    """A condition's clean recall is under the preset threshold: its intervention results must not be reported."""
-
-
-@dataclass(frozen=True)
-class GateResult:
-    condition: str
-    threshold: float
-    recipient: stats.BootstrapCI
-    donor: stats.BootstrapCI
-
-    @property
-    def passed(self) -> bool:
-        """Both point estimates at or above the threshold (the paper's rule)."""
-        return self.recipient.estimate >= self.threshold and self.donor.estimate >= self.threshold
-
-    def describe(self) -> str:
-        return (f"{self.condition}: clean recall recipient {100 * self.recipient.estimate:.1f}%, donor "
-                f"{100 * self.donor.estimate:.1f}% against a preset threshold of {100 * self.threshold:.0f}%: "
-                + ("passes" if self.passed else "refused"))
-
-
 def _check_threshold(threshold) -> float:
     if not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
         raise ValueError(f"threshold must be a fraction in (0, 1], fixed before the run (the paper uses 0.8); "
                          f"got {threshold!r}")
     return float(threshold)
-
-
-def capability_gate(model, pairs, *, threshold: float = GATE_THRESHOLD, condition: str = "condition",
-                    batch_size: int = 16, n_resamples: int = 9999, seed: int = 0, clean=None) -> GateResult:
-    """Clean recall of recipient and donor over `pairs`' target rows with source-bootstrap intervals. `clean`: the
-    clean_run output when the caller has it already (it is computed otherwise)."""
-    threshold = _check_threshold(threshold)
-    clean = iv.clean_run(model, pairs, batch_size=batch_size) if clean is None else clean
-    target = pairs.is_target.bool()
-    src = pairs.source_id[target].numpy()
-    rec = (clean["recipient"].argmax(1) == pairs.recipient_answer_index)[target].float().numpy()
-    don_idx = pairs.donor_answer_index[target]
-    if bool((don_idx < 0).any()):
-        raise ValueError("the gate reads the donor's recall, so the pairs need a donor answer (swap or update "
-                         "pairs, not neutral ones)")
-    don = (clean["donor"][target].argmax(1) == don_idx).float().numpy()
-    ci = dict(n_resamples=n_resamples, seed=seed)
-    return GateResult(condition, threshold, stats.source_bootstrap_ci(rec, src, **ci),
-                      stats.source_bootstrap_ci(don, src, **ci))
-
-
-def require_capability(result: GateResult) -> GateResult:
-    """Returns `result` if it passed; raises CapabilityGateError (a one-line reason) otherwise."""
-    if not result.passed:
-        raise CapabilityGateError(result.describe() + "; no intervention is reported on this condition (lower the "
-                                  "filler, change the format or model, or set a different threshold before the run)")
-    return result
 
 
 def top1_correct(model, ids: torch.Tensor, query_pos: torch.Tensor, answer: torch.Tensor, candidate_ids=None, *,

@@ -20,11 +20,12 @@ from typing import Optional
 import pandas as pd
 
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import ProtocolResult, ci_text, head_label, max_length, pair_spec, run_arms
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, head_label, max_length, model_record,
+                                                 pair_spec, run_arms)
 from recurscope.interp.protocols._rankings import (arm_rows, frozen_ranking, recovery_records,  # noqa: F401  (shared with topk)
                                                    scan_ranking, swap_arms, top_k_sizes)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import GLA, Claim, judge_family, measure_from, paper_family
+from recurscope.interp.verdicts import GLA, Claim, gated, judge_family, measure_from, not_informative
 
 __all__ = ["run_heads", "top_k_sizes", "swap_arms", "arm_rows", "recovery_records", "frozen_ranking",
            "scan_ranking", "reading"]
@@ -57,7 +58,7 @@ def run_heads(model, pairs=None, *, ranking: Optional[pd.DataFrame] = None, run_
     from recurscope.interp.data import build_pairs
 
     layout = pair_spec(layout, seed=seed)
-    order = frozen_ranking(model, ranking, n_dev, layout)
+    order, hub_named = frozen_ranking(model, ranking, n_dev, layout, with_tie=True)
     if len(order) < 2:
         raise ValueError("head structure needs at least two recurrent heads")
     if pairs is None:
@@ -102,8 +103,8 @@ def run_heads(model, pairs=None, *, ranking: Optional[pd.DataFrame] = None, run_
     records += recovery_records(wide, ks, n_resamples=n_resamples, seed=seed)
     summary = pd.DataFrame(records)
     sources = rows.groupby(["arm", "source"])["shift"].mean().reset_index()
-    info = {"family": paper_family(model), "ranking": order, "hub": hub, "second": second, "n_sources": int(rows["source"].nunique()),
-            "ks": ks}
+    info = {**model_record(model), "ranking": order, "hub": hub, "second": second,
+            "n_sources": int(rows["source"].nunique()), "ks": ks, "hub_named": hub_named}
     result = ProtocolResult("heads", rows, sources, summary, info=info)
     blocks = summary[summary["analysis"].isin(["write_block", "nonadditivity"])]
     figures = [FigureSpec("nonadditivity", blocks, dict(
@@ -133,35 +134,60 @@ def heads_section(result: ProtocolResult, model_name: str) -> Section:
     for k in info["ks"]:
         recovery.append(f"| {k} | {ci_text(s, {'analysis': 'recovery', 'k': k}, 'shift')} | "
                         f"{ci_text(s, {'analysis': 'recovery', 'k': k}, 'recovery', pct=True)} |")
-    intro = f"Ranking frozen on dev sources: {ranking}. {info['n_sources']} held-out sources."
+    named = info.get("hub_named", True)
+    intro = (f"Ranking frozen on dev sources: {ranking}. {info['n_sources']} held-out sources."
+             + ("" if named else " **No hub is named**: the ranking's best J is tied or inside the scan's noise "
+                                 "floor, so 'hub' and 'second' below are only the first two heads of the order.")
+             + ("" if gated() or not named else " **No hub is named**: the capability gate is off "
+                                                "(--gate-threshold 0), so the order is a diagnostic, not a finding."))
     return Section(f"Head structure: {model_name}", intro, [blocks, joint, recovery],
-                   reading(s, len(info["ranking"]), family=info.get("family")))
+                   reading(s, len(info["ranking"]), family=info.get("family"), hub_named=named))
 
 
-def reading(s: pd.DataFrame, n_heads: int, *, family: Optional[str]) -> list[str]:
+def reading(s: pd.DataFrame, n_heads: int, *, family: Optional[str], hub_named: bool = True) -> list[str]:
     """The paper's numbers here are GLA's (Fig. 3c on GLA-340M; App. E.2's top-1 recovery on GLA-340M and GLA-7B,
-    besides RWKV7-13.3B): only a GLA model (family from verdicts.paper_family) is judged; others get none."""
+    besides RWKV7-13.3B): only a GLA model (family from verdicts.paper_family) is judged; others get none. The
+    recovery is a ratio: undefined where the all-head shift's interval includes zero. The joint-minus-sum is
+    judged against the hub's own effect (negligible below verdicts.NEGLIGIBLE_FRACTION of it). Without a named hub
+    (hub_named False: a tied or noise-floor ranking) nothing is judged."""
     out = ["The paper: GLA-340M's top-1 head recovers 94.7% of the all-head shift and GLA-7B needs the top 16 "
            "(92.3%); on GLA, blocking the hub hurts the correct answer more than blocking all heads, and blocking "
            "the hub with the second head differs from the sum of the two single blocks."]
+    subjects = {"recovery": f"The top-1 head's recovery of the all-head shift ({n_heads} heads in all)",
+                "joint": "Blocking the hub and the second head together minus the sum of their single blocks",
+                "hub": "The hub's write block minus the all-head write block, in the correct answer's margin"}
+    if not hub_named:
+        why = "no hub: the frozen ranking's best J is tied or inside the scan's noise floor"
+        where = {"recovery": ({"analysis": "recovery", "k": 1}, "recovery", "pct"),
+                 "joint": ({"analysis": "nonadditivity", "unit": "hub+second"}, "joint_minus_sum", "logit"),
+                 "hub": ({"analysis": "hub_vs_all", "unit": "hub"}, "hub_minus_all", "logit")}
+        return out + [not_informative(measure_from(s, *where[key]), subject, why) for key, subject in subjects.items()]
+    ks = sorted(s.loc[s["analysis"] == "recovery", "k"].dropna().astype(int).unique())
+    all_shift = measure_from(s, {"analysis": "recovery", "k": ks[-1]}, "shift") if ks else None
     recovery = Claim.equals(0.947, "94.7% on GLA-340M, 12.3% on GLA-7B")
     out.append(judge_family(measure_from(s, {"analysis": "recovery", "k": 1}, "recovery", "pct"), family,
-                            {GLA: recovery}, f"The top-1 head's recovery of the all-head shift ({n_heads} heads in all)",
+                            {GLA: recovery}, subjects["recovery"],
                             "GLA-340M 94.7%, GLA-7B 12.3%, RWKV7-13.3B 53.1% (naturalized input; 7.5% compact), no "
-                            "GDN model"))
+                            "GDN model", denominator=all_shift))
+    hub_block = measure_from(s, {"analysis": "write_block", "unit": head_label_of(s, "hub")}, "answer_margin_change")
     joint = Claim.nonzero("the joint block differs from the sum of single blocks (GLA-340M)")
     out.append(judge_family(measure_from(s, {"analysis": "nonadditivity", "unit": "hub+second"}, "joint_minus_sum"),
-                            family, {GLA: joint},
-                            "Blocking the hub and the second head together minus the sum of their single blocks",
-                            "GLA-340M's joint block differs from the sum of single blocks"))
+                            family, {GLA: joint}, subjects["joint"],
+                            "GLA-340M's joint block differs from the sum of single blocks",
+                            scale=hub_block.estimate if hub_block is not None and hub_block.defined else None))
     hub = Claim.negative("blocking the hub alone hurts the correct answer more than blocking all heads (GLA-340M)")
     out.append(judge_family(measure_from(s, {"analysis": "hub_vs_all", "unit": "hub"}, "hub_minus_all"), family,
-                            {GLA: hub},
-                            "The hub's write block minus the all-head write block, in the correct answer's margin",
+                            {GLA: hub}, subjects["hub"],
                             "on GLA-340M blocking the hub hurts more than blocking all heads"))
     if n_heads <= 4:
         out.append("With this few heads the ranking has little to rank; the wider checkpoints are the test.")
     return out
+
+
+def head_label_of(s: pd.DataFrame, which: str) -> Optional[str]:
+    """The write-block unit of the hub: the first single-head block in the summary (the runs are in ranking order)."""
+    units = [u for u in s.loc[s["analysis"] == "write_block", "unit"] if u.startswith("L") and "+" not in u]
+    return units[0] if which == "hub" and units else None
 
 
 def _from_args(model, args, run_dir, progress, executor=None) -> ProtocolResult:

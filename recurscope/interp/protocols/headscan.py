@@ -26,9 +26,9 @@ from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.metrics import example_metrics
 from recurscope.interp.protocols._common import (ProtocolResult, arm_records, frozen_setup, head_label, heldout_pairs,
-                                                 source_units)
+                                                 model_record, source_units)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import GDN, GLA, Claim, Measure, judge_family, paper_family
+from recurscope.interp.verdicts import GDN, GLA, Claim, Measure, judge_family
 from recurscope.interp.scan import all_heads, run_scan
 
 __all__ = ["THRESHOLD", "write_scan", "joint_threshold_fraction", "run_headscan", "reading"]
@@ -195,7 +195,7 @@ def run_headscan(model, pairs=None, head: Optional[Sequence[int]] = None, *, run
     records.append({"scan": "write_vs_read", "metric": "spearman", "estimate": sp.rho, "low": sp.low,
                     "high": sp.high, "n_units": sp.n, "n_sources": sp.n_sources})
     summary = pd.DataFrame(records)
-    info = {"head": chosen, "family": paper_family(model), "n_heads": int(per_head[["layer", "head"]].drop_duplicates().shape[0]),
+    info = {"head": chosen, **model_record(model), "n_heads": int(per_head[["layer", "head"]].drop_duplicates().shape[0]),
             "n_sources": int(scores["source"].nunique()), "spearman_method": sp.method,
             "per_head": per_head}
     result = ProtocolResult("headscan", rows, scores, summary, info=info)

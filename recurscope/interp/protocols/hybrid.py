@@ -26,9 +26,9 @@ from recurscope.interp import stats
 from recurscope.interp.interventions.clean_runs import prefix_caches
 from recurscope.interp.interventions.common import candidate_logits, model_device
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import ProtocolResult, ci_text, max_length, pair_spec
+from recurscope.interp.protocols._common import model_record, ProtocolResult, ci_text, max_length, pair_spec
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import GDN, Claim, Measure, judge, judge_family, measure_from, paper_family
+from recurscope.interp.verdicts import AMBIGUITIES, GDN, Claim, Measure, judge, judge_family, measure_from
 
 __all__ = ["ARMS", "PARTS", "require_hybrid", "cache_factorial", "shares", "run_hybrid", "reading"]
 
@@ -289,7 +289,7 @@ def factorial_result(name: str, rows: pd.DataFrame, *, model, model_name: str, r
     summary = pd.concat([stats.summarise(rows, list(METRICS), by=["arm"], n_resamples=n_resamples, seed=seed,
                                          proportions=["donor_answer", "clean_correct", "correct"]),
                          shares(rows, n_resamples=n_resamples, seed=seed)], ignore_index=True)
-    info = {"family": paper_family(model), "n_sources": int(rows["source"].nunique()), "recurrent_layers": list(model.recurrent_layers),
+    info = {**model_record(model), "n_sources": int(rows["source"].nunique()), "recurrent_layers": list(model.recurrent_layers),
             "attention_layers": list(model.attention_layers), "task": task, "label": label, "chance": chance}
     result = ProtocolResult(name, rows, sources, summary, info=info)
     labelled = summary.assign(arm=summary["arm"].map(LABELS))
@@ -336,7 +336,8 @@ def reading(s: pd.DataFrame, task: str = "recall", chance: Optional[float] = Non
     another family (`family`, verdicts.paper_family: Mamba-2's Nemotron-H, Falcon-H1, ...) gets its shares without a
     verdict."""
     spec = TASKS[task]
-    out = [f"The paper: {spec.paper}."]
+    out = [f"The paper: {spec.paper}. (Its hybrid GDN-340M has 16 recurrent and 8 attention layers by App. A's list, "
+           f"which its text calls 3:1: {AMBIGUITIES}.)"]
     compare = True
     if chance is not None:
         clean = judge(measure_from(s, {"arm": "both"}, "clean_correct", "pct"),

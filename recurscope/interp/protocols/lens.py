@@ -26,9 +26,10 @@ import torch
 from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import PairSpec, ProtocolResult, max_length, pair_spec, unit_frames
+from recurscope.interp.protocols._common import (PairSpec, ProtocolResult, max_length, model_record, pair_spec,
+                                                 unit_frames)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from, paper_family
+from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from
 
 __all__ = ["TASKS", "SIDES", "lens_rows", "localise", "run_lens", "reading"]
 
@@ -134,7 +135,7 @@ def run_lens(model, *, run_dir=None, n_sources: int = 128, n_localise: int = 96,
     # A layer-indexed curve: position 0 is the embedding (before layer 0), position l + 1 is after layer l.
     summary["position"] = np.where(summary["side"] == "before", summary["layer"], summary["layer"] + 1)
     final = confirm.groupby("task")["final_correct"].mean().to_dict()
-    info = {"family": paper_family(model), "n_sources": int(confirm["source"].nunique()), "n_localise": int(rows[rows["split"] == "dev"]["source"]
+    info = {**model_record(model), "n_sources": int(confirm["source"].nunique()), "n_localise": int(rows[rows["split"] == "dev"]["source"]
                                                                                 .nunique()),
             "layers": model.cfg.num_hidden_layers, "recurrent": recurrent, "localised": layer, "final": final}
     result = ProtocolResult("lens", rows, sources, summary, info=info)
@@ -180,8 +181,8 @@ def lens_section(result: ProtocolResult, model_name: str) -> Section:
 
 
 #: Each family's numbers (verdicts.paper_family): the retention jump at the localised sublayer, the update jump.
-FAMILY_PAPER = {GLA: ("+66.4 pp on GLA-340M (layer 21: 28.9% -> 95.3%)", "+28.9 pp on GLA-340M"),
-                GDN: ("+74.2 pp on GDN-340M (layer 20: 25.8% -> 100%)", "+43.0 pp on GDN-340M")}
+FAMILY_PAPER = {GLA: ((0.664, "+66.4 pp on GLA-340M (layer 21: 28.9% -> 95.3%)"), (0.289, "+28.9 pp on GLA-340M")),
+                GDN: ((0.742, "+74.2 pp on GDN-340M (layer 20: 25.8% -> 100%)"), (0.430, "+43.0 pp on GDN-340M"))}
 
 
 def reading(s: pd.DataFrame, info: dict) -> list[str]:
@@ -194,13 +195,13 @@ def reading(s: pd.DataFrame, info: dict) -> list[str]:
     held, layer = s[s["split"] == "heldout"], info["localised"]
     where = {"layer": layer, "side": "sublayer"}
     out.append(judge_family(measure_from(held, {**where, "task": "retention"}, "sublayer_jump", "pp"), family,
-                            {fam: Claim.positive(f"a jump in retention accuracy at the localised layer, {ret}")
-                             for fam, (ret, _) in FAMILY_PAPER.items()},
+                            {fam: Claim.effect(ret, f"a jump in retention accuracy at the localised layer, {text}")
+                             for fam, ((ret, text), _) in FAMILY_PAPER.items()},
                             f"On the confirmation sources, the retention jump at the localised layer {layer}",
                             "GLA-340M +66.4 pp, GDN-340M +74.2 pp"))
     out.append(judge_family(measure_from(held, {**where, "task": "update"}, "sublayer_jump", "pp"), family,
-                            {fam: Claim.positive(f"the update task jumps at the same layer, {upd}")
-                             for fam, (_, upd) in FAMILY_PAPER.items()},
+                            {fam: Claim.effect(upd, f"the update task jumps at the same layer, {text}")
+                             for fam, (_, (upd, text)) in FAMILY_PAPER.items()},
                             "The update task's jump at that layer", "GLA-340M +28.9 pp, GDN-340M +43.0 pp"))
     last = {"layer": info["layers"] - 1, "side": "after", "task": "update"}
     for metric, what in (("correct", "the new (updated) value"), ("stale", "the stale (overwritten) value")):

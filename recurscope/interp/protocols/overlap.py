@@ -26,9 +26,9 @@ from recurscope.hooks.points import hook_name
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, source_means, summarise_metrics
 from recurscope.interp.protocols._common import (PairSpec, ProtocolResult, arm_records, ci_text, frozen_setup,
-                                                 head_label, heldout_pairs, pair_spec)
+                                                 head_label, heldout_pairs, model_record, pair_spec)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import GDN, GLA, Claim, judge, judge_family, measure_from, paper_family
+from recurscope.interp.verdicts import GDN, GLA, Claim, judge, judge_family, measure_from
 
 __all__ = ["ARMS", "interfering_spans", "target_direction", "replace_keys", "overlap_patches", "overlap_write",
            "run_overlap", "reading"]
@@ -176,7 +176,7 @@ def run_overlap(model, pairs=None, head: Optional[Sequence[int]] = None, *, run_
     rows = rows[rows["n_facts"].isin(loads)].reset_index(drop=True)
     sources = source_means(rows, METRICS, by=("n_facts", "arm"))
     summary = summarise_metrics(rows, METRICS, by=("n_facts", "arm"), n_resamples=n_resamples, seed=seed)
-    info = {"head": chosen, "family": paper_family(model), "control_head": control, "n_sources": int(rows["source"].nunique()),
+    info = {"head": chosen, **model_record(model), "control_head": control, "n_sources": int(rows["source"].nunique()),
             "interfering_per_row": spans_per_row, "loads": loads}
     result = ProtocolResult("overlap", rows, sources, summary, info=info)
     title = f"{model_name}: write-key overlap, head {head_label(chosen)}"
@@ -217,17 +217,22 @@ def reading(s: pd.DataFrame, *, family: Optional[str]) -> list[str]:
     orthogonalised keys; the control head is a control and is judged on any model."""
     out = ["The paper (K = 4): the aligned key lowers the target margin by 0.27-0.44 logits; the orthogonalised key "
            "and the control head stay near 0."]
-    claims = {"aligned": Claim.negative("the aligned key lowers the target margin by 0.27-0.44 logits"),
+    claims = {"aligned": Claim.between(-0.44, -0.27, "the aligned key lowers the target margin by 0.27-0.44 logits"),
               "orthogonal": Claim.near_zero("near 0"), "control_head:aligned": Claim.near_zero("near 0")}
     loads = sorted(s["n_facts"].dropna().unique()) if "n_facts" in s.columns else [None]
     for k in loads:
         at = {} if k is None else {"n_facts": k}
         suffix = "" if k is None or len(loads) == 1 else f" at K = {int(k)}"
+        aligned = measure_from(s, {**at, "arm": "aligned"}, "target_margin_change")
         for arm, claim in claims.items():
             m = measure_from(s, {**at, "arm": arm}, "target_margin_change")
             subject = f"The target margin change under the {LABELS[arm]}{suffix}"
-            out.append(judge(m, claim, subject) if arm.startswith("control_head") else
-                       judge_family(m, family, {GLA: claim, GDN: claim}, subject, f"{claim.paper} (GLA and GDN)"))
+            # "near 0" is near zero against the aligned key's own effect (the paper's contrast)
+            scale = (aligned.estimate if arm != "aligned" and aligned is not None and aligned.defined
+                     and aligned.estimate != 0 else None)
+            out.append(judge(m, claim, subject, scale=scale) if arm.startswith("control_head") else
+                       judge_family(m, family, {GLA: claim, GDN: claim}, subject, f"{claim.paper} (GLA and GDN)",
+                                    scale=scale))
     return out
 
 

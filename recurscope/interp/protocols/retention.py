@@ -27,11 +27,11 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, summarise_metrics
 from recurscope.interp import stats
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, run_arms,
-                                                 max_length, pair_spec, PairSpec, pooled_break_rate)
+from recurscope.interp.protocols._common import (PairSpec, ProtocolResult, ci_text, frozen_head, head_label, max_length,
+                                                 model_record, pair_spec, pooled_break_rate, run_arms)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import (AGREES, GDN, GLA, Claim, control_verdict, judge, judge_family, measure_from,
-                                        paper_family)
+from recurscope.interp.verdicts import (AGREES, AMBIGUITIES, GDN, GLA, Claim, control_verdict, judge, judge_family,
+                                        measure_from)
 from recurscope.interp.protocols._layouts import HIGH_LOAD, bare_length, fixed_length_filler, load_layout
 from recurscope.interp.protocols.verbs import LOADS
 
@@ -105,7 +105,7 @@ class LoadArm:
     built: dict = field(default_factory=dict, compare=False, repr=False)
 
     def pairs_for(self, model, k: int):
-        from recurscope.interp.protocols.gate import capability_gate
+        from recurscope.interp.capability import capability_gate
 
         if k not in self.built:
             tok = model.tokenizer
@@ -196,7 +196,7 @@ def run_retention(model, head: Optional[Sequence[int]] = None, *, from_scan=None
     summary["reason"] = summary["reason"].fillna("")
     summary = summary.sort_values(["k", "intervention", "metric"]).reset_index(drop=True)
     sources = ok.groupby(["k", "intervention", "source"])[list(METRICS)].mean().reset_index()
-    info = {"head": chosen, "family": paper_family(model), "total_length": int(total_length), "loads": [int(k) for k in loads],
+    info = {"head": chosen, **model_record(model), "total_length": int(total_length), "loads": [int(k) for k in loads],
             "n_sources": n_sources, "n_nontarget": n_nontarget, "template": base.layout.template,
             "vocab": base.vocab,
             "gate": gate_threshold, "break_counts": pooled[["k", "intervention", "breaks", "eligible"]]
@@ -286,6 +286,8 @@ def reading(s: pd.DataFrame, info: dict) -> list:
         k, m = max(breaks, key=lambda km: km[1].estimate)
         out.append(judge_family(m, family, break_claims,
                                 f"The swap's pooled non-target break rate at K = {k}, its highest", PAPER["break_k32"]))
+        out.append(f"The paper's GLA break-rate wording ('above 5%' from low load) is looser than its Fig. 8(c), and "
+                   f"Fig. 5's 1.42% at K = 4 is not Fig. 8's K = 4 point ({AMBIGUITIES}).")
     for k in (lo_k, hi_k) if hi_k != lo_k else (lo_k,):
         control = measure_from(s, {"k": k, "intervention": "random_update"}, "donor_margin_shift")
         if control is not None:

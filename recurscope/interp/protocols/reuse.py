@@ -30,11 +30,11 @@ from recurscope.interp import interventions as iv
 from recurscope.interp import stats
 from recurscope.interp.data.words import TEMPLATES, VALUE_VOCABS
 from recurscope.interp.metrics import example_metrics
-from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_head, head_label, max_length,
-                                                 pair_spec, PairSpec, run_arms)
+from recurscope.interp.protocols._common import (PairSpec, ProtocolResult, ci_text, frozen_head, head_label, max_length,
+                                                 model_record, pair_spec, run_arms)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from, paper_family
-from recurscope.interp.protocols.gate import GATE_THRESHOLD, capability_gate
+from recurscope.interp.verdicts import GDN, GLA, Claim, judge_family, measure_from
+from recurscope.interp.capability import GATE_THRESHOLD, capability_gate
 
 __all__ = ["FORMATS", "SUBSPACE_ARMS", "PAPER", "format_layouts", "edit_deltas", "fit_basis", "random_basis",
            "projected_output_patch", "run_reuse", "reading"]
@@ -256,7 +256,7 @@ def run_reuse(model, head: Optional[Sequence[int]] = None, *, from_scan=None, n_
                          sub_rows.groupby(["arm", "source"])[["donor_margin_shift", "donor_answer"]].mean()
                          .reset_index()], ignore_index=True)
     all_rows = pd.concat([rows.assign(part="formats"), sub_rows.assign(part="subspace")], ignore_index=True)
-    info = {"head": chosen, "family": paper_family(model), "n_sources": n_sources, "n_fit": n_fit, "rank": rank, "filler": base.layout.filler_tokens, "formats": keys,
+    info = {"head": chosen, **model_record(model), "n_sources": n_sources, "n_fit": n_fit, "rank": rank, "filler": base.layout.filler_tokens, "formats": keys,
             "gate": gate_threshold}
     result = ProtocolResult("reuse", all_rows, sources, summary, info=info)
     figures = [FigureSpec("reuse", summary_f, dict(
@@ -336,7 +336,9 @@ def reading(s: pd.DataFrame, info: dict) -> list:
     out.append(judge_family(measure_from(sub, {"vocab": "colours", "projection": "colour_basis"}, "shift_kept", "pct"),
                             family, {GLA: carries, GDN: carries},
                             f"The share of the colour edit's shift the rank-{info['rank']} colour basis keeps",
-                            carries.paper))
+                            carries.paper, denominator=measure_from(sub, {"vocab": "colours",
+                                                                          "projection": "output_patch"},
+                                                                    "donor_margin_shift")))
     none = Claim.near_zero("no shape donor answers (GLA and GDN)")
     out.append(judge_family(measure_from(sub, {"vocab": "shapes", "projection": "colour_basis"}, "donor_answer", "pct"),
                             family, {GLA: none, GDN: none}, "The shape donor-answer rate through the colour basis",

@@ -15,6 +15,7 @@ the verbs' table (verbs.py). The runner owns
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ import pandas as pd
 
 from recurscope.interp.protocols._common import PairSpec, ProtocolResult
 from recurscope.interp.protocols.verbs import Verb
+from recurscope.interp.verdicts import gate_off
 
 __all__ = ["FigureSpec", "Section", "finish", "render", "run_verb", "pair_spec_from_args", "run_kwargs"]
 
@@ -86,17 +88,25 @@ def run_verb(verb: Verb, work: Sequence[str], args, load, executor=None) -> int:
         work_args["pair_layout"] = args.pair_spec.layout.to_dict()
     run = open_run(args.out, kind=verb.name, model=model, model_name=args.model, args=work_args, seeds=[args.seed],
                    split="heldout")
+    gate = verb_gate(model, args, run)
+    if gate is not None and not gate.passed:
+        text = refusal_section(verb.name, args.model, gate)
+        (run.path / "report.md").write_text(text + "\n")
+        print(text)
+        print(f"results in {run.path}")
+        return 0
     progress = lambda what: print(f"{verb.name}: {what}", flush=True)  # noqa: E731
     extra = {}
     if verb.ray and getattr(args, "ray", None):
         if executor is None:
             raise ValueError(f"{verb.name} --ray needs the command line's Ray runner; run it through `recurscope`")
         extra["executor"] = executor(args)
-    if verb.from_args is not None:
-        result = getattr(module, verb.from_args)(model, args, run, progress, **extra)
-    else:
-        fn = getattr(module, verb.run)
-        result = fn(model, run_dir=run, progress=progress, **extra, **run_kwargs(fn, args))
+    with (gate_off() if gate is not None and gate.off else contextlib.nullcontext()):
+        if verb.from_args is not None:
+            result = getattr(module, verb.from_args)(model, args, run, progress, **extra)
+        else:
+            fn = getattr(module, verb.run)
+            result = fn(model, run_dir=run, progress=progress, **extra, **run_kwargs(fn, args))
     undeclared = sorted(set(getattr(result, "figures", {})) - set(verb.figures))
     if undeclared:   # the table is what tests and docs read; a figure it does not name is a slip in the table
         raise RuntimeError(f"{verb.name} drew figures {undeclared} that its entry in protocols/verbs.py does not declare "
@@ -104,6 +114,65 @@ def run_verb(verb: Verb, work: Sequence[str], args, load, executor=None) -> int:
     print(result.section)
     print(f"results in {run.path}")
     return 0
+
+
+#: The smallest model whose numbers the paper reports (GLA-340M, GDN-340M): the default of the scale caveat.
+PAPER_PARAMS, PAPER_MODEL = 340e6, "340M models (GLA-340M, GDN-340M)"
+
+
+def paper_scale_caveat(info: dict) -> Optional[str]:
+    """The Reading's scale sentence (verdicts.scale_caveat) for a run whose info records n_params
+    (_common.model_record), against info's paper_params / paper_model where a protocol compares with another paper
+    model (e.g. topk's RWKV7-13.3B), else the paper's 340M models."""
+    from recurscope.interp.verdicts import scale_caveat
+
+    return scale_caveat(info.get("n_params"), info.get("paper_params", PAPER_PARAMS),
+                        info.get("paper_model", PAPER_MODEL))
+
+
+def verb_gate(model, args, run_dir=None):
+    """The capability gate a verb passes before anything is run (interp.capability.check_capability): clean recall
+    of recipient and donor on the verb's held-out swap pairs (its layout and words, --n-sources sources) against
+    --gate-threshold, written to gate.json; None for a verb without the option (the gate verb, App. F.2 itself)."""
+    import json
+
+    from recurscope.interp.capability import check_capability, gate_record
+
+    threshold = getattr(args, "capability_threshold", None)
+    if threshold is None:
+        return None
+    pairs, n_sources = None, None
+    if threshold != 0:
+        from recurscope.interp.data import build_pairs
+        from recurscope.interp.protocols._common import max_length
+
+        spec = getattr(args, "pair_spec", None) or pair_spec_from_args(args, model)
+        pairs = build_pairs(model.tokenizer, split="heldout", n_sources=args.n_sources, max_length=max_length(model),
+                            **spec.kwargs())
+        n_sources = int(pairs.source_id.unique().numel())
+    gate = check_capability(model, pairs, threshold, condition=f"{args.n_sources} held-out sources",
+                            batch_size=getattr(args, "batch_size", 16), seed=args.seed,
+                            n_resamples=min(getattr(args, "resamples", 9999), 9999))
+    if run_dir is not None:
+        (run_dir.path / "gate.json").write_text(json.dumps(gate_record(gate, n_sources, "heldout"), indent=1) + "\n")
+    if gate.off:
+        import sys
+
+        print("WARNING: --gate-threshold 0: the capability gate is off; nothing here shows the model does the task, "
+              "and every verdict reads 'not gated'", file=sys.stderr)
+    return gate
+
+
+def refusal_section(verb: str, model_name: str, gate) -> str:
+    """The report of a verb the capability gate refused: why, and no verdict, no head."""
+    from recurscope.interp.verdicts import REFUSED
+
+    return "\n".join([f"## {verb}: {model_name} {REFUSED}", "",
+                      f"THE MODEL DOES NOT DO THE TASK: {gate.describe()}.", "", "### Reading", "",
+                      "No verdict is given and no head is named: patching a model that does not recall the bindings "
+                      "measures nothing (App. F.2 gates at 80%). Check the layout (--layout), the filler and the "
+                      "words against what the model was trained on; --gate-threshold 0 runs the protocol anyway for "
+                      "diagnostics, with every verdict reading 'not gated'."])
 
 
 # ---- figures and the report section -----------------------------------------------------------------------
@@ -152,7 +221,11 @@ def finish(result: ProtocolResult, run_dir, section: Callable[[ProtocolResult], 
             path = run_dir.figure_path(spec.name)
             result.figures[spec.name] = (spec.draw(path) if spec.draw is not None else
                                          plot_interval_panels(spec.frame, path, **spec.options).png)
-    result.section = render(section(result), result.figures)
+    sec = section(result)
+    caveat = paper_scale_caveat(result.info)
+    if caveat:
+        sec.reading.append(caveat)
+    result.section = render(sec, result.figures)
     if run_dir is None:
         return result
     run_dir.write_table(f"{result.name}_rows", result.rows)      # the row log's finished copy, CSV and parquet

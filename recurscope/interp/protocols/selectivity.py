@@ -19,10 +19,10 @@ import pandas as pd
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, source_means, summarise_metrics
 from recurscope.interp.protocols._common import (ProtocolResult, ci_text, frozen_setup, head_label, logged_arms,
-                                                 logged_arms_on, pooled_break_rate)
+                                                 logged_arms_on, model_record, pooled_break_rate)
 from recurscope.interp.protocols._layouts import build_selectivity_pairs  # noqa: F401  (shared with coupling)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
-from recurscope.interp.verdicts import GDN, GLA, Claim, control_verdict, judge_family, measure_from, paper_family
+from recurscope.interp.verdicts import AMBIGUITIES, GDN, GLA, Claim, control_verdict, judge_family, measure_from
 
 __all__ = ["ARMS", "PAPER", "run_selectivity", "build_selectivity_pairs", "reading"]
 
@@ -102,7 +102,7 @@ def run_selectivity(model, pairs=None, head: Optional[Sequence[int]] = None, *, 
     pooled = pooled_break_rate(rows, ("arm",), n_resamples=n_resamples, seed=seed)
     summary = pd.concat([summary, pooled.drop(columns=["breaks", "eligible"])], ignore_index=True)
     counts = pooled[["arm", "breaks", "eligible"]]
-    info = {"head": chosen, "control_head": controls[0], "family": paper_family(model), "n_sources": int(rows["source"].nunique()),
+    info = {"head": chosen, "control_head": controls[0], **model_record(model), "n_sources": int(rows["source"].nunique()),
             "break_counts": counts.to_dict("records")}
     result = ProtocolResult("selectivity", rows, sources, summary, info=info)
     breaks = "pooled_break_rate" if len(pooled) else "nontarget_break"
@@ -144,7 +144,8 @@ def reading(s: pd.DataFrame, *, family: Optional[str]) -> list[str]:
     """The Reading's sentences, each verdict from interp.verdicts.judge_family / control_verdict; `family` (GLA or
     GDN, verdicts.paper_family) picks the paper's numbers of the model's family."""
     out = [f"The paper reports target donor-answer rates of {PAPER['target donor-answer rate']} and non-target break "
-           f"rates of {PAPER['pooled non-target break rate']} (GLA-340M / GDN-340M / 1.3B)."]
+           f"rates of {PAPER['pooled non-target break rate']} (GLA-340M / GDN-340M / 1.3B; Fig. 5 at K = 4, whose GLA "
+           f"1.42% is not Fig. 8's K = 4 point: {AMBIGUITIES})."]
     for arm in ("state_swap", "donor_write"):
         for metric, what in (("donor_answer", "target donor-answer rate"), ("pooled_break_rate", "pooled non-target "
                                                                                                   "break rate")):

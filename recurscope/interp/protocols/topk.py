@@ -29,8 +29,9 @@ import numpy as np
 import pandas as pd
 
 from recurscope.interp import interventions as iv
-from recurscope.interp.protocols._common import ProtocolResult, ci_text, head_label, max_length, pair_spec, run_arms
-from recurscope.interp.protocols.gate import capability_gate
+from recurscope.interp.protocols._common import (ProtocolResult, ci_text, head_label, max_length, model_record,
+                                                 pair_spec, run_arms)
+from recurscope.interp.capability import capability_gate
 from recurscope.interp.protocols._rankings import (arm_rows, frozen_ranking, recovery_records, scan_ranking,
                                                    swap_arms, top_k_sizes)
 from recurscope.interp.protocols.runner import FigureSpec, Section, finish
@@ -80,6 +81,10 @@ def paper_checkpoint(model) -> Optional[str]:
     """The paper checkpoint whose E.2 numbers a model's family is compared with: RWKV-7 -> RWKV7-13.3B, GLA with
     query groups -> GLA-7B, GLA without -> GLA-340M; None for a family the appendix does not test."""
     return model.family.paper_checkpoint(model)   # the family's spec says it
+
+
+#: The parameter counts of the checkpoints App. E.2 reports, for the Reading's scale caveat.
+PAPER_PARAMS = {"RWKV7-13.3B": 13.3e9, "GLA-7B": 7e9, "GLA-340M": 340e6}
 
 
 def paper_claim(model, fmt: str) -> Optional[tuple[float, str]]:
@@ -143,7 +148,9 @@ def run_topk(model, *, formats: Sequence[str] = tuple(FORMATS), ranking: Optiona
             "gates": {f: g.passed for f, g in gates.items()}, "n_sources": n_sources, "n_dev": n_dev,
             "chance": chance, "query_group": getattr(model, "query_group", 1),
             "checkpoint": paper_checkpoint(model), "claims": {f: paper_claim(model, f) for f in formats},
-            "n_components": len(orders[formats[0]])}
+            "n_components": len(orders[formats[0]]), **model_record(model)}
+    if info["checkpoint"] is not None:          # the scale caveat compares with the checkpoint the claims are from
+        info.update(paper_params=PAPER_PARAMS[info["checkpoint"]], paper_model=info["checkpoint"])
     result = ProtocolResult("topk", rows, sources, summary, info=info)
     curve = summary[summary["analysis"] == "recovery"]
     m = info["query_group"]
@@ -225,8 +232,10 @@ def reading(s: pd.DataFrame, info: dict) -> list[str]:
                        f"{info['checkpoint'] or 'this family'} in this format.")
             continue
         value, paper = claim
+        ks = sorted(s.loc[(s["analysis"] == "recovery") & (s["format"] == f), "k"].dropna().astype(int).unique())
+        whole = measure_from(s, {"analysis": "recovery", "format": f, "k": ks[-1]}, "shift") if ks else None
         out.append(judge(top1, Claim.equals(value, paper), f"{f.capitalize()} format: the frozen top-1 component's "
-                                                           f"recovery of the all-component shift"))
+                                                           f"recovery of the all-component shift", denominator=whole))
     return out
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from recurscope.interp.capability import GATE_THRESHOLD
+
 __all__ = ["Verb", "TABLE", "VERB_HELP", "add_verb", "NOT_WORK", "LOADS", "GAPS", "GATE_THRESHOLD",
            "CORRECTOR_METHODS", "HYBRID_TASKS", "TOPK_FORMATS"]
 
@@ -22,8 +24,8 @@ __all__ = ["Verb", "TABLE", "VERB_HELP", "add_verb", "NOT_WORK", "LOADS", "GAPS"
 LOADS = (1, 2, 4, 8, 16, 32, 64)
 #: Filler gaps of the capacity gap curve (§4.2, Fig. 7b).
 GAPS = (128, 256, 512, 1024)
-#: The paper's preset capability gate: recipient and donor clean recall both >= 80% (App. F.2).
-GATE_THRESHOLD = 0.8
+#: GATE_THRESHOLD, the paper's preset capability gate (recipient and donor clean recall both >= 80%, App. F.2), is
+#: owned by the library's one gate, interp.capability (which imports nothing heavy until a gate is measured).
 #: The corrector's methods: the paper's (four-way logits with state features) and the residual-direction variant.
 CORRECTOR_METHODS = ("logits_and_state", "residual")
 #: The hybrid factorial's tasks (hybrid.TASKS holds each one's description and the paper's numbers).
@@ -146,6 +148,13 @@ def add_verb(sub, verb: Verb, model_args, load, executor: Optional[Callable] = N
         verb.options(p)
     if verb.ray:
         _ray_options(p)
+    if verb.name != "gate":               # the gate verb is App. F.2's gate itself
+        p.add_argument("--gate-threshold", dest="capability_threshold", type=float, default=GATE_THRESHOLD,
+                       metavar="THRESHOLD",
+                       help="the capability gate every verb passes first (interp.capability): held-out clean recall "
+                            "of recipient and donor below this gives no verdict and names no head (default "
+                            f"{GATE_THRESHOLD:g}, App. F.2); 0 turns it off for diagnostics, and every verdict then "
+                            "reads 'not gated'")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resamples", type=int, default=9999, help="bootstrap resamples per interval")
     p.add_argument("--out", required=True, help="result directory (resumed if it holds the same work)")

@@ -38,7 +38,7 @@ from recurscope.interp.stats.paired_tests import (
 )
 from recurscope.interp.stats.head_ranks import (
     rank_per_source, wins_per_head, LeaveOneSourceOut, leave_one_source_out_winner, RankInterval,
-    bootstrap_rank_interval, SpearmanCI, spearman_with_ci,
+    bootstrap_rank_interval, SpearmanCI, spearman_with_ci, top_is_tied,
 )
 from recurscope.interp.stats.seed_level import (
     EXACT_BOOTSTRAP_MAX, SignTest, sign_test, seed_bootstrap_ci, SeedContrast, seed_contrast,
@@ -48,6 +48,6 @@ __all__ = [
     "DEFAULT_RESAMPLES", "BootstrapCI", "per_source_means", "source_bootstrap_ci", "proportion_ci",
     "paired_source_bootstrap_ci", "source_ratio_ci", "summarise", "BinomialCI", "binomial_ci", "McNemarResult",
     "mcnemar_exact", "mcnemar_table", "rank_per_source", "wins_per_head", "LeaveOneSourceOut",
-    "leave_one_source_out_winner", "RankInterval", "bootstrap_rank_interval", "SpearmanCI", "spearman_with_ci",
+    "leave_one_source_out_winner", "RankInterval", "bootstrap_rank_interval", "SpearmanCI", "spearman_with_ci", "top_is_tied",
     "EXACT_BOOTSTRAP_MAX", "SignTest", "sign_test", "seed_bootstrap_ci", "SeedContrast", "seed_contrast",
 ]

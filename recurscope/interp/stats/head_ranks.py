@@ -48,9 +48,9 @@ def _score_matrix(scores: pd.DataFrame, *, source_col: str, unit_cols: Sequence[
     return matrix
 
 
-def _rank_desc(values: np.ndarray, axis: int = -1) -> np.ndarray:
-    # Competition ranking ("min"): rank 1 = largest; tied heads share the better rank.
-    return sps.rankdata(-np.asarray(values), method="min", axis=axis).astype(int)
+def _rank_desc(values: np.ndarray, axis: int = -1, ties: str = "min") -> np.ndarray:
+    # Competition ranking ("min"): rank 1 = largest; tied heads share the better rank ("max": the worse one).
+    return sps.rankdata(-np.asarray(values), method=ties, axis=axis).astype(int)
 
 
 def rank_per_source(scores: pd.DataFrame, *, source_col: str = "source", unit_cols: Sequence[str] = ("layer", "head"),
@@ -155,21 +155,35 @@ def bootstrap_rank_interval(scores: pd.DataFrame, unit, *, source_col: str = "so
     j = keys.index(key)
     values = matrix.to_numpy()
     full_rank = int(_rank_desc(values.mean(axis=0))[j])
+    full_worst = int(_rank_desc(values.mean(axis=0), ties="max")[j])
     n_sources = values.shape[0]
     if n_sources == 1:
-        return RankInterval(key, full_rank, full_rank, full_rank, 1, values.shape[1], 0, confidence, seed,
+        return RankInterval(key, full_rank, full_rank, full_worst, 1, values.shape[1], 0, confidence, seed,
                             "degenerate (single source)")
 
-    def rank_of_unit(index, axis=-1):
-        # index holds resampled source positions, shape (..., n_sources).
-        means = values[np.asarray(index, dtype=int)].mean(axis=-2)
-        return _rank_desc(means, axis=-1)[..., j].astype(float)
+    def rank_of_unit(ties):
+        def statistic(index, axis=-1):
+            # index holds resampled source positions, shape (..., n_sources).
+            means = values[np.asarray(index, dtype=int)].mean(axis=-2)
+            return _rank_desc(means, axis=-1, ties=ties)[..., j].astype(float)
+        return statistic
 
-    res = sps.bootstrap((np.arange(n_sources),), rank_of_unit, n_resamples=n_resamples, vectorized=True,
-                        confidence_level=confidence, method="percentile", rng=np.random.default_rng(seed))
-    low = int(np.floor(res.confidence_interval.low))
-    high = int(np.ceil(res.confidence_interval.high))
+    # A tie reports the tie: the low end from the best rank a tied head shares, the high end from the worst, on the
+    # same resamples (one seed), so an all-equal scan ranks every head [1, n] and names none.
+    ends = [sps.bootstrap((np.arange(n_sources),), rank_of_unit(ties), n_resamples=n_resamples, vectorized=True,
+                          confidence_level=confidence, method="percentile", rng=np.random.default_rng(seed))
+            for ties in ("min", "max")]
+    low = int(np.floor(ends[0].confidence_interval.low))
+    high = max(int(np.ceil(ends[1].confidence_interval.high)), full_worst)
     return RankInterval(key, full_rank, low, high, n_sources, values.shape[1], n_resamples, confidence, seed)
+
+
+def top_is_tied(scores: pd.DataFrame, *, source_col: str = "source", unit_cols: Sequence[str] = ("layer", "head"),
+                score_col: str = "score") -> bool:
+    """Whether the best mean score is shared by two or more heads (e.g. an all-equal scan): no head can be named."""
+    matrix = _score_matrix(scores, source_col=source_col, unit_cols=unit_cols, score_col=score_col)
+    means = matrix.to_numpy().mean(axis=0)
+    return bool(len(means) > 1 and np.sum(means == means.max()) > 1)
 
 
 # --------------------------------------------------------------------------------------------------------------

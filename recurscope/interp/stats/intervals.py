@@ -4,6 +4,7 @@ other statistics modules share."""
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
@@ -253,8 +254,9 @@ def source_ratio_ci(a, b, sources, n_resamples: int = DEFAULT_RESAMPLES, confide
     mean_a = per_source_means(a, sources)
     mean_b = per_source_means(b, sources).reindex(mean_a.index)
     arr_a, arr_b = mean_a.to_numpy(), mean_b.to_numpy()
-    if arr_b.mean() == 0:
-        raise ValueError("the denominator's mean is 0: the ratio is undefined (no effect to recover)")
+    if arr_b.mean() == 0:         # no effect to recover: the ratio is undefined, reported as such, never a crash
+        return BootstrapCI(math.nan, math.nan, math.nan, len(arr_a), len(np.asarray(a)),
+                           "undefined (the denominator's mean is 0)", seed, confidence, 0)
     estimate = float(arr_a.mean() / arr_b.mean())
     if len(arr_a) == 1:
         return BootstrapCI(estimate, estimate, estimate, 1, len(np.asarray(a)), "degenerate (single source)", seed,

@@ -1,0 +1,1 @@
+../recurscope/interp/capability.py
