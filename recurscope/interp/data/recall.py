@@ -137,6 +137,10 @@ class PairBatch:
     # None: every row fills the width. The scan and the confirmation run rows of different lengths packed
     # (cu_seqlens), so the padding is never computed.
     lengths: torch.Tensor | None = None
+    # (N, C) token lists: each candidate's answer tokens after query_pos where some answer is several tokens (S-NIAH
+    # on a digit-splitting vocabulary); candidates are then scored by their full conditional log-likelihood, and
+    # candidate_ids (their first tokens) cannot tell them apart. None: every answer is its candidate_ids token.
+    candidate_tokens: list[list[list[int]]] | None = None
 
     def __len__(self) -> int:
         return int(self.recipient_ids.shape[0])
