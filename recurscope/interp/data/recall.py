@@ -1,7 +1,11 @@
 """The key-value recall task and its donor/recipient pair builders (swap, neutral, update; single or all queries).
 
-Sequences are assembled at the token level from separately encoded segments, so every key and value is one token,
-donor and recipient have identical length and alignment, and every span in the metadata is exact. See docs/data.md.
+Each prompt (facts, filler and query) is written as text and tokenised once by the model's own tokenizer, with its
+specials as its config says, so the ids are the tokenizer's own for that text. Spans are recovered from the
+tokenizer's character offsets: every key and value must be one token where the template puts it (words that are not
+are dropped and listed, or refused by name), and the donor is written and tokenised the same way and checked to
+differ from the recipient only at the target value (its whole fact for neutral pairs), at identical length and
+alignment. See docs/data.md.
 """
 
 from __future__ import annotations
