@@ -73,7 +73,8 @@ def _tokenizer(directory: Path, config):
         warnings.warn(f"{where}, which reads tokenizer.json's {declared} model as {read}; recurscope uses {named}",
                       TokenizerClassWarning, stacklevel=3)
         return getattr(transformers, named).from_pretrained(str(directory))
-    warnings.warn(f"{where}; recurscope uses {chosen}, as transformers would", TokenizerClassWarning, stacklevel=3)
+    warnings.warn(f"{where}; recurscope uses {chosen}, as transformers would (for {named}, pass --tokenizer DIR, a "
+                  "directory holding only the tokenizer's files)", TokenizerClassWarning, stacklevel=3)
     return tokenizer
 
 
