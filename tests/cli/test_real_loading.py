@@ -99,3 +99,15 @@ def test_the_tokenizer_class_is_autotokenizers_choice_said_once(real_tokenizer_d
     assert all(model.tokenizer(t, add_special_tokens=False).input_ids == reference(t) for t in texts)
     named = Qwen2Tokenizer.from_pretrained(str(ckpt))   # what the named class alone would give
     assert any(named(t, add_special_tokens=False).input_ids != reference(t) for t in texts)
+    # --tokenizer DIR holding only the tokenizer's files: AutoTokenizer then follows tokenizer_class, as the warning
+    # says; PreTrainedTokenizerFast and the TokenizersBackend it names in transformers 5 are one class, so no warning.
+    for cls, want in (("Qwen2Tokenizer", "Qwen2Tokenizer"), ("PreTrainedTokenizerFast", "TokenizersBackend")):
+        alone = tmp_path / f"tok-{cls}"
+        alone.mkdir()
+        shutil.copy(source / "tokenizer.json", alone / "tokenizer.json")
+        (alone / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": cls}))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tokenizer = load_model(ckpt, tokenizer=alone).tokenizer
+        assert type(tokenizer).__name__ == want
+        assert not [w for w in caught if issubclass(w.category, TokenizerClassWarning)]

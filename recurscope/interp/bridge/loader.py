@@ -44,6 +44,7 @@ def _tokenizer(directory: Path, config):
     transformers registers one, e.g. Qwen3_5Tokenizer for qwen3_5, which matches Qwen's own encoder where
     Qwen2Tokenizer, often named in tokenizer_config.json, differs on some scripts). A disagreement with the named
     `tokenizer_class` is reported once, as a warning naming both."""
+    import transformers
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -60,7 +61,9 @@ def _tokenizer(directory: Path, config):
     finally:
         hf_logging.set_verbosity(previous)
     chosen = type(tokenizer).__name__
-    if named is None or named.removesuffix("Fast") == chosen.removesuffix("Fast"):
+    # names are compared as the classes they are (transformers 5 keeps PreTrainedTokenizerFast as a name of
+    # TokenizersBackend, and Qwen2TokenizerFast of Qwen2Tokenizer)
+    if named is None or getattr(transformers, named) is type(tokenizer):
         return tokenizer
     where = f"{directory / 'tokenizer_config.json'} names tokenizer_class {named}; transformers' AutoTokenizer " \
             f"chooses {chosen} for model_type {getattr(config, 'model_type', None)!r}"
@@ -68,8 +71,6 @@ def _tokenizer(directory: Path, config):
     if declared is not None and read is not None and declared != read:
         # A model-specific class rebuilds its own BPE from the vocabulary; a tokenizer.json of another kind (a
         # word-level vocabulary saved beside a small model) is then misread, so the named class reads it instead.
-        import transformers
-
         warnings.warn(f"{where}, which reads tokenizer.json's {declared} model as {read}; recurscope uses {named}",
                       TokenizerClassWarning, stacklevel=3)
         return getattr(transformers, named).from_pretrained(str(directory))
