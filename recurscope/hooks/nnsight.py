@@ -36,6 +36,11 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+class StateNotCapturedError(ValueError):
+    """A trace read or wrote `blocks.{l}.mixer.hook_state`, which never fired: no `state_positions` were given (or
+    the invoke asked for something later in the forward first)."""
+
+
 class RecurscopeNNsight(NNsight):
     """`nnsight.NNsight` for a recurscope model (`RecurrentLM`, or `BridgedLM` on a transformers checkpoint) in which several invokes (token tensors of equal length) run
     as one batch, each invoke seeing only its own rows. (A plain `NNsight(model)` reads and writes every hook point
@@ -63,6 +68,19 @@ class RecurscopeNNsight(NNsight):
                              f"recurrent_layers: RecurrentLM or BridgedLM), got {type(model).__name__}; build one "
                              "with interp.models.RecurrentLM or interp.loading.load_model")
         super().__init__(model, **kwargs)
+
+    def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """nnsight's driver of a trace, with nnsight's OutOfOrderError for a `hook_state` that never fired
+        reworded: that point fires only at the requested `state_positions`."""
+        try:
+            return super().interleave(fn, *args, **kwargs)
+        except Exception as err:
+            if type(err).__name__ == "OutOfOrderError" and ".hook_state." in str(err):
+                raise StateNotCapturedError(
+                    f"{str(err).splitlines()[0]}: hook_state fires only at the positions named by state_positions; "
+                    "pass them to the trace (model_nn.trace(tokens, state_positions=[t])), and within one invoke read "
+                    "hook_state before anything later in the forward (docs/nnsight.md)") from err
+            raise
 
     # ---- batching several invokes ----------------------------------------------------------------------
     def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:

@@ -92,6 +92,19 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+#: TransformerLens's names for points that exist here under another name: its patching sweeps and cache shorthands
+#: (`get_act_patch_attn_out`, `cache["attn_out", l]`) read "blocks.{l}.hook_attn_out", the token mixer's output.
+TL_ALIASES = {"hook_attn_out": "hook_mixer_out"}
+
+
+def canonical_name(name: str) -> str:
+    """The project's name for a hook name given in TransformerLens's vocabulary (TL_ALIASES); others unchanged."""
+    head, _, last = name.rpartition(".")
+    if last in TL_ALIASES and head.startswith("blocks.") and head.count(".") == 1:
+        return f"{head}.{TL_ALIASES[last]}"
+    return name
+
+
 def is_intercepted(point: nn.Module) -> bool:
     """Whether anything can see or change what this hook point returns, or asks for its gradient: a forward hook
     (TransformerLens's hooks and caches, plain torch hooks), a backward hook (TransformerLens's dir="bwd",

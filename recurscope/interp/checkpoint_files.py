@@ -14,6 +14,33 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: the message names the file, what is wrong with it and the fix."""
 
 
+class CheckpointMismatch(CheckpointError):
+    """Weights that do not match config.json: the message is one line (counts, the first mismatch and the fix);
+    `details` lists every mismatch (the CLI prints them with --verbose)."""
+
+    def __init__(self, message: str, details: list[str]):
+        super().__init__(message)
+        self.details = details
+
+
+def mismatch_error(directory, model_type, missing, unexpected, wrong) -> CheckpointMismatch:
+    """The refusal of a checkpoint whose weights do not match its config.json: missing and unexpected weight names
+    and "name: checkpoint (shape) vs config (shape)" lines, each list sorted."""
+    groups = (("missing", "missing weights", "missing weight", missing),
+              ("unexpected", "unexpected weights", "unexpected weight", unexpected),
+              ("with the wrong shape", "shape mismatches", "shape mismatch", wrong))
+    counts = [f"{len(names)} {count}" for count, _, _, names in groups if names]
+    first = next(f"{one} {names[0]}" for _, _, one, names in groups if names)
+    details = []
+    for _, title, _, names in groups:
+        if names:
+            details.append(f"  {title} ({len(names)}):")
+            details += [f"    {n}" for n in names]
+    return CheckpointMismatch(f"checkpoint {directory} does not match its config.json ({model_type}): "
+                              f"{', '.join(counts)} weights (first: {first}); check that config.json belongs to "
+                              "these weights (nothing was loaded; --verbose lists every mismatch)", details)
+
+
 def shard_path(directory: Path, name, index: Path) -> Path:
     """The file a shard index names, which must be a plain relative path resolving inside `directory` (a shard
     outside would load weights the checkpoint hash does not cover)."""

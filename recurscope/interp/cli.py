@@ -35,6 +35,9 @@ def _model_args(p):
     p.add_argument("model", nargs="?", default="tiny-gla", help="a bundled name (see `recurscope models`) or a local checkpoint directory")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (checked before the model loads)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="load the tokenizer from DIR (tokenizer.json and tokenizer_config.json) instead of the "
+                        "checkpoint's own, e.g. for a checkpoint saved without one")
     p.add_argument("--batch-size", type=int, default=16)
     cli_checks.add_limit_args(p)
 
@@ -116,7 +119,8 @@ def _load(args):
     # Under --ray the workers compute on --device; the driver only builds pairs, lists and checks heads, picks
     # controls and hashes the checkpoint, so its copy stays on the CPU rather than taking GPU 0 beside actor 0.
     device = "cpu" if getattr(args, "ray", None) else args.device
-    model = load_model(args.model, device=device, dtype=getattr(torch, args.dtype))
+    model = load_model(args.model, device=device, dtype=getattr(torch, args.dtype),
+                       tokenizer=getattr(args, "tokenizer", None))
     cli_checks.check_loaded(model, args)   # options that need the model: heads in range, lengths that fit
     if getattr(args, "lengths", "equal") == "natural":
         cli_checks.check_packing(model)    # before any pair is built
@@ -136,8 +140,8 @@ def _pairs(model, args):
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise UsageError(f"{args.model} has no tokenizer, and recall pairs are written as text for the model's own "
-                         "tokenizer: save its tokenizer.json beside config.json, or pass one to "
-                         "load_model(dir, tokenizer=...)")
+                         "tokenizer: pass --tokenizer DIR (a directory holding its tokenizer.json), or save the "
+                         "tokenizer's files beside config.json")
     if args.corpus:
         from recurscope.interp.data import corpus_sources, read_text_folder, read_wikitext
 
@@ -280,6 +284,9 @@ def _work_args(args, keys):
     if keys is PAIR_KEYS and getattr(args, "lengths", "equal") != "equal":
         # named only when not the default, so directories written before --lengths existed still resume
         out["lengths"] = args.lengths
+    if keys is PAIR_KEYS and getattr(args, "tokenizer", None):
+        # the prompts are that tokenizer's ids; named only when given, as --lengths
+        out["tokenizer"] = str(args.tokenizer)
     return out
 
 
@@ -647,13 +654,19 @@ def cmd_run(args):
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: every command and its options."""
     parser = argparse.ArgumentParser(prog="recurscope", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    # --debug is accepted after the command too; SUPPRESS keeps the subparser from overwriting the top-level value
+    parser.add_argument("--verbose", action="store_true", help="after an error's line, list its details (e.g. "
+                        "every weight that does not match config.json)")
+    # --debug and --verbose are accepted after the command too; SUPPRESS keeps the subparser from overwriting the
+    # top-level value
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the full traceback of an error")
+    common.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="after an error's line, list its details (e.g. every mismatched weight)")
     from recurscope.interp.protocols import register_verbs
 
     sub = parser.add_subparsers(dest="command", required=True)
@@ -699,7 +712,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="result directory (default results/<model name>)")
     p.set_defaults(fn=cmd_run)
     register_verbs(sub, _model_args, _load, _ray_executor)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "run" and args.out is None:
         args.out = str(Path("results") / (Path(str(args.model)).name or "model"))
     return _run_command(args)
@@ -720,8 +737,11 @@ def _run_command(args) -> int:
             raise
         lines = (str(err) or type(err).__name__).splitlines()
         print(f"error: {lines[0]}", file=sys.stderr)
-        for line in lines[1:]:  # details after the summary line (e.g. every mismatched weight)
+        for line in lines[1:]:
             print(line, file=sys.stderr)
+        if getattr(args, "verbose", False):   # details kept off the error line (e.g. every mismatched weight)
+            for line in getattr(err, "details", ()):
+                print(line, file=sys.stderr)
         return 2
     return 0 if not isinstance(result, int) else result
 

@@ -14,7 +14,7 @@ import torch
 
 from recurscope.interp.checkpoint_files import (CheckpointError, check_finite_weights, check_shards,
                                                 check_tokenizer_files, check_tokenizer_fits, read_index, read_json,
-                                                read_weight_file)
+                                                mismatch_error, read_weight_file)
 from recurscope.interp.models import ModelConfig, RecurrentLM
 from recurscope.interp.models.families import fla_to_ours, ours_to_fla  # noqa: F401  (public names)
 from recurscope.interp.models.protocol import RecurrentModel
@@ -79,17 +79,16 @@ def _read_config(cfg_file: Path) -> ModelConfig:
         raise CheckpointError(f"{cfg_file}: {err}") from None
 
 
-def _mismatch_error(directory: Path, model_type: str, missing, unexpected, wrong) -> CheckpointError:
-    """One summary line (counts and the fix), then every mismatch on its own line."""
-    counts = [f"{len(v)} {k}" for k, v in (("missing", missing), ("unexpected", unexpected),
-                                              ("with the wrong shape", wrong)) if v]
-    lines = [f"checkpoint {directory} does not match its config.json ({model_type}): {', '.join(counts)} weights; "
-             "check that config.json belongs to these weights (nothing was loaded)"]
-    for title, names in (("missing weights", missing), ("unexpected weights", unexpected), ("shape mismatches", wrong)):
-        if names:
-            lines.append(f"  {title} ({len(names)}):")
-            lines += [f"    {n}" for n in names]
-    return CheckpointError("\n".join(lines))
+def check_tokenizer_dir(directory: Path) -> None:
+    """A tokenizer directory given by the user (--tokenizer DIR, load_model(tokenizer=DIR)) must hold a tokenizer's
+    files; one that does not is refused rather than loading the model without a tokenizer."""
+    if not directory.is_dir():
+        raise CheckpointError(f"the tokenizer directory {directory} does not exist; pass the directory that holds "
+                              "the tokenizer's tokenizer.json and tokenizer_config.json")
+    if not any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise CheckpointError(f"the tokenizer directory {directory} holds no tokenizer.json or tokenizer_config.json;"
+                              " pass the directory that holds the tokenizer's files")
+    check_tokenizer_files(directory)
 
 
 def checkpoint_format(raw_config: dict) -> str:
@@ -136,6 +135,8 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     except ValueError as err:
         raise CheckpointError(f"{cfg_file}: {err}") from None
     check_tokenizer_files(directory)
+    if isinstance(tokenizer, (str, os.PathLike)):
+        check_tokenizer_dir(Path(tokenizer))
     if fmt == "transformers":
         from recurscope.interp.bridge import load_transformers
 
@@ -157,7 +158,7 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     wrong = sorted(f"{k}: checkpoint {tuple(raw[k].shape)} vs config {tuple(expected[k])}"
                    for k in set(raw) & set(expected) if tuple(raw[k].shape) != tuple(expected[k]))
     if missing or unexpected or wrong:
-        raise _mismatch_error(directory, cfg.model_type, missing, unexpected, wrong)
+        raise mismatch_error(directory, cfg.model_type, missing, unexpected, wrong)
     ours = {weights.to_ours(k): v for k, v in raw.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     result = model.load_state_dict(ours, strict=not cfg.tie_word_embeddings)
     if cfg.tie_word_embeddings:

@@ -77,6 +77,7 @@ def cases(base):
     small = SMALL1
     argv = {
         **{how: ["scan", bad[how], "--out", root / f"out_{i}", *small] for i, how in enumerate(bad)},
+        "mismatch --verbose": ["scan", bad["mismatch"], "--out", root / "out_verbose", "--verbose", *small],
         "truncated --debug": ["scan", bad["truncated"], "--out", root / "out_debug", "--debug", *small],
         "--debug first": ["--debug", "scan", bad["empty"], "--out", root / "out_debug2", *small],
         # --out is checked before the model loads: with a corrupt checkpoint the --out error is the one reported
@@ -123,9 +124,13 @@ def test_invalid_config_json_names_the_file(cases):
                 "restore it")
 
 
-def test_config_weight_mismatch_leads_with_a_summary_then_lists_all(cases):
+def test_config_weight_mismatch_is_one_line_and_lists_all_with_verbose(cases):
     root, ckpt, bad, results = cases
     proc = results["mismatch"]
+    line = _error_line(proc, "does not match its config.json", "missing", "check that config.json belongs",
+                       "--verbose")
+    assert proc.stderr.rstrip().endswith(line)      # nothing after it: one line
+    proc = results["mismatch --verbose"]
     line = _error_line(proc, "does not match its config.json", "missing", "check that config.json belongs")
     after = proc.stderr.split(line, 1)[1].splitlines()[1:]
     assert after[0].startswith("  missing weights (") and all(a.startswith("  ") for a in after)

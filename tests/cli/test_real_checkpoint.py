@@ -74,7 +74,7 @@ def test_a_bridged_checkpoint_without_a_tokenizer(real_tokenizer_dir, tmp_path, 
     assert model(ids).shape[-1] == 50257
     assert main(["scan", str(ckpt), "--n-sources", "2", "--out", str(tmp_path / "scan")]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "tokenizer" in errors[0] and "load_model(dir, tokenizer=" in errors[0]
+    assert len(errors) == 1 and "tokenizer" in errors[0] and "--tokenizer DIR" in errors[0]
     for given in (real_tokenizer_dir("gpt2"), AutoTokenizer.from_pretrained(str(real_tokenizer_dir("gpt2")))):
         assert len(load_model(ckpt, tokenizer=given).tokenizer) == 50257
 
@@ -87,6 +87,10 @@ def test_a_config_that_does_not_match_its_weights(real_tokenizer_dir, tmp_path, 
     (ckpt / "config.json").write_text(json.dumps(config))
     capsys.readouterr()
     assert main(["scan", str(ckpt), "--n-sources", "2", "--out", str(tmp_path / "scan")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: checkpoint") and "does not match its config.json" in err and "--verbose" in err
+    assert main(["scan", str(ckpt), "--n-sources", "2", "--out", str(tmp_path / "scan"), "--verbose"]) == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: checkpoint") and "does not match its config.json" in err

@@ -124,7 +124,13 @@ def test_niah_builds_on_digit_split_numbers(real_tok):
         assert batch.values[i] in text_of(real_tok, ids[a:b])
         v = batch.candidates.index(batch.values[i])
         start = int(batch.value_pos[i])
-        assert ids[start:start + len(batch.candidate_tokens[v])] == batch.candidate_tokens[v]
+        assert ids[start:start + len(batch.value_tokens[v])] == batch.value_tokens[v]
+        # The answer tokens are the tokenizer's own for the prompt followed by " VALUE" (with Qwen's digits: a
+        # lone space token, then each digit), so the first is what the prompt's last position predicts.
+        answer = real_tok(text_of(real_tok, ids) + " " + batch.values[i]).input_ids
+        assert answer == ids + batch.candidate_tokens[v]
+        assert int(batch.answer_ids[i]) == batch.candidate_tokens[v][0]
+    assert len({tuple(t) for t in batch.candidate_tokens}) == len(batch.candidates)
     if real_tok.vocab_name == "qwen35":   # Qwen splits every digit: every two-digit number is two tokens
         assert batch.multi_token and batch.report["multi_token_numbers"] == 90
         with pytest.raises(ValueError, match="candidate_loglik"):
@@ -145,12 +151,15 @@ def test_candidate_loglik_is_the_full_conditional_likelihood(real_tok):
 
     out = batch.candidate_loglik(forward, batch_size=5)
     for i in range(3):
+        prompt = batch.input_ids[i].tolist()
         for slot in range(batch.choices.shape[1]):
-            tokens = batch.candidate_tokens[int(batch.choices[i, slot])]
-            seq = batch.input_ids[i].tolist() + tokens
+            # The reference sequence is the tokenizer's own ids of the prompt's text followed by " NUMBER".
+            number = batch.candidates[int(batch.choices[i, slot])]
+            seq = real_tok(text_of(real_tok, prompt) + " " + number).input_ids
+            assert seq[:len(prompt)] == prompt
             logp = torch.log_softmax(forward(torch.tensor([seq]))[0].double(), -1)
-            want = sum(float(logp[len(seq) - len(tokens) - 1 + j, t]) for j, t in enumerate(tokens))
-            assert out["loglik"][i, slot].item() == pytest.approx(want, abs=1e-6)
+            want = sum(float(logp[j - 1, seq[j]]) for j in range(len(prompt), len(seq)))
+            assert out["loglik"][i, slot].item() == pytest.approx(want, abs=1e-4)
         own = out["loglik"][i, batch.choice_answer[i]]
         others = [out["loglik"][i, s] for s in range(batch.choices.shape[1]) if s != batch.choice_answer[i]]
         assert out["margin"][i].item() == pytest.approx((own - max(others)).item())

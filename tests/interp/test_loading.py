@@ -44,12 +44,15 @@ def test_missing_unexpected_and_misshapen_weights_are_all_listed(tmp_path):
     with pytest.raises(ValueError) as err:
         load_model(tmp_path)
     lines = str(err.value).splitlines()
-    # one summary line with the counts and the fix, then every mismatch on a line of its own
+    # one line with the counts, the first mismatch and the fix; every mismatch in `details` (the CLI's --verbose)
+    assert len(lines) == 1
     assert "does not match its config.json" in lines[0] and "1 missing, 1 unexpected, 1 with the wrong shape" in lines[0]
-    assert "check that config.json belongs to these weights" in lines[0]
-    assert lines[1:-1] == ["  missing weights (1):", "    model.layers.0.attn.q_proj.weight",
-                           "  unexpected weights (1):", "    model.layers.0.attn.surprise", "  shape mismatches (1):"]
-    assert lines[-1].startswith("    model.layers.1.attn.k_proj.weight: checkpoint (5, 5) vs config (")
+    assert "(first: missing weight model.layers.0.attn.q_proj.weight)" in lines[0]
+    assert "check that config.json belongs to these weights" in lines[0] and "--verbose" in lines[0]
+    details = err.value.details
+    assert details[:-1] == ["  missing weights (1):", "    model.layers.0.attn.q_proj.weight",
+                            "  unexpected weights (1):", "    model.layers.0.attn.surprise", "  shape mismatches (1):"]
+    assert details[-1].startswith("    model.layers.1.attn.k_proj.weight: checkpoint (5, 5) vs config (")
 
 
 def test_every_mismatch_is_listed_not_the_first_twenty(tmp_path):
@@ -59,8 +62,8 @@ def test_every_mismatch_is_listed_not_the_first_twenty(tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError) as err:
         load_model(tmp_path)
-    assert "30 unexpected" in str(err.value).splitlines()[0]
-    assert all(f"    model.extra_{i:02d}" in str(err.value).splitlines() for i in range(30))
+    assert "30 unexpected" in str(err.value)
+    assert all(f"    model.extra_{i:02d}" in err.value.details for i in range(30))
 
 
 def _corrupt(tmp_path, how):

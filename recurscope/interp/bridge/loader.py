@@ -11,25 +11,22 @@ import torch
 from recurscope.interp.bridge.families import bridge_family, supported_model_types
 from recurscope.interp.bridge.model import BridgedLM
 from recurscope.interp.checkpoint_files import (CheckpointError, check_finite_weights, check_shards,
-                                                check_tokenizer_fits, read_json)
+                                                check_tokenizer_fits, mismatch_error, read_json)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def _tokenizer_class(directory: Path, auto):
-    """The tokenizer class tokenizer_config.json names, looked up among transformers' tokenizer classes only (never
-    any other attribute of transformers: a name like "pipeline" or "AutoModel" is refused); AutoTokenizer when it
-    names none. (AutoTokenizer prefers the model_type's own class, e.g. Qwen3_5Tokenizer, which would misread a
-    plain tokenizers-backend tokenizer.json saved beside a Qwen3.5 model.)"""
+def _named_tokenizer_class(directory: Path) -> Optional[str]:
+    """The tokenizer class tokenizer_config.json names, checked to be one of transformers' tokenizer classes (never
+    any other attribute of transformers: a name like "pipeline" or "AutoModel" is refused by name); None when it
+    names none."""
     import transformers
 
     cfg_file = directory / "tokenizer_config.json"
     raw = read_json(cfg_file, "tokenizer configuration") if cfg_file.is_file() else {}
     named = raw.get("tokenizer_class") if isinstance(raw, dict) else None
-    if not named:
-        return auto
-    if named in ("AutoTokenizer",):
-        return auto
+    if not named or named == "AutoTokenizer":
+        return None
     try:
         cls = getattr(transformers, named, None)
     except Exception:  # transformers' lazy module raises its own errors for some names
@@ -40,18 +37,64 @@ def _tokenizer_class(directory: Path, auto):
                 if isinstance(cls, type) else f"a {type(cls).__name__}, not a tokenizer class")
         raise CheckpointError(f"{cfg_file}: `tokenizer_class` {named!r} is {what}; name a tokenizer class (e.g. "
                               "\"PreTrainedTokenizerFast\") or remove the key to let AutoTokenizer choose")
-    return cls
+    return named
 
 
-def _tokenizer(directory: Path, auto):
-    cls = _tokenizer_class(directory, auto)
+def _tokenizer(directory: Path, config):
+    """The tokenizer transformers' AutoTokenizer chooses for this model's config (its model_type's own class where
+    transformers registers one, e.g. Qwen3_5Tokenizer for qwen3_5, which matches Qwen's own encoder where
+    Qwen2Tokenizer, often named in tokenizer_config.json, differs on some scripts). A disagreement with the named
+    `tokenizer_class` is reported once, as a warning naming both."""
+    import transformers
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    named = _named_tokenizer_class(directory)
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()   # its notes on the class choice are said once below, in one line
     try:
-        return cls.from_pretrained(str(directory))
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except Exception as err:  # tokenizers and transformers raise many types for damaged files
         reason = " ".join(str(err).split())[:300] or type(err).__name__
-        raise CheckpointError(f"the tokenizer files of {directory} cannot be loaded by {cls.__name__} "
+        raise CheckpointError(f"the tokenizer files of {directory} cannot be loaded by AutoTokenizer "
                               f"({type(err).__name__}: {reason}); restore tokenizer.json and tokenizer_config.json "
                               "from the original checkpoint") from err
+    finally:
+        hf_logging.set_verbosity(previous)
+    chosen = type(tokenizer).__name__
+    # names are compared as the classes they are (transformers 5 keeps PreTrainedTokenizerFast as a name of
+    # TokenizersBackend, and Qwen2TokenizerFast of Qwen2Tokenizer)
+    if named is None or getattr(transformers, named) is type(tokenizer):
+        return tokenizer
+    where = f"{directory / 'tokenizer_config.json'} names tokenizer_class {named}; transformers' AutoTokenizer " \
+            f"chooses {chosen} for model_type {getattr(config, 'model_type', None)!r}"
+    declared, read = _model_kinds(directory, tokenizer)
+    if declared is not None and read is not None and declared != read:
+        # A model-specific class rebuilds its own BPE from the vocabulary; a tokenizer.json of another kind (a
+        # word-level vocabulary saved beside a small model) is then misread, so the named class reads it instead.
+        warnings.warn(f"{where}, which reads tokenizer.json's {declared} model as {read}; recurscope uses {named}",
+                      TokenizerClassWarning, stacklevel=3)
+        return getattr(transformers, named).from_pretrained(str(directory))
+    warnings.warn(f"{where}; recurscope uses {chosen}, as transformers would (for {named}, pass --tokenizer DIR, a "
+                  "directory holding only the tokenizer's files)", TokenizerClassWarning, stacklevel=3)
+    return tokenizer
+
+
+def _model_kinds(directory: Path, tokenizer) -> tuple[Optional[str], Optional[str]]:
+    """The tokenizer model kind tokenizer.json declares (BPE, WordLevel, Unigram...) and the one `tokenizer` built
+    (None where either is unknown)."""
+    file = directory / "tokenizer.json"
+    try:
+        declared = read_json(file, "tokenizer").get("model", {}).get("type") if file.is_file() else None
+    except (CheckpointError, AttributeError):
+        declared = None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    read = type(backend.model).__name__ if backend is not None else None
+    return declared, read
+
+
+class TokenizerClassWarning(UserWarning):
+    """tokenizer_config.json names another class than the one transformers' AutoTokenizer chooses."""
 
 
 # config.json keys the bridge and transformers' models read, checked for type and range (models.config.check_key
@@ -107,7 +150,7 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
         raise CheckpointError(f"{directory}/{err}") from None
     check_shards(directory)
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     # the family's own class where AutoModelForCausalLM may build another library's (fla's Mamba-2, see model_class)
     model_cls = getattr(transformers, family.model_class) if family.model_class else AutoModelForCausalLM
@@ -118,9 +161,9 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
         raise CheckpointError(f"{directory}/config.json is refused by transformers ({reason}); fix the key it "
                               "names to match the checkpoint") from None
     if isinstance(tokenizer, (str, Path)):
-        tokenizer = _tokenizer(Path(tokenizer), AutoTokenizer)
+        tokenizer = _tokenizer(Path(tokenizer), config)
     elif tokenizer is None and any((directory / f).is_file() for f in TOKENIZER_FILES):
-        tokenizer = _tokenizer(directory, AutoTokenizer)
+        tokenizer = _tokenizer(directory, config)
     if tokenizer is not None:
         text = getattr(config, "text_config", None) or config
         check_tokenizer_fits(tokenizer, int(text.vocab_size), directory)
@@ -143,16 +186,7 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
     wrong = sorted(f"{m[0]}: checkpoint {tuple(m[1])} vs config {tuple(m[2])}" if isinstance(m, (tuple, list))
                    and len(m) == 3 else str(m) for m in info.get("mismatched_keys", []))
     if missing or unexpected or wrong:
-        counts = [f"{len(v)} {k}" for k, v in (("missing", missing), ("unexpected", unexpected),
-                                                  ("with the wrong shape", wrong)) if v]
-        lines = [f"checkpoint {directory} does not match its config.json ({raw_config.get('model_type')}): "
-                 f"{', '.join(counts)} weights; check that config.json belongs to these weights (nothing was loaded)"]
-        for title, names in (("missing weights", missing), ("unexpected weights", unexpected),
-                             ("shape mismatches", wrong)):
-            if names:
-                lines.append(f"  {title} ({len(names)}):")
-                lines += [f"    {n}" for n in names]
-        raise CheckpointError("\n".join(lines))
+        raise mismatch_error(directory, raw_config.get("model_type"), missing, unexpected, wrong)
     if check_finite:
         check_finite_weights(hf.state_dict().items(), directory)
     model = BridgedLM(hf, family, tokenizer)

@@ -2,9 +2,13 @@
 
 A haystack of repeated noise sentences holds one needle "the special magic number for KEY is VALUE." at a chosen
 depth; the query prompt ends so that the answer (the number) follows. Each example is written as text and tokenised
-once by the tokenizer (its specials as its config says). A number may be several tokens (vocabularies that split
-digits, like Qwen's): the answer is then scored by the full conditional log-likelihood of each of a few balanced
-candidate numbers (`NiahBatch.candidate_loglik`), as the paper scores its four candidates.
+once by the tokenizer (its specials as its config says). A number has two tokenisations: inside the needle
+(`value_tokens`, what a donor replaces) and as the answer after the query's last word (`candidate_tokens`, " 42"
+after "is": with Qwen's digit-splitting vocabulary a lone space token then each digit). Either may be several tokens:
+the answer is then scored by the full conditional log-likelihood of each of a few balanced candidate numbers
+(`NiahBatch.candidate_loglik`), as the paper scores its four candidates. Numbers whose answers are not distinct
+token sequences, or whose tokens merge with the text around them, are dropped and listed before any prompt is
+written (or refused by name with on_multitoken='error').
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from .scoring import continuation_batch, forward_at_positions, sequence_loglik
 from .tokenizer import require_tokenizer, decode_text, encode_continuation, encode_text, single_token_ids, span_tokens, token_strings
 from .words import KEY_NAMES, NEEDLE, NIAH_QUERY, NOISE_SENTENCES, NUMBER_WORDS, niah_words
 
@@ -26,9 +31,9 @@ class NiahBatch:
     """N single-needle examples of one length T. Positions are token indices; spans are half-open."""
 
     input_ids: torch.Tensor        # (N, T) long
-    answer_ids: torch.Tensor       # (N,) first token id of the needle's number
+    answer_ids: torch.Tensor       # (N,) first token of the answer after the query (candidate_tokens[answer][0])
     answer_index: torch.Tensor     # (N,) index of the answer in candidates / candidate_tokens
-    candidate_ids: torch.Tensor    # (V,) first token id of each number of the vocabulary
+    candidate_ids: torch.Tensor    # (V,) first token of each number's answer after the query
     needle_span: torch.Tensor      # (N, 2)
     value_pos: torch.Tensor        # (N,) position of the value's first token inside the needle
     query_start: torch.Tensor      # (N,)
@@ -39,7 +44,8 @@ class NiahBatch:
     keys: list[str]
     values: list[str]
     report: dict = field(default_factory=dict)
-    candidate_tokens: list[list[int]] = field(default_factory=list)  # (V,) each number's tokens after the query
+    candidate_tokens: list[list[int]] = field(default_factory=list)  # (V,) each number's answer tokens after the query
+    value_tokens: list[list[int]] = field(default_factory=list)      # (V,) each number's tokens inside the needle
     choices: torch.Tensor | None = None     # (N, C) number indices scored per example; the answer among them
     choice_answer: torch.Tensor | None = None  # (N,) slot of the answer in choices
 
@@ -48,7 +54,7 @@ class NiahBatch:
 
     @property
     def multi_token(self) -> bool:
-        """Whether some number is several tokens (then only candidate_loglik scores it)."""
+        """Whether some number's answer is several tokens (then only candidate_loglik scores it)."""
         return any(len(t) > 1 for t in self.candidate_tokens)
 
     def score(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -72,32 +78,28 @@ class NiahBatch:
 
     def candidate_loglik(self, forward, batch_size: int = 8) -> dict[str, torch.Tensor]:
         """Full conditional log-likelihood of each example's `choices`: log p(c_1 .. c_m | prompt), summed over the
-        candidate's tokens, from `forward(ids (B, T)) -> logits (B, T, vocab)` (a causal LM; candidates of different
-        lengths are right-padded, which no earlier position sees).
+        candidate's answer tokens (candidate_tokens), from `forward(ids (B, T)[, logit_positions=(B, P)])` of a
+        causal LM. Only the m answer positions are scored (scoring.sequence_loglik: logits in the model's dtype,
+        float32 accumulation); a forward that takes `logit_positions` (the project's models) unembeds only those.
+        Candidates of different lengths are right-padded, which no scored position sees.
 
         Returns loglik (N, C), correct (N,) bool (the answer has the highest likelihood) and margin (N,): the
         answer's log-likelihood minus the best other candidate's."""
         if self.choices is None:
             raise ValueError("this batch has no choices; build it with build_niah(..., n_choices=C).")
         n, c = self.choices.shape
-        seqs, owners = [], []
-        for i in range(n):
-            for slot in range(c):
-                seqs.append(self.input_ids[i].tolist() + self.candidate_tokens[int(self.choices[i, slot])])
-                owners.append((i, slot))
+        owners = [(i, slot) for i in range(n) for slot in range(c)]
         loglik = torch.zeros(n, c, dtype=torch.float64)
-        prompt = self.input_ids.shape[1]
-        for lo in range(0, len(seqs), batch_size):
-            chunk = seqs[lo:lo + batch_size]
-            width = max(len(x) for x in chunk)
-            ids = torch.tensor([x + [x[-1]] * (width - len(x)) for x in chunk], dtype=torch.long)
+        for lo in range(0, len(owners), batch_size):
+            chunk = owners[lo:lo + batch_size]
+            prompts = self.input_ids[[i for i, _ in chunk]]
+            conts = [self.candidate_tokens[int(self.choices[i, slot])] for i, slot in chunk]
+            ids, positions, tokens, mask = continuation_batch(prompts, conts)
             with torch.no_grad():
-                logp = torch.log_softmax(forward(ids).double(), dim=-1)
-            for row, seq in enumerate(chunk):
-                i, slot = owners[lo + row]
-                tokens = torch.tensor(seq[prompt:], dtype=torch.long)
-                positions = torch.arange(prompt - 1, prompt - 1 + len(tokens))
-                loglik[i, slot] = logp[row, positions, tokens].sum().cpu()
+                logits = forward_at_positions(forward, ids, positions)
+                scores = sequence_loglik(logits, tokens, mask).double().cpu()
+            for row, (i, slot) in enumerate(chunk):
+                loglik[i, slot] = scores[row]
         answer = self.choice_answer
         others = loglik.clone()
         others[torch.arange(n), answer] = float("-inf")
@@ -166,6 +168,33 @@ def _number_tokens(tokenizer, numbers: Sequence[str], key: str, on_multitoken: s
     return kept, tokens, dropped
 
 
+def _answer_tokens(tokenizer, numbers: Sequence[str], key: str, on_multitoken: str):
+    """Each number's tokens as the answer after the query ("... is" + " 42"): the tokens of query + answer after
+    the query's own, which is what a model predicts at the query's last position. Numbers whose answer merges with
+    the query's last token, or whose answer tokens equal an earlier number's (indistinguishable candidates), are
+    dropped (or refused by name with on_multitoken='error')."""
+    prompt = f"{_AROUND} {_render(NIAH_QUERY, key, None)[0]}"
+    base = encode_continuation(tokenizer, prompt)
+    kept, tokens, dropped, seen = [], [], {}, {}
+    for number in numbers:
+        ids = encode_continuation(tokenizer, f"{prompt} {number}")
+        if ids[:len(base)] != base or len(ids) == len(base):
+            dropped[number] = ["(merges with the query's last word)"]
+            continue
+        answer = tuple(ids[len(base):])
+        if answer in seen:
+            dropped[number] = [f"(the same answer tokens as {seen[answer]!r}: {token_strings(tokenizer, answer)})"]
+            continue
+        seen[answer] = number
+        kept.append(number)
+        tokens.append(list(answer))
+    if dropped and on_multitoken == "error":
+        detail = "; ".join(f"{w!r} {t[0]}" for w, t in dropped.items())
+        raise ValueError(f"{len(dropped)} number(s) cannot be scored as answers after the query in this tokenizer: "
+                         f"{detail}; pass other numbers or on_multitoken='filter' to drop them.")
+    return kept, tokens, dropped
+
+
 def build_niah(tokenizer, n: int, total_tokens: int, *, depths: float | Sequence[float] | None = None,
                seed: int = 0, keys: Sequence[str] | None = None, numbers: Sequence[str] | None = None,
                on_multitoken: str = "filter", add_bos: bool = False, n_choices: int = 4) -> NiahBatch:
@@ -199,6 +228,9 @@ def build_niah(tokenizer, n: int, total_tokens: int, *, depths: float | Sequence
         raise ValueError("no single-token keys are left; pass keys that this tokenizer encodes as one token.")
     num_words, num_tokens, dropped_nums = _number_tokens(tokenizer, list(numbers or NUMBER_WORDS), key_words[0],
                                                          on_multitoken)
+    answer_words, answer_tokens, dropped_answers = _answer_tokens(tokenizer, num_words, key_words[0], on_multitoken)
+    num_tokens = [t for w, t in zip(num_words, num_tokens) if w in answer_words]
+    num_words, dropped_nums = answer_words, {**dropped_nums, **dropped_answers}
     if len(num_words) < 2:
         raise ValueError(f"the number vocabulary needs at least 2 usable numbers; {len(num_words)} left (dropped: "
                          f"{sorted(dropped_nums)}).")
@@ -280,7 +312,7 @@ def build_niah(tokenizer, n: int, total_tokens: int, *, depths: float | Sequence
             raise ValueError(f"example {i}: the needle or query of key {key_words[k]!r} and number "
                              f"{num_words[v]!r} merges with the haystack in this tokenizer; pass other numbers.")
         rows.append(ids)
-        answers.append(num_tokens[v][0])
+        answers.append(answer_tokens[v][0])
         spans.append(needle_tokens)
         value_pos.append(value_tokens[0])
         q_starts.append(query_tokens[0])
@@ -303,7 +335,7 @@ def build_niah(tokenizer, n: int, total_tokens: int, *, depths: float | Sequence
         input_ids=torch.tensor(rows, dtype=torch.long),
         answer_ids=torch.tensor(answers, dtype=torch.long),
         answer_index=torch.tensor([value_order[i] for i in range(n)], dtype=torch.long),
-        candidate_ids=torch.tensor([t[0] for t in num_tokens], dtype=torch.long),
+        candidate_ids=torch.tensor([t[0] for t in answer_tokens], dtype=torch.long),
         needle_span=torch.tensor(spans, dtype=torch.long),
         value_pos=torch.tensor(value_pos, dtype=torch.long),
         query_start=torch.tensor(q_starts, dtype=torch.long),
@@ -313,7 +345,8 @@ def build_niah(tokenizer, n: int, total_tokens: int, *, depths: float | Sequence
         candidates=num_words, keys=keys_out, values=values_out,
         report={"dropped_keys": dropped_keys, "dropped_numbers": dropped_nums,
                 "n_filtered": len(dropped_keys) + len(dropped_nums),
-                "multi_token_numbers": sum(len(t) > 1 for t in num_tokens)},
-        candidate_tokens=num_tokens,
+                "multi_token_numbers": sum(len(t) > 1 for t in num_tokens),
+                "multi_token_answers": sum(len(t) > 1 for t in answer_tokens)},
+        candidate_tokens=answer_tokens, value_tokens=num_tokens,
         choices=torch.tensor(choices, dtype=torch.long), choice_answer=torch.tensor(choice_answer, dtype=torch.long),
     )

@@ -1,7 +1,11 @@
 """The key-value recall task and its donor/recipient pair builders (swap, neutral, update; single or all queries).
 
-Sequences are assembled at the token level from separately encoded segments, so every key and value is one token,
-donor and recipient have identical length and alignment, and every span in the metadata is exact. See docs/data.md.
+Each prompt (facts, filler and query) is written as text and tokenised once by the model's own tokenizer, with its
+specials as its config says, so the ids are the tokenizer's own for that text. Spans are recovered from the
+tokenizer's character offsets: every key and value must be one token where the template puts it (words that are not
+are dropped and listed, or refused by name), and the donor is written and tokenised the same way and checked to
+differ from the recipient only at the target value (its whole fact for neutral pairs), at identical length and
+alignment. See docs/data.md.
 """
 
 from __future__ import annotations
@@ -137,6 +141,10 @@ class PairBatch:
     # None: every row fills the width. The scan and the confirmation run rows of different lengths packed
     # (cu_seqlens), so the padding is never computed.
     lengths: torch.Tensor | None = None
+    # (N, C) token lists: each candidate's answer tokens after query_pos where some answer is several tokens (S-NIAH
+    # on a digit-splitting vocabulary); candidates are then scored by their full conditional log-likelihood, and
+    # candidate_ids (their first tokens) cannot tell them apart. None: every answer is its candidate_ids token.
+    candidate_tokens: list[list[list[int]]] | None = None
 
     def __len__(self) -> int:
         return int(self.recipient_ids.shape[0])

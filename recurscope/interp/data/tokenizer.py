@@ -1,7 +1,9 @@
 """Tokenizer helpers: the project's word-level tokenizer, and mid-sentence encoding that works for any HF tokenizer.
 
-Every generator in interp.data builds sequences by concatenating separately encoded segments, each encoded as it
-would appear mid-sentence (after a space), so keys and values keep one fixed token each and positions stay aligned.
+The pair and S-NIAH generators write each prompt as text and tokenise it once (`encode_text`), recovering spans
+from character offsets (`span_tokens`); mid-sentence encoding (`encode_continuation`, `encode_words`) serves the
+checks that a word is one token where a template puts it, the answer tokens after a query, and filler handed out as
+token ids.
 """
 
 from __future__ import annotations
@@ -253,8 +255,9 @@ def require_tokenizer(tokenizer) -> None:
     """A clear error where a model without a tokenizer meets code that writes prompts as text."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, and prompts are written as text for the model's own "
-                         "tokenizer: save its tokenizer.json (and tokenizer_config.json) beside config.json, or load "
-                         "it with load_model(dir, tokenizer=<a tokenizer or its directory>).")
+                         "tokenizer: pass --tokenizer DIR on the command line (a directory holding its tokenizer.json), "
+                         "load it with load_model(dir, tokenizer=<a tokenizer or its directory>), or save its "
+                         "tokenizer.json and tokenizer_config.json beside config.json.")
 
 
 def vocabulary_hash(tokenizer) -> str:

@@ -85,6 +85,10 @@ def check_pairs(model, pairs) -> None:
     n = pairs.recipient_ids.shape[0]
     if n == 0:
         raise ValueError("pairs is empty (0 rows); build at least one pair")
+    if getattr(pairs, "candidate_tokens", None) is not None:
+        raise ValueError("these pairs' answers are several tokens (pairs.candidate_tokens), which one position's "
+                         "candidate logits cannot score; only the hybrid cache factorial (recurscope hybrid) scores "
+                         "them, by their full conditional log-likelihood")
     if pairs.recipient_ids.shape != pairs.donor_ids.shape:
         raise ValueError(f"donor and recipient must have equal length: donor_ids has shape "
                          f"{tuple(pairs.donor_ids.shape)}, recipient_ids {tuple(pairs.recipient_ids.shape)}; "

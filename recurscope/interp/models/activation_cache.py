@@ -9,13 +9,62 @@ from transformer_lens.ActivationCache import ActivationCache
 
 READOUTS = ("hook_head_out", "hook_z")
 
+#: TransformerLens's residual-decomposition helpers, each refused in one line with the reason it cannot run here
+#: (docs/transformer_lens.md, "Limits"). They assume TransformerLens's own internals: LayerNorm hooks
+#: (ln_final.hook_scale) and a final norm folded into W_U, attention heads with hook_z and W_O, and an MLP with
+#: hook_post and W_out; recurscope's final norm is unfolded and model-specific, and its heads are state heads.
+_NOT_HERE = {
+    "logit_attrs": "needs the final norm folded into W_U and its scale hooked (ln_final.hook_scale); here the final "
+                   "norm is the checkpoint's own, unfolded: take model.unembed(resid) of the components instead",
+    "apply_ln_to_stack": "needs TransformerLens's LayerNorm hooks (hook_scale) and normalization_type; here the final "
+                         "norm is the checkpoint's own: apply model.final_norm to the residual you decompose",
+    "decompose_resid": "splits into attention and MLP heads by TransformerLens's internals (attn_only, hook_attn_out "
+                       "per attention head); stack blocks.{l}.hook_mixer_out and hook_mlp_out with "
+                       "cache.stack_activation instead",
+    "get_full_resid_decomposition": "needs per-head results through W_O (blocks.{l}.attn.hook_z); recurscope's heads "
+                                    "are state heads: use stack_head_readouts, or patch heads with patch specs",
+    "stack_head_results": "needs attention heads' hook_z and W_O; use stack_head_readouts (per state head)",
+    "compute_head_results": "needs attention heads' hook_z and W_O; use stack_head_readouts (per state head)",
+    "stack_neuron_results": "needs TransformerLens's MLP internals (hook_post, W_out, d_mlp); stack "
+                            "blocks.{l}.hook_mlp_out instead",
+}
+
+
+def _refuse(name: str):
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(f"ActivationCache.{name} does not run on recurscope's models: {_NOT_HERE[name]}")
+    method.__name__ = name
+    method.__doc__ = f"Refused in one line: {_NOT_HERE[name]}."
+    return method
+
 
 class RecurrentActivationCache(ActivationCache):
-    """An ActivationCache whose `state_positions` are those the run captured `hook_state` at (sorted)."""
+    """An ActivationCache whose `state_positions` are those the run captured `hook_state` at (sorted). Keys may use
+    TransformerLens's names for points named otherwise here (`cache["attn_out", l]` is blocks.{l}.hook_mixer_out,
+    hooks.TL_ALIASES); its residual-decomposition helpers that assume its own internals are refused in one line."""
 
     def __init__(self, cache_dict: dict, model, state_positions: Optional[tuple] = None, has_batch_dim: bool = True):
         super().__init__(cache_dict, model, has_batch_dim=has_batch_dim)
         self.state_positions = state_positions
+
+    def __getitem__(self, key) -> torch.Tensor:
+        from transformer_lens.utilities import get_act_name
+
+        from recurscope.hooks.points import canonical_name
+
+        if isinstance(key, str) and key in self.cache_dict:
+            return self.cache_dict[key]
+        if isinstance(key, tuple):
+            if len(key) > 1 and key[1] is not None and key[1] < 0:
+                key = (key[0], self.model.cfg.n_layers + key[1], *key[2:])
+            name = get_act_name(*key)
+        else:
+            name = key if "." in key else get_act_name(key)
+        return self.cache_dict[canonical_name(name)]
+
+    for _name in _NOT_HERE:
+        locals()[_name] = _refuse(_name)
+    del _name
 
     def _stack(self, point: str, what: str) -> tuple[torch.Tensor, list[int]]:
         layers = [l for l in self.model.recurrent_layers if f"blocks.{l}.mixer.{point}" in self.cache_dict]

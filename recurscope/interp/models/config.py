@@ -212,8 +212,9 @@ def _is_number(v) -> bool:
 
 def check_key(key: str, value, default=MISSING) -> None:
     """Raises ValueError "config.json: `key` must be ..., got ..." unless `value` has the key's type and range.
-    None passes where the key's default is None (an optional key)."""
-    if value is None and default is None:
+    None passes where the key's default is None (an optional key), and for token ids a tokenizer may lack (fla
+    checkpoints whose tokenizer has no BOS write `bos_token_id: null`)."""
+    if value is None and (default is None or key in TOKEN_IDS):
         return
     if key in POSITIVE_INTS:
         ok, want = _is_int(value) and value > 0, "a positive integer"

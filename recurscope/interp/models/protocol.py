@@ -203,11 +203,33 @@ class ProtocolMethods(TransformerLensMethods):
         for m in self._recurrent_mixers():
             m.backend = backend
 
+    def add_hook(self, name, hook, *args, **kwargs):
+        """TransformerLens's add_hook (which run_with_hooks and hooks() use), also taking TransformerLens's names
+        for points that have another name here ("blocks.{l}.hook_attn_out" is the mixer's output, hooks.TL_ALIASES),
+        so that its patching sweeps run as they are."""
+        from recurscope.hooks.points import canonical_name
+
+        return super().add_hook(canonical_name(name) if isinstance(name, str) else name, hook, *args, **kwargs)
+
+    def _enable_hook(self, name, hook, *args, **kwargs):
+        # TransformerLens's hooks() (run_with_hooks) looks names up here rather than through add_hook
+        from recurscope.hooks.points import canonical_name
+
+        return super()._enable_hook(canonical_name(name) if isinstance(name, str) else name, hook, *args, **kwargs)
+
     def run_with_cache(self, *args, state_positions: Optional[Sequence[int]] = None,
                        return_cache_object: bool = True, **kwargs):
         """TransformerLens's run_with_cache, plus `state_positions` for `hook_state` (no other state is kept). The
         cache is a `RecurrentActivationCache` (a TransformerLens ActivationCache with state and readout
-        accessors), or a plain dict with `return_cache_object=False`."""
+        accessors), or a plain dict with `return_cache_object=False`. names_filter may use TransformerLens's names
+        (hooks.TL_ALIASES)."""
+        from recurscope.hooks.points import canonical_name
+
+        names = kwargs.get("names_filter")
+        if isinstance(names, str):
+            kwargs["names_filter"] = canonical_name(names)
+        elif isinstance(names, (list, tuple)):
+            kwargs["names_filter"] = [canonical_name(n) for n in names]
         if state_positions is not None:
             kwargs["state_positions"] = state_positions
         out, cache_dict = super().run_with_cache(*args, **kwargs)

@@ -92,10 +92,29 @@ def factorial_logits(model, pairs, batch_size: int = 16) -> dict[str, torch.Tens
             suffix = pairs.recipient_ids[rows, b + 1:].to(device)
             qp = (pairs.query_pos[rows] - (b + 1)).to(device)
             for arm, cache in caches.items():
+                if pairs.candidate_tokens is not None:
+                    logits[arm][rows] = continuation_scores(model, cache, suffix,
+                                                            [pairs.candidate_tokens[r] for r in rows.tolist()])
+                    continue
                 out, _ = model.run_suffix(suffix, cache)
                 last = out[torch.arange(len(rows), device=out.device), qp]
                 logits[arm][rows] = candidate_logits(last, pairs.candidate_ids[rows]).float().cpu()
     return logits
+
+
+def continuation_scores(model, cache, suffix: torch.Tensor, candidates: list) -> torch.Tensor:
+    """(B, C) full conditional log-likelihoods of each row's candidate answers (token lists) after its suffix run
+    on `cache`: one forward of every (row, candidate) on the row's cache, logits at the answer positions only
+    (data.scoring). For single-token answers this is the candidate logit minus one log-normaliser per row, so
+    margins between candidates equal the logit margins."""
+    from recurscope.interp.data.scoring import continuation_batch, sequence_loglik
+
+    B, C = suffix.shape[0], len(candidates[0])
+    flat = [c for row in candidates for c in row]
+    ids, positions, tokens, mask = continuation_batch(suffix.cpu().repeat_interleave(C, 0), flat)
+    device = suffix.device
+    out = model(ids.to(device), cache=cache.repeat_interleave(C), logit_positions=positions.to(device))
+    return sequence_loglik(out, tokens, mask).float().cpu().view(B, C)
 
 
 def cache_factorial(model, pairs, batch_size: int = 16, rows: Optional[np.ndarray] = None) -> pd.DataFrame:
@@ -210,8 +229,12 @@ def build_factorial_pairs(model, *, n_sources: int, layout=None, task: str = "re
 def build_niah_pairs(tokenizer, *, n_sources: int, total_length: int, seed: int = 0, n_candidates: int = 4):
     """RULER single-NIAH swap pairs (Table 2): each source is one haystack of `total_length` tokens with one needle
     "the special magic number for KEY is VALUE." at an evenly spaced depth; the donor is the same sequence with
-    another number in the needle. Candidates: the recipient's and the donor's number and n_candidates - 2 others,
-    shuffled per row."""
+    another number in the needle, all of its tokens replaced (a donor number has as many needle tokens as the
+    recipient's, so positions stay aligned). Candidates: the recipient's and the donor's number and n_candidates - 2
+    others, shuffled per row, distinct as answer token sequences. Where some answer is several tokens (digit-splitting
+    vocabularies), the batch carries each candidate's answer tokens (PairBatch.candidate_tokens) and the factorial
+    scores them by full conditional log-likelihood. What cannot be built is refused by name before any prompt is
+    written."""
     import random
 
     from recurscope.interp.data import PairBatch, build_niah
@@ -219,28 +242,37 @@ def build_niah_pairs(tokenizer, *, n_sources: int, total_length: int, seed: int 
     if n_candidates < 3:
         raise ValueError(f"n_candidates must be >= 3 (the donor-specific shift needs a distractor); got {n_candidates}")
     niah = build_niah(tokenizer, n_sources, total_length, seed=seed)
-    numbers = niah.candidate_ids.tolist()
-    if len(numbers) < n_candidates:
-        raise ValueError(f"the tokenizer has {len(numbers)} single-token numbers; n_candidates={n_candidates} needs "
-                         "that many")
+    words, value_tokens, answers = niah.candidates, niah.value_tokens, niah.candidate_tokens
+    if len(words) < n_candidates:
+        raise ValueError(f"the tokenizer leaves {len(words)} usable numbers (dropped: {sorted(niah.report['dropped_numbers'])}"
+                         f"); n_candidates={n_candidates} needs that many")
+    partners = {j: [k for k in range(len(words)) if k != j and len(value_tokens[k]) == len(value_tokens[j])]
+                for j in range(len(words))}
+    lonely = sorted({words[int(j)] for j in niah.answer_index.tolist() if not partners[int(j)]})
+    if lonely:
+        raise ValueError(f"no donor number has as many needle tokens as {lonely} in this tokenizer, so the donor "
+                         "cannot replace the whole value at the same positions; pass numbers of equal token length")
     rng = random.Random(f"niah-pairs/{seed}/{total_length}/{n_sources}")
     n = len(niah)
     donor_ids = niah.input_ids.clone()
-    cands, r_idx, d_idx, d_values, c_words = [], [], [], [], []
+    cands, r_idx, d_idx, d_values, c_words, c_tokens, value_ends = [], [], [], [], [], [], []
     for i in range(n):
         r = int(niah.answer_index[i])
-        d = rng.choice([j for j in range(len(numbers)) if j != r])
-        donor_ids[i, niah.value_pos[i]] = numbers[d]
-        others = rng.sample([j for j in range(len(numbers)) if j not in (r, d)], n_candidates - 2)
+        d = rng.choice(partners[r])
+        at = int(niah.value_pos[i])
+        donor_ids[i, at:at + len(value_tokens[d])] = torch.tensor(value_tokens[d])
+        value_ends.append(at + len(value_tokens[r]))
+        others = rng.sample([j for j in range(len(words)) if j not in (r, d)], n_candidates - 2)
         order = [r, d, *others]
         rng.shuffle(order)
-        cands.append([numbers[j] for j in order])
-        c_words.append([niah.candidates[j] for j in order])
+        cands.append([answers[j][0] for j in order])
+        c_tokens.append([list(answers[j]) for j in order])
+        c_words.append([words[j] for j in order])
         r_idx.append(order.index(r))
         d_idx.append(order.index(d))
-        d_values.append([niah.candidates[d]])
+        d_values.append([words[d]])
     span = niah.needle_span[:, None, None, :]
-    value = torch.stack([niah.value_pos, niah.value_pos + 1], -1)[:, None, None, :]
+    value = torch.stack([niah.value_pos, torch.tensor(value_ends)], -1)[:, None, None, :]
     zeros = torch.zeros(n, dtype=torch.long)
     return PairBatch(
         recipient_ids=niah.input_ids, donor_ids=donor_ids, query_start=niah.query_start, query_pos=niah.query_pos,
@@ -251,7 +283,8 @@ def build_niah_pairs(tokenizer, *, n_sources: int, total_length: int, seed: int 
         group=torch.arange(n), source_id=torch.arange(n), fact_spans=span.clone(), value_spans=value,
         splits=["heldout"] * n, origins=["niah"] * n, templates=["niah"] * n, vocabs=["numbers"] * n,
         variants=["niah"] * n, keys=[[k] for k in niah.keys], candidates=c_words,
-        recipient_values=[[v] for v in niah.values], donor_values=d_values, report=dict(niah.report))
+        recipient_values=[[v] for v in niah.values], donor_values=d_values, report=dict(niah.report),
+        candidate_tokens=c_tokens if niah.multi_token else None)
 
 
 def run_hybrid(model, pairs=None, *, run_dir=None, task: str = "recall", n_sources: int = 128,

@@ -83,6 +83,8 @@ def run_verb(verb: Verb, work: Sequence[str], args, load, executor=None) -> int:
     if verb.check is not None:
         getattr(module, verb.check)(model)
     work_args = {k: getattr(args, k) for k in work}
+    if getattr(args, "tokenizer", None):   # the prompts are that tokenizer's ids; named only when given
+        work_args["tokenizer"] = str(args.tokenizer)
     if verb.layout:
         args.pair_spec = pair_spec_from_args(args, model)
         work_args["pair_layout"] = args.pair_spec.layout.to_dict()
