@@ -229,10 +229,11 @@ def _low_rank_lifted(q, k, x, a, b, e_G, lift, scale, initial_state, write_scale
     A = mm(rows, cols.transpose(-1, -2))                                   # (N, BH, 2C, n C)
     A = A * mask if grad else A.mul_(mask)
     L_inv = _lower_inverse(A[..., :C, :C])
-    P = mm(L_inv, mm(A[..., :C, C:], XY))                                  # L^-1 (A_ak X + A_au Y)
+    AX = mm(A[..., C:], XY)                                                # [A_ak X + A_au Y; A_qk X + A_qu Y]
+    P = mm(L_inv, AX[..., :C, :])                                          # L^-1 (A_ak X + A_au Y)
     M = mm(L_inv, rows[..., :C, :])                                        # L^-1 a e^{G_{t-1}}
     flat = lambda t: t.flatten(0, 1)  # noqa: E731
-    O0 = torch.baddbmm(flat(mm(A[..., C:, C:], XY)), flat(A[..., C:, :C]), flat(P), alpha=-1.0)
+    O0 = torch.baddbmm(flat(AX[..., C:, :]), flat(A[..., C:, :C]), flat(P), alpha=-1.0)
     Q_state = torch.baddbmm(flat(rows[..., C:, :]), flat(A[..., C:, :C]), flat(M), alpha=-1.0)  # q e^G - A_qb M
     to_end = cols * decay_C if grad else cols.mul_(decay_C)                # [b; k; u] e^{G_C - G}
     S0, S_final = _low_rank_state_pass(P, M, to_end, None if grad else RXY, XY, decay_C.transpose(-1, -2),
