@@ -376,6 +376,9 @@ def main() -> None:
                     help="families (GDN, KDA, GDN-2, GLA, sGLA, QED, RWKV-7) and the GDN cases GVA (grouped value "
                          "heads) and varlen "
                          "(packed sequences of lengths in proportions 1:2:4:9)")
+    ap.add_argument("--skip", nargs="*", default=[],
+                    help="peers to leave out by name (e.g. \"fla dplr_recurrence\": its backward at T = 8192 keeps "
+                         "every step's state, more than 16 GB)")
     ap.add_argument("--backward", action="store_true",
                     help="time each contender's forward plus the gradient of every input (no bmm share printed)")
     ap.add_argument("--reference", action="store_true", help="also time the step-loop reference (slow)")
@@ -424,7 +427,7 @@ def main() -> None:
                 fns = {"recurscope chunked": make(family.mine)}
                 if not args.no_peers:
                     fns.update({name: make(fn) for name, fn in family.peers.items()
-                                if not (name in family.slow and T > args.slow_peer_max_T)})
+                                if not (name in family.slow and T > args.slow_peer_max_T) and name not in args.skip})
                 if base is not None:
                     fns["baseline chunked"] = make(base(family.mine))
             if not args.no_peers and not args.backward:
