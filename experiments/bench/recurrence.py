@@ -376,6 +376,9 @@ def main() -> None:
                     help="families (GDN, KDA, GDN-2, GLA, sGLA, QED, RWKV-7) and the GDN cases GVA (grouped value "
                          "heads) and varlen "
                          "(packed sequences of lengths in proportions 1:2:4:9)")
+    ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                    help="after each family's rounds, one recurscope call under torch.profiler: the ROWS operators "
+                         "with the most self CPU time, by input shape")
     ap.add_argument("--skip", nargs="*", default=[],
                     help="peers to leave out by name (e.g. \"fla dplr_recurrence\": its backward at T = 8192 keeps "
                          "every step's state, more than 16 GB)")
@@ -451,6 +454,14 @@ def main() -> None:
                       f"{paired:15.2f}x {min(ts) / min(tc):12.2f}x {statistics.median(faults[name]):11.0f}")
                 if name not in ("recurscope chunked", "step reference", "baseline chunked"):
                     best_peer = min(best_peer or (paired, name), (paired, name))
+            if args.profile:
+                from torch.profiler import profile
+
+                with profile(record_shapes=True) as prof:
+                    fns["recurscope chunked"]()
+                print(prof.key_averages(group_by_input_shape=True).table(
+                    sort_by="self_cpu_time_total", row_limit=args.profile, max_name_column_width=24,
+                    max_shapes_column_width=70))
             if fam in TARGETS and T >= 2048 and best_peer is not None:
                 ratio = 1 / best_peer[0]
                 verdicts.append(f"{fam} T={T}{' fwd+bwd' if args.backward else ''}: chunked / fastest peer "
