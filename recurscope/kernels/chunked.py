@@ -551,7 +551,8 @@ def _state_pass_no_erase(ops, O, segments, shared, want, update_last, B, H, new)
     """Without autograd and without an erase: the residuals are the inputs. Per chunk, the output's state term
     (q e^G) S into O, then S <- e^{G_C} S + K^T R (+ U^T Y) in place: the state stays in cache from one chunk to the
     next. (Forming every chunk's K^T R at once and scanning them, with one batched state-term product, streamed a
-    (N, B*H, K, V) buffer through memory three times and ran 1.7x slower at T = 8192, docs/performance.md.) A segment's
+    (N, B*H, K, V) buffer through memory three times: that pass alone ran 1.7x slower at T = 8192, whole calls 5-9%,
+    docs/performance.md.) A segment's
     first chunk only reads its start state (its update is out of place), so the caller's state is never copied or
     written; a batch-expanded start state stays one state per head. O must already hold A_qk R (+ A_qu Y).
     Returns (final state per segment (None where update_last is off), start states by chunk); the state terms are
