@@ -236,19 +236,28 @@ def _low_rank_lifted(q, k, x, a, b, e_G, lift, scale, initial_state, write_scale
     O0 = torch.baddbmm(flat(AX[..., C:, :]), flat(A[..., C:, :C]), flat(P), alpha=-1.0)
     Q_state = torch.baddbmm(flat(rows[..., C:, :]), flat(A[..., C:, :C]), flat(M), alpha=-1.0)  # q e^G - A_qb M
     to_end = cols * decay_C if grad else cols.mul_(decay_C)                # [b; k; u] e^{G_C - G}
-    S0, S_final = _low_rank_state_pass(P, M, to_end, None if grad else RXY, XY, decay_C.transpose(-1, -2),
-                                       initial_state, final_state, BH, K, V, dtype, device, new)
-    O = torch.baddbmm(O0, Q_state, flat(S0), out=None if grad else O0).view(N, B, H, C, V).permute(1, 0, 3, 2, 4)
-    o = (O * scale).reshape(B, N * C, H, V)[:, :T]
+    want = {p // C for p in capture or []}
+    if grad:
+        S0, S_final = _low_rank_state_pass(P, M, to_end, XY, decay_C.transpose(-1, -2), initial_state, final_state,
+                                           BH, K, V, dtype, device)
+        O = torch.baddbmm(O0, Q_state, flat(S0))
+        starts = {n: S0[n] for n in want}
+        R = {n: -torch.baddbmm(P[n], M[n], S0[n]) for n in want}
+    else:
+        O = O0.view(N, BH, C, V)
+        starts, S_final = _low_rank_state_pass_in_place(P, M, to_end, RXY, decay_C.transpose(-1, -2), O,
+                                                        Q_state.view(N, BH, C, K), initial_state, final_state, want,
+                                                        BH, K, V, dtype, device)
+        R = {n: RXY[n][:, :C] for n in want}
+    o = (O.view(N, B, H, C, V).permute(1, 0, 3, 2, 4) * scale).reshape(B, N * C, H, V)[:, :T]
     states = None
     if capture:
-        R = {n: -torch.baddbmm(P[n], M[n], S0[n]) for n in {p // C for p in capture}}
         caps = []
         for p in capture:
             n, i = divmod(p, C)
             # to_end_s e^{G_p} e^{-G_C} = y_s e^{G_p - G_s}, for s <= p
             w = (e_G[n][:, i] * lift_C[n][:, 0])[:, None]                  # (BH, 1, K|1)
-            St = e_G[n][:, i][..., None] * S0[n]
+            St = e_G[n][:, i][..., None] * starts[n]
             for j, val in enumerate([R[n]] + list(XY[n].split(C, -2))):
                 key = to_end[n][:, j * C: j * C + i + 1] * w
                 St = torch.baddbmm(St, key.transpose(-1, -2), val[:, : i + 1])
@@ -276,38 +285,47 @@ def _lifted_mask(C, n_keys, dtype, device):
     return torch.cat([strict.repeat(1, n_keys), (strict + torch.eye(C, dtype=dtype, device=device)).repeat(1, n_keys)])
 
 
-def _low_rank_state_pass(P, M, to_end, RXY, XY, decay, initial_state, final_state, BH, K, V, dtype, device, new):
-    """The chunk start states, sequentially: R_n = -(P_n + M_n S), S <- e^{G_C} S + E_n^T [R_n; X_n; Y_n] with
-    E = [b; k; u] e^{G_C - G} (one product over the n C rows). Returns (the N start states (N, BH, K, V), the final
-    state or None). Reads each tensor from one unbind (autograd then stacks the chunks' gradients once, where a
-    select per chunk would fill a whole-tensor gradient each). Without a graph (RXY given: [R; X; Y] per chunk, R's
-    rows to fill) each residual and state is written into its place in the buffers."""
+def _low_rank_state_pass(P, M, to_end, XY, decay, initial_state, final_state, BH, K, V, dtype, device):
+    """With autograd, the chunk start states, sequentially: R_n = -(P_n + M_n S), S <- e^{G_C} S + E_n^T [R_n; X_n;
+    Y_n] with E = [b; k; u] e^{G_C - G} (one product over the n C rows). Returns (the N start states (N, BH, K, V),
+    the final state or None). Reads each tensor from one unbind (autograd then stacks the chunks' gradients once,
+    where a select per chunk would fill a whole-tensor gradient each)."""
+    N = P.shape[0]
+    P_n, M_n, ET_n, dec_n, XY_n = (t.unbind(0) for t in (P, M, to_end.transpose(-1, -2), decay, XY))
+    S = (torch.zeros(BH, K, V, dtype=dtype, device=device) if initial_state is None
+         else initial_state.to(dtype).reshape(BH, K, V))
+    starts = []
+    for n in range(N):
+        starts.append(S)
+        if n == N - 1 and not final_state:
+            break
+        R_n = torch.baddbmm(P_n[n], M_n[n], S, beta=-1.0, alpha=-1.0)
+        S = torch.baddbmm(dec_n[n] * S, ET_n[n], torch.cat([R_n, XY_n[n]], -2))
+    return torch.stack(starts), (S if final_state else None)
+
+
+def _low_rank_state_pass_in_place(P, M, to_end, RXY, decay, O, Q_state, initial_state, final_state, want,
+                                  BH, K, V, dtype, device):
+    """Without autograd: per chunk R_n = -(P_n + M_n S) into R's rows of RXY ([R; X; Y] per chunk), the output's state
+    term Q_state_n S into O, then S <- e^{G_C} S + E_n^T [R_n; X_n; Y_n] in place, so that the state stays in cache
+    (storing every chunk's start state for one batched state-term product ran slower). Returns (start states of the
+    chunks in want, the final state or None)."""
     N, _, C, _ = P.shape
-    P_n, M_n, ET_n, dec_n = (t.unbind(0) for t in (P, M, to_end.transpose(-1, -2), decay))
-    if RXY is None:
-        XY_n = XY.unbind(0)
-        S = (torch.zeros(BH, K, V, dtype=dtype, device=device) if initial_state is None
-             else initial_state.to(dtype).reshape(BH, K, V))
-        starts = []
-        for n in range(N):
-            starts.append(S)
-            if n == N - 1 and not final_state:
-                break
-            R_n = torch.baddbmm(P_n[n], M_n[n], S, beta=-1.0, alpha=-1.0)
-            S = torch.baddbmm(dec_n[n] * S, ET_n[n], torch.cat([R_n, XY_n[n]], -2))
-        return torch.stack(starts), (S if final_state else None)
-    RXY_n = RXY.unbind(0)
-    states = new(N + 1 if final_state else N, BH, K, V, dtype=dtype)
-    if initial_state is None:
-        states[0].zero_()
-    else:
-        states[0].copy_(initial_state.reshape(BH, K, V))
-    for n in range(N - (0 if final_state else 1)):
+    P_n, M_n, ET_n, dec_n, RXY_n, O_n, Q_n = (
+        t.unbind(0) for t in (P, M, to_end.transpose(-1, -2), decay, RXY, O, Q_state))
+    S = (torch.zeros(BH, K, V, dtype=dtype, device=device) if initial_state is None
+         else initial_state.to(dtype).reshape(BH, K, V).clone())
+    starts = {}
+    for n in range(N):
+        if n in want:
+            starts[n] = S.clone()
         # into R's rows through a temporary: a baddbmm into the strided rows runs matrix by matrix
-        RXY_n[n][:, :C].copy_(torch.baddbmm(P_n[n], M_n[n], states[n], beta=-1.0, alpha=-1.0))
-        S = torch.mul(states[n], dec_n[n], out=states[n + 1])
-        S.baddbmm_(ET_n[n], RXY_n[n])
-    return states[:N], (states[N].clone() if final_state else None)
+        RXY_n[n][:, :C].copy_(torch.baddbmm(P_n[n], M_n[n], S, beta=-1.0, alpha=-1.0))
+        O_n[n].baddbmm_(Q_n[n], S)
+        if n == N - 1 and not final_state:
+            return starts, None
+        S.mul_(dec_n[n]).baddbmm_(ET_n[n], RXY_n[n])
+    return starts, S
 
 
 def _low_rank_segments(
