@@ -1,6 +1,7 @@
-"""kernels.recurrence_low_rank: the chunked path against the step loop, no autograd, float32, one thread, at several
-chunk sizes. Each time is the minimum over --repeats runs of this process's CPU seconds (so other jobs on a shared
-machine do not count).
+"""kernels.recurrence_low_rank: the chunked path against the step loop, no autograd, float32, one thread: the lifted
+route at several chunk sizes (RWKV-7's decays) and the segment-sum route (the one decays past its range take) at
+its chunk of 4. Each time is the minimum over --repeats runs of this process's CPU seconds (so other jobs on a
+shared machine do not count). The peers and the same-run bmm share are in experiments.bench.recurrence (RWKV-7).
 
 Usage:  python -m experiments.bench.low_rank [--T 1024] [--heads 4] [--dim 64] [--repeats 3]
 """
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from recurscope import kernels
-from recurscope.kernels.low_rank import low_rank_chunked
+from recurscope.kernels.low_rank import SEGMENT_CHUNK, _low_rank_segments, low_rank_chunked
 
 
 def cpu_seconds(fn, repeats: int) -> float:
@@ -42,9 +43,12 @@ def main(argv=None) -> None:
     with torch.no_grad():
         ref = cpu_seconds(lambda: kernels.recurrence_low_rank(q, k, x, g, kk, b, backend="reference"), args.repeats)
         print(f"T={T} H={H} K=V={K} float32, one thread; step loop {ref * 1e3:.0f} ms")
-        for C in (4, 8, 16, 32):
+        for C in (16, 32, 64):
             t = cpu_seconds(lambda: low_rank_chunked(q, k, x, g, kk, b, scale=K ** -0.5, chunk_size=C), args.repeats)
-            print(f"  chunked, chunk {C:>2}: {t * 1e3:6.0f} ms   step loop / chunked = {ref / t:.2f}")
+            print(f"  lifted route, chunk {C:>2}: {t * 1e3:6.0f} ms   step loop / chunked = {ref / t:.2f}")
+        t = cpu_seconds(lambda: _low_rank_segments(q, k, x, g, kk, b, scale=K ** -0.5, chunk_size=SEGMENT_CHUNK),
+                        args.repeats)
+        print(f"  segment-sum route, chunk {SEGMENT_CHUNK}: {t * 1e3:6.0f} ms   step loop / chunked = {ref / t:.2f}")
 
 
 if __name__ == "__main__":

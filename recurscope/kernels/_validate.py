@@ -51,7 +51,7 @@ def _check_finite(name: str, t: torch.Tensor, allow_neg_inf: bool = False) -> No
 def check_decay(g: torch.Tensor) -> None:
     """g is a log-decay: exp(g) <= 1 keeps every transition contracting. A positive entry makes the state grow
     step by step, which no family produces; research on such transitions opts in with allow_growth=True."""
-    top = float(g.max()) if g.numel() else 0.0
+    top = float(g.detach().max()) if g.numel() else 0.0
     if top > 0:
         n = int((g > 0).sum())
         raise ValueError(f"g holds {n} positive log-decay value(s) (max {top:.3g}): exp(g) > 1 grows the state "

@@ -19,7 +19,7 @@ The call runs in named stages, in the order of fla's chunk path (fla/ops/common)
                          (_pairwise_lifted, _pairwise_channel, _pairwise_scalar)
     2. triangular solve  _unit_lower_inverse: L^-1 = (I + A_ak)^-1 for every chunk at once
     3. WY / erase        _wy_stage: the right side X - A_au Y and, with autograd, R0 = L^-1 rhs and M = L^-1 a e^G
-    4. state pass        _state_pass_graph / _state_pass_erase / _state_pass_batched: the residuals R, the chunk
+    4. state pass        _state_pass_graph / _state_pass_erase / _state_pass_no_erase: the residuals R, the chunk
                          start states and the final states, sequence by sequence; the output's state term
                          (q e^G) S_0 is added as each start state is known
     5. output pass       _output_pass: the within-chunk term A_qk R, then the layout, scale and cast
@@ -465,17 +465,23 @@ def _state_pass_graph(ops, R0, M, segments, want, dtype):
     Returns (R per chunk, the output's state terms per chunk, final state per segment, start states by chunk)."""
     BH, _, K = ops.qg.shape[1:]
     V = ops.xc.shape[-1]
+    # One unbind per tensor, not a select per chunk: the backward of N selects of one tensor fills and adds N
+    # gradients of the whole tensor's size (quadratic in the number of chunks; 59% fill_ and 11% add_ of a GDN
+    # forward plus backward at T = 2048), where an unbind's backward stacks the N chunk gradients once.
+    R0_n, qg_n, dec_n, kdT_n = (t.unbind(0) for t in (R0, ops.qg, ops.decay_C, ops.kd.transpose(-1, -2)))
+    M_n = None if M is None else M.unbind(0)
+    UY_n = None if ops.UY is None else ops.UY.unbind(0)
     Rs, terms, finals, starts = [], [], [], {}
     for seg in segments:
         S = ops.qg.new_zeros(BH, K, V, dtype=dtype) if seg.init is None else seg.init.to(dtype).reshape(BH, K, V)
         for n in range(seg.first, seg.stop):
             if n in want:
                 starts[n] = S
-            R_n = R0[n] if M is None else torch.baddbmm(R0[n], M[n], S, alpha=-1.0)
+            R_n = R0_n[n] if M_n is None else torch.baddbmm(R0_n[n], M_n[n], S, alpha=-1.0)
             Rs.append(R_n)
-            terms.append(ops.qg[n] @ S)
-            S_next = ops.decay_C[n] * S if ops.UY is None else torch.addcmul(ops.UY[n], ops.decay_C[n], S)
-            S = torch.baddbmm(S_next, ops.kd[n].transpose(-1, -2), R_n)
+            terms.append(qg_n[n] @ S)
+            S_next = dec_n[n] * S if UY_n is None else torch.addcmul(UY_n[n], dec_n[n], S)
+            S = torch.baddbmm(S_next, kdT_n[n], R_n)
         finals.append(S)
     return torch.stack(Rs), torch.stack(terms), finals, starts
 
@@ -541,49 +547,57 @@ def _state_pass_erase(ops, rhs, L_inv, segments, shared, want, update_last, B, H
     return R, O, finals, starts
 
 
-def _state_pass_batched(ops, O, segments, shared, want, update_last, B, H, new):
-    """Without autograd and without an erase: the residuals are the inputs, so all but the chunk start states is
-    batched over the chunks: P[n] = e^{G_C} P[n-1] + K_n^T R_n (P[first - 1] = the segment's start state), the state
-    after chunk n, is formed in place in K^T R's buffer (one elementwise step per chunk), and the state term of every
-    later chunk of a segment is one product. O must already hold A_qk R (+ A_qu Y): the output pass runs first here.
-    Returns (final state per segment, start states by chunk); the state terms are added into O."""
+def _state_pass_no_erase(ops, O, segments, shared, want, update_last, B, H, new):
+    """Without autograd and without an erase: the residuals are the inputs. Per chunk, the output's state term
+    (q e^G) S into O, then S <- e^{G_C} S + K^T R (+ U^T Y) in place: the state stays in cache from one chunk to the
+    next. (Forming every chunk's K^T R at once and scanning them, with one batched state-term product, streamed a
+    (N, B*H, K, V) buffer through memory three times: that pass alone ran 1.7x slower at T = 8192, whole calls 5-9%,
+    docs/performance.md.) A segment's
+    first chunk only reads its start state (its update is out of place), so the caller's state is never copied or
+    written; a batch-expanded start state stays one state per head. O must already hold A_qk R (+ A_qu Y).
+    Returns (final state per segment (None where update_last is off), start states by chunk); the state terms are
+    added into O."""
     R = ops.xc
     N, BH, C, V = R.shape
     K = ops.qg.shape[-1]
+    O_n, qg_n, kdT_n, R_n, dec_n, UY_n = (
+        None if t is None else t.unbind(0)
+        for t in (O, ops.qg, ops.kd.transpose(-1, -2), R, ops.decay_C, ops.UY))
     finals, starts = [], {}
-    P = None
-    if any(seg.stop - seg.first > 1 or update_last for seg in segments):
-        P = torch.matmul(ops.kd.transpose(-1, -2), R, out=new(N, BH, K, V, dtype=R.dtype))
-        if ops.UY is not None:
-            P.add_(ops.UY)
     for seg in segments:
         a, b, S = seg.first, seg.stop, seg.init
-        if S is not None:
-            if shared:
-                O[a].view(B, H, C, V).add_(_shared_state_product(ops.qg[a], S, B, H).transpose(0, 1))
-            else:
-                O[a].baddbmm_(ops.qg[a], S)
-        if a in want:
-            if S is None:
-                starts[a] = R.new_zeros(BH, K, V)
-            else:
-                starts[a] = S.expand(B, H, K, V).reshape(BH, K, V) if shared else S.clone()
-        if b - a > 1 or update_last:
-            if S is not None:
-                if shared:
-                    P[a].view(B, H, K, V).add_(ops.decay_C[a].view(B, H, -1, 1) * S)
+        caller = S is not None
+        for n in range(a, b):
+            first, last = n == a, n == b - 1
+            sh = first and caller and shared
+            if n in want:
+                if S is None:
+                    starts[n] = R.new_zeros(BH, K, V)
+                elif sh:
+                    starts[n] = S.expand(B, H, K, V).reshape(BH, K, V)
                 else:
-                    P[a].addcmul_(ops.decay_C[a], S)
-            for n in range(a + 1, b):
-                P[n].addcmul_(ops.decay_C[n], P[n - 1])
-            if b - a > 1:
-                O[a + 1:b].view(-1, C, V).baddbmm_(ops.qg[a + 1:b].reshape(-1, C, K), P[a:b - 1].reshape(-1, K, V))
-            for n in want:
-                if a < n < b:
-                    starts[n] = P[n - 1]
-            finals.append(P[b - 1].clone() if update_last else None)   # a copy, so the final state does not hold P
-        else:
-            finals.append(None)
+                    # the caller's start state is never written; ours is updated in place below
+                    starts[n] = S if first else S.clone()
+            if S is not None:
+                if sh:
+                    O_n[n].view(B, H, C, V).add_(_shared_state_product(qg_n[n], S, B, H).transpose(0, 1))
+                else:
+                    O_n[n].baddbmm_(qg_n[n], S)
+            if last and not update_last:
+                S = None
+                break
+            if S is None:                                       # a zero start: the chunk's writes alone
+                S = torch.bmm(kdT_n[n], R_n[n])
+            else:
+                if first:
+                    # Out of place: e^{G_C} S_0 as a new (BH, K, V) state (broadcast over rows when S_0 is shared).
+                    S = (dec_n[n].view(B, H, -1, 1) * S).view(BH, K, V) if sh else dec_n[n] * S
+                else:
+                    S.mul_(dec_n[n])
+                S.baddbmm_(kdT_n[n], R_n[n])
+            if UY_n is not None:
+                S.add_(UY_n[n])
+        finals.append(S)
     return finals, starts
 
 
@@ -729,7 +743,7 @@ def _chunks(q, k, x, g, a, scale, write_scale, extra_write, capture, dtype, B, T
         O = torch.matmul(ops.A_qk, R, out=new(N, B * H, C, V, dtype=dtype))
         if ops.A_qu is not None:
             O.view(-1, C, V).baddbmm_(ops.A_qu.reshape(-1, C, C), ops.yc.reshape(-1, C, V))
-        finals, starts = _state_pass_batched(ops, O, segments, shared, want, final_state, B, H, new)
+        finals, starts = _state_pass_no_erase(ops, O, segments, shared, want, final_state, B, H, new)
         o = _output_pass(O, ops, R, B, H, N, C, q.dtype, grad, add_within=False, unpack=unpack)
     else:
         R, O, finals, starts = _state_pass_erase(ops, rhs, L_inv, segments, shared, want, final_state, B, H, new)

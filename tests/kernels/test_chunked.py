@@ -222,6 +222,32 @@ def test_gradients_match_reference(family):
         torch.testing.assert_close(chk[name], ref[name], atol=1e-9, rtol=1e-9, msg=lambda m: f"d/d{name}: {m}")
 
 
+def _graph_node_names(root):
+    names, seen, todo = [], set(), [root]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        todo.extend(fn for fn, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("family", ["gla", "gdn", "gdn2"])
+def test_backward_does_not_select_from_whole_tensors_per_chunk(family):
+    """The state pass under autograd reads each chunk from one unbind per tensor, so its backward stacks the chunks'
+    gradients once. A select per chunk of a whole (N, ...) tensor puts one node per chunk in the graph, each filling
+    and adding a gradient the size of the whole tensor: quadratic in the number of chunks (59% fill_ and 11% add_ of
+    a GDN forward plus backward at T = 2048, docs/performance.md)."""
+    B, T, H, K, V = 1, 16 * 12, 2, 4, 3
+    q, k, x, g, a = (None if t is None else t.requires_grad_(True)
+                     for t in family_inputs(family, B, T, H, K, V, seed=3).args())
+    out = kernels.recurrence(q, k, x, g, a, backend="chunked", chunk_size=16)
+    names = _graph_node_names((out.o.sum() + out.final_state.sum()).grad_fn)
+    assert names.count("SelectBackward0") < T // 16, names.count("SelectBackward0")   # fewer than one per chunk
+
+
 @pytest.mark.parametrize("family", ["gla", "gdn", "qed"])
 def test_stepping_equals_one_run(family):
     """Running [0, t) then [t, T) from the returned state equals the full run (inside chunks and at boundaries)."""

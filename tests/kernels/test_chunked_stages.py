@@ -92,7 +92,7 @@ def test_every_stage_matches_its_float64_definition(family, grad):
         elif L_inv is None:
             R = ops.xc
             O = torch.matmul(ops.A_qk, R)
-            finals, starts = chunked._state_pass_batched(ops, O, segments, False, want, True, B, H, new)
+            finals, starts = chunked._state_pass_no_erase(ops, O, segments, False, want, True, B, H, new)
             within = False
         else:
             R, O, finals, starts = chunked._state_pass_erase(ops, rhs, L_inv, segments, False, want, True, B, H, new)

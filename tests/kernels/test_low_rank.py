@@ -164,6 +164,54 @@ def test_chunked_backward_does_not_index_whole_tensors_per_chunk():
     assert names.count("SelectBackward0") < 64 // 4, names.count("SelectBackward0")   # fewer than one per chunk
 
 
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_channel", "per_head"])
+@pytest.mark.parametrize("log_w_min", [-0.6065306597126334, -1e4], ids=["rwkv7_range", "to_-1e4"])
+def test_each_decay_range_takes_its_route_and_both_routes_agree(log_w_min, per_head, monkeypatch):
+    """RWKV-7's decays (a chunk of 32 spans at most 19.4 nats) take the lifted route, decays past e^-60 within a chunk
+    the segment-sum route; on the same inputs, where both can run, the two agree with every patch to float64
+    rounding."""
+    from recurscope.kernels import low_rank
+
+    B, T, H, K, V = 1, 75, 2, 8, 6
+    d = rwkv7_inputs(B, T, H, K, V, log_w_min=log_w_min, per_head=per_head)
+    kw = patches(B, T, H, K, V, torch.float64)
+    calls = []
+    real = low_rank._low_rank_segments
+    monkeypatch.setattr(low_rank, "_low_rank_segments", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = run("chunked", d, **kw)
+    assert bool(calls) == (log_w_min < -1.0)
+    if calls:
+        return
+    seg = real(d["q"], d["k"], d["x"], d["g"], d["a"], d["b"], scale=K ** -0.5, dtype=torch.float64, chunk_size=4,
+               **kw)
+    for name, r, c in zip(("o", "final_state", "states"), seg, got):
+        torch.testing.assert_close(c, r, atol=1e-11, rtol=1e-11, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("chunk_size", [4, 16, 48, 64])
+def test_lifted_route_at_every_chunk_size_matches_reference(chunk_size):
+    """Chunks that halve down to 16 take the blocked inverse, others (48 -> 24 -> 12) too; 4 solves directly."""
+    B, T, H, K, V = 1, 100, 2, 8, 6
+    d = rwkv7_inputs(B, T, H, K, V)
+    kw = patches(B, T, H, K, V, torch.float64)
+    ref = run("reference", d, **kw)
+    got = run("chunked", d, chunk_size=chunk_size, **kw)
+    for name, r, c in zip(("o", "final_state", "states"), ref, got):
+        torch.testing.assert_close(c, r, atol=1e-10, rtol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def test_lifted_route_float32_at_rwkv7_length_stays_near_float64():
+    """T = 1024 (32 chunks of 32) in float32 against the float64 step loop: the running-product decay factors keep
+    fla's error ratio well under its bound."""
+    B, T, H, K, V = 1, 1024, 2, 32, 32
+    d64 = rwkv7_inputs(B, T, H, K, V)
+    ref = run("reference", d64)
+    got = run("chunked", {n: t.float() for n, t in d64.items()})
+    for name, r, c in zip(("o", "final_state"), ref, got):
+        err = ((c.double() - r).pow(2).mean().sqrt() / r.pow(2).mean().sqrt()).item()
+        assert err < 1e-6, (name, err)
+
+
 @pytest.mark.parametrize("chunk_size", [16, 64])
 def test_chunk_size_does_not_change_the_result(chunk_size):
     d = rwkv7_inputs(1, 70, 1, 8, 4, log_w_min=-1e4)
