@@ -134,7 +134,7 @@ def test_non_tensor_input():
 def test_triton_on_cpu_without_interpreter_subprocess():
     """tests/conftest.py sets TRITON_INTERPRET=1, so the plain-CPU case runs in a clean subprocess."""
     code = (
-        "import torch, kernels\n"
+        "import torch\nfrom recurscope import kernels\n"
         "q = torch.randn(1, 3, 1, 4)\n"
         "try:\n"
         "    kernels.recurrence(q, q, torch.randn(1, 3, 1, 2), torch.zeros(1, 3, 1), backend='triton')\n"
