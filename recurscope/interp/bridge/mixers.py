@@ -44,6 +44,13 @@ def _packed_conv(mixer, mixed: torch.Tensor, cache) -> torch.Tensor:
     return y.transpose(1, 2)
 
 
+
+def _function(fn):
+    """transformers' function itself. With Hugging Face's `kernels` installed, transformers wraps its kernel-hub
+    functions (causal_conv1d_fn, ...) in a module-level nn.Module; calling its forward keeps the same dispatch but is
+    no layer call, so module hooks such as FlopCounterMode's tracker do not register gradient hooks on it."""
+    return fn.forward if isinstance(fn, torch.nn.Module) else fn
+
 class BridgedDeltaRule(RecurrentMixer):
     """A transformers (gated) delta-rule layer with the recurrence through `kernels.recurrence`. The shared part:
     the causal conv with transformers' cache, the L2-normalised q and k repeated over the value heads, the kernel
@@ -75,7 +82,7 @@ class BridgedDeltaRule(RecurrentMixer):
         T = mixed.shape[-1]
         if cache is not None:
             mixed = cache.update_conv_state(mixed, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
-        out = self.modeling.causal_conv1d_fn(mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+        out = _function(self.modeling.causal_conv1d_fn)(mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                              activation=self.activation)
         return out[:, :, -T:]
 
@@ -227,7 +234,7 @@ class BridgedMamba2(RecurrentMixer):
         T = mixed.shape[-1]
         if cache is not None:
             mixed = cache.update_conv_state(mixed, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
-        out = self.modeling.causal_conv1d_fn(mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+        out = _function(self.modeling.causal_conv1d_fn)(mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                              activation=self.activation)
         return out[:, :, -T:]
 
