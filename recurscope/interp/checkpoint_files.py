@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import torch
@@ -127,12 +128,90 @@ def read_weight_file(path: Path) -> dict:
                               "truncated or corrupt: download or save the checkpoint again") from err
 
 
+# A JSON file of a checkpoint (config, tokenizer configuration, index) larger than this is not one: a link to
+# /dev/zero or a stray data file, refused before it is read into memory.
+MAX_JSON_BYTES = 1 << 30
+
+
+def file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_regular(path: Path, what: str, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of `path`, which must be a regular file (a link to one is followed) of at most `limit` bytes. A FIFO,
+    a device or a socket is refused at once, without blocking on it: opened non-blocking, judged by fstat."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be opened ({err.strerror or err}); it should be {what}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{path} is {file_kind(info.st_mode)}, not a regular file; it should be {what}: "
+                                  "replace it with the file itself")
+        if info.st_size > limit:
+            raise CheckpointError(f"{path} is {info.st_size:,} bytes, more than the {limit:,} that {what} can be; "
+                                  "it is the wrong file: restore it from the original checkpoint")
+        chunks = []
+        while True:
+            block = os.read(fd, 1 << 20)
+            if not block:
+                break
+            chunks.append(block)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def read_json(path: Path, what: str):
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_regular(path, f"the checkpoint's {what}").decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+        if isinstance(err, CheckpointError):
+            raise
+
         raise CheckpointError(f"{path} is not valid JSON ({err}); it should be the checkpoint's {what}: restore it "
                               "from the original checkpoint") from None
+
+
+# Files whose `auto_map` would make transformers import Python shipped with the checkpoint.
+CODE_MAP_FILES = ("config.json", "tokenizer_config.json")
+
+
+def _auto_maps(raw, where: str = "") -> list:
+    """The key paths of every `auto_map` in a parsed JSON file (nested ones included, e.g. text_config.auto_map)."""
+    found = []
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            path = f"{where}.{key}" if where else str(key)
+            if key == "auto_map":
+                found.append(path)
+            else:
+                found += _auto_maps(value, path)
+    elif isinstance(raw, list):
+        for i, value in enumerate(raw):
+            found += _auto_maps(value, f"{where}[{i}]")
+    return found
+
+
+def check_no_remote_code(directory: Path) -> None:
+    """Refuses a checkpoint whose config.json or tokenizer_config.json has an `auto_map`: transformers would import
+    the Python it names (after a prompt, or at once with trust_remote_code). recurscope never runs a checkpoint's
+    code; it is refused here, before transformers reads anything, naming the file and the key."""
+    for name in CODE_MAP_FILES:
+        path = Path(directory) / name
+        if not path.exists():
+            continue
+        keys = _auto_maps(read_json(path, "configuration"))
+        if keys:
+            raise CheckpointError(f"{path}: `{keys[0]}` names Python code shipped with the checkpoint, and recurscope "
+                                  "never runs a checkpoint's code; remove the key (recurscope loads fla's and "
+                                  "transformers' own architectures only)")
 
 
 # Tokenizer files: what each must hold, checked before transformers reads them (it raises bare KeyErrors).
@@ -142,7 +221,7 @@ TOKENIZER_JSON_KEYS = {"model": dict, "added_tokens": list}
 def check_tokenizer_files(directory: Path) -> None:
     """tokenizer.json and tokenizer_config.json parsed and checked, each problem naming its file."""
     tok = directory / "tokenizer.json"
-    if tok.is_file():
+    if tok.exists():              # not is_file(): a FIFO or device is refused by read_json, not skipped
         raw = read_json(tok, "tokenizer (tokenizers' JSON format)")
         if not isinstance(raw, dict):
             raise CheckpointError(f"{tok} holds a JSON {type(raw).__name__}, not a tokenizer object; restore it "
@@ -157,7 +236,7 @@ def check_tokenizer_files(directory: Path) -> None:
             raise CheckpointError(f"{tok}: `model.vocab` must be a JSON object or list, got a "
                                   f"{type(vocab).__name__}; restore it from the original checkpoint")
     cfg = directory / "tokenizer_config.json"
-    if cfg.is_file():
+    if cfg.exists():
         raw = read_json(cfg, "tokenizer configuration")
         if not isinstance(raw, dict):
             raise CheckpointError(f"{cfg} holds a JSON {type(raw).__name__}, not an object of tokenizer options; "

@@ -12,9 +12,9 @@ from typing import Optional, Union
 
 import torch
 
-from recurscope.interp.checkpoint_files import (CheckpointError, check_finite_weights, check_shards,
-                                                check_tokenizer_files, check_tokenizer_fits, read_index, read_json,
-                                                read_weight_file)
+from recurscope.interp.checkpoint_files import (CheckpointError, check_finite_weights, check_no_remote_code,
+                                                check_shards, check_tokenizer_files, check_tokenizer_fits, read_index,
+                                                read_json, read_weight_file)
 from recurscope.interp.models import ModelConfig, RecurrentLM
 from recurscope.interp.models.families import fla_to_ours, ours_to_fla  # noqa: F401  (public names)
 from recurscope.interp.models.protocol import RecurrentModel
@@ -132,9 +132,12 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     pairs then asks for one."""
     directory = resolve_checkpoint(path_or_name)
     cfg_file = directory / "config.json"
-    if not cfg_file.is_file():
+    if not cfg_file.exists():     # a FIFO or device config.json is refused by read_json, at once
         raise CheckpointError(f"{directory} has no config.json; copy the checkpoint's config.json beside its weights")
     raw_config = read_json(cfg_file, "model configuration")
+    check_no_remote_code(directory)           # before transformers reads any file of it
+    if isinstance(tokenizer, (str, os.PathLike)):
+        check_no_remote_code(Path(tokenizer))
     try:
         fmt = checkpoint_format(raw_config) if isinstance(raw_config, dict) else "fla"
     except ValueError as err:
@@ -179,15 +182,20 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
         model.tokenizer = tokenizer
         return model
     tokenizer_dir = Path(tokenizer) if tokenizer is not None else directory
-    if (tokenizer_dir / "tokenizer.json").is_file() or (tokenizer_dir / "tokenizer_config.json").is_file():
+    if (tokenizer_dir / "tokenizer.json").exists() or (tokenizer_dir / "tokenizer_config.json").exists():
+        check_tokenizer_files(tokenizer_dir)
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
+        from recurscope.interp.bridge.loader import tokenizer_class
+
+        # tokenizer_config.json's tokenizer_class must name a tokenizer class (never a model class or any other name)
+        cls = tokenizer_class(tokenizer_dir, AutoTokenizer)
         # AutoTokenizer peeks at config.json, whose fla model_type transformers does not know; that is expected.
         previous = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
-            model.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+            model.tokenizer = cls.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
         except Exception as err:  # tokenizers and transformers raise many types for damaged files
             reason = " ".join(str(err).split())[:300] or type(err).__name__
             raise CheckpointError(f"the tokenizer files of {tokenizer_dir} cannot be loaded ({type(err).__name__}: "

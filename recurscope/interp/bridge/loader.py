@@ -8,13 +8,13 @@ import torch
 
 from recurscope.interp.bridge.families import bridge_family, supported_model_types
 from recurscope.interp.bridge.model import BridgedLM
-from recurscope.interp.checkpoint_files import (CheckpointError, check_finite_weights, check_shards,
-                                                check_tokenizer_fits, read_json)
+from recurscope.interp.checkpoint_files import (CheckpointError, check_finite_weights, check_no_remote_code,
+                                                check_shards, check_tokenizer_fits, read_json)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def _tokenizer_class(directory: Path, auto):
+def tokenizer_class(directory: Path, auto):
     """The tokenizer class tokenizer_config.json names, looked up among transformers' tokenizer classes only (never
     any other attribute of transformers: a name like "pipeline" or "AutoModel" is refused); AutoTokenizer when it
     names none. (AutoTokenizer prefers the model_type's own class, e.g. Qwen3_5Tokenizer, which would misread a
@@ -22,7 +22,7 @@ def _tokenizer_class(directory: Path, auto):
     import transformers
 
     cfg_file = directory / "tokenizer_config.json"
-    raw = read_json(cfg_file, "tokenizer configuration") if cfg_file.is_file() else {}
+    raw = read_json(cfg_file, "tokenizer configuration") if cfg_file.exists() else {}
     named = raw.get("tokenizer_class") if isinstance(raw, dict) else None
     if not named:
         return auto
@@ -42,9 +42,9 @@ def _tokenizer_class(directory: Path, auto):
 
 
 def _tokenizer(directory: Path, auto):
-    cls = _tokenizer_class(directory, auto)
+    cls = tokenizer_class(directory, auto)
     try:
-        return cls.from_pretrained(str(directory))
+        return cls.from_pretrained(str(directory), trust_remote_code=False)
     except Exception as err:  # tokenizers and transformers raise many types for damaged files
         reason = " ".join(str(err).split())[:300] or type(err).__name__
         raise CheckpointError(f"the tokenizer files of {directory} cannot be loaded by {cls.__name__} "
@@ -104,13 +104,17 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
     except ValueError as err:
         raise CheckpointError(f"{directory}/{err}") from None
     check_shards(directory)
+    check_no_remote_code(directory)        # load_model checked already; a direct caller is checked here
+    if isinstance(tokenizer, (str, Path)):
+        check_no_remote_code(Path(tokenizer))
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     # the family's own class where AutoModelForCausalLM may build another library's (fla's Mamba-2, see model_class)
     model_cls = getattr(transformers, family.model_class) if family.model_class else AutoModelForCausalLM
     try:
-        config = (model_cls.config_class if family.model_class else AutoConfig).from_pretrained(str(directory))
+        config = (model_cls.config_class if family.model_class else AutoConfig).from_pretrained(
+            str(directory), trust_remote_code=False)
     except Exception as err:  # transformers' strict config validation raises several types, over several lines
         reason = " ".join(str(err).split()) or type(err).__name__
         raise CheckpointError(f"{directory}/config.json is refused by transformers ({reason}); fix the key it "
@@ -128,7 +132,8 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
     hf_logging.set_verbosity_error()   # its load report would repeat what the check below says in one line
     try:
         hf, info = model_cls.from_pretrained(str(directory), config=config, dtype=dtype or torch.float32,
-                                             output_loading_info=True, ignore_mismatched_sizes=True)
+                                             output_loading_info=True, ignore_mismatched_sizes=True,
+                                             trust_remote_code=False)
     finally:
         hf_logging.set_verbosity(previous)
     missing, unexpected = sorted(info.get("missing_keys", [])), sorted(info.get("unexpected_keys", []))
