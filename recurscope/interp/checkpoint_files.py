@@ -43,6 +43,12 @@ def read_index(directory: Path) -> dict:
     return weight_map
 
 
+# safetensors' integer and boolean dtypes: no weight of a supported model is stored so (an lm_head marked I32 would
+# be read as integers and cast, giving logits of 1e11); only these buffers may be.
+INTEGER_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
+INTEGER_BUFFERS = ("position_ids", "num_batches_tracked")
+
+
 def safetensors_header(path: Path) -> dict:
     """The JSON header of a safetensors file, checked against the file's size without reading any tensor: a
     truncated or garbled file raises CheckpointError naming it at once (loading would fail minutes later)."""
@@ -67,6 +73,11 @@ def safetensors_header(path: Path) -> dict:
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        if dtype in INTEGER_DTYPES and not name.endswith(INTEGER_BUFFERS):
+            raise CheckpointError(f"{path}: tensor `{name}` is stored as {dtype}, but a model weight is floating "
+                                  "point (F32, F16, BF16 or F64); its values would be read as garbage: the file is "
+                                  "damaged or was not saved from a model: download or save the checkpoint again")
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
         if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1]):
@@ -121,11 +132,24 @@ def read_weight_file(path: Path) -> dict:
             from safetensors.torch import load_file
 
             return load_file(str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # safetensors and torch raise their own types for a damaged file
-        reason = " ".join(str(err).split()) or type(err).__name__
+        reason = " ".join(str(err).split())[:300] or type(err).__name__
+        if "weights_only" in reason or "Unpickl" in type(err).__name__:
+            raise CheckpointError(f"{path} is not a plain weight file: it asks to run code when unpickled, which "
+                                  "recurscope never does; use the checkpoint's safetensors files (or convert it "
+                                  "with a tool you trust)") from None
         raise CheckpointError(f"{path} cannot be read as weights ({type(err).__name__}: {reason}); the file is "
                               "truncated or corrupt: download or save the checkpoint again") from err
+    if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+        raise CheckpointError(f"{path} holds a {type(loaded).__name__}, not a dict of weight tensors; download or "
+                              "save the checkpoint again")
+    for name, tensor in loaded.items():
+        if not (tensor.is_floating_point() or str(name).endswith(INTEGER_BUFFERS)):
+            raise CheckpointError(f"{path}: tensor `{name}` is stored as {tensor.dtype}, but a model weight is "
+                                  "floating point; the file is damaged or was not saved from a model: download or "
+                                  "save the checkpoint again")
+    return loaded
 
 
 # A JSON file of a checkpoint (config, tokenizer configuration, index) larger than this is not one: a link to
@@ -147,6 +171,8 @@ def read_regular(path: Path, what: str, limit: int = MAX_JSON_BYTES) -> bytes:
     a device or a socket is refused at once, without blocking on it: opened non-blocking, judged by fstat."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
     except OSError as err:
         raise CheckpointError(f"{path} cannot be opened ({err.strerror or err}); it should be {what}") from None
     try:
@@ -274,3 +300,28 @@ def check_tokenizer_fits(tokenizer, vocab_size: int, directory: Path) -> None:
         raise CheckpointError(f"the tokenizer in {directory} has {n} tokens but config.json's vocab_size is "
                               f"{vocab_size}: it is not this model's tokenizer (check `tokenizer_class` in "
                               "tokenizer_config.json); restore the checkpoint's own tokenizer files")
+
+
+def check_cast_fits(named_tensors, dtype, directory: Path, rename=lambda name: name) -> None:
+    """Refuses a cast to `dtype` that would turn a finite weight into inf (3e38 in float16), naming the tensor:
+    every floating weight's largest magnitude against the dtype's largest finite value."""
+    if dtype is None or not dtype.is_floating_point:
+        return
+    limit = torch.finfo(dtype).max
+    for name, t in named_tensors:
+        if (t.is_floating_point() and t.numel() and torch.finfo(t.dtype).max > limit
+                and float(t.detach().abs().max()) > limit):
+            raise CheckpointError(f"weight {rename(name)} in {directory} holds {float(t.detach().abs().max()):.3g}, "
+                                  f"beyond {str(dtype).replace('torch.', '')}'s largest value {limit:.3g}: it would "
+                                  "become inf; load it in float32 or bfloat16 (--dtype float32)")
+
+
+def check_cast_fits_files(directory: Path, dtype) -> None:
+    """check_cast_fits over a directory's safetensors files, tensor by tensor (the bridge casts while it loads)."""
+    if dtype is None or not dtype.is_floating_point or torch.finfo(dtype).max >= torch.finfo(torch.float32).max:
+        return
+    from safetensors import safe_open
+
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as handle:
+            check_cast_fits(((k, handle.get_tensor(k)) for k in handle.keys()), dtype, directory)

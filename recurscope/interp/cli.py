@@ -201,10 +201,11 @@ def _capability(model, pairs, args, run) -> dict:
     """Clean recall of recipient and donor on `pairs`, against --gate-threshold; written to gate.json in `run`.
     --gate-threshold 0 turns the gate off (plumbing checks on random weights); the record and the report say so."""
     from recurscope.interp.protocols.gate import capability_gate
+    from recurscope.interp.results import write_output
 
     if args.gate_threshold == 0:
         record = {"threshold": 0.0, "passed": True, "off": True, "split": args.sources}
-        (Path(run.path) / "gate.json").write_text(json.dumps(record, indent=1) + "\n")
+        write_output(Path(run.path) / "gate.json", json.dumps(record, indent=1) + "\n")
         print("WARNING: --gate-threshold 0: the capability gate is off; nothing here shows the model does the task",
               file=sys.stderr)
         return record
@@ -214,7 +215,7 @@ def _capability(model, pairs, args, run) -> dict:
     record = {"threshold": gate.threshold, "passed": gate.passed, "n_sources": n_sources,
               "recipient": [gate.recipient.estimate, gate.recipient.low, gate.recipient.high],
               "donor": [gate.donor.estimate, gate.donor.low, gate.donor.high], "split": args.sources}
-    (Path(run.path) / "gate.json").write_text(json.dumps(record, indent=1) + "\n")
+    write_output(Path(run.path) / "gate.json", json.dumps(record, indent=1) + "\n")
     line = (f"clean recall on these {args.sources} pairs: recipient {100 * gate.recipient.estimate:.1f}% "
             f"[{100 * gate.recipient.low:.1f}, {100 * gate.recipient.high:.1f}], donor "
             f"{100 * gate.donor.estimate:.1f}% (n = {n_sources} sources; gate {100 * gate.threshold:.0f}%)")
@@ -342,6 +343,7 @@ def validate_args(args) -> None:
         require_ray()   # before --out is created: say how to install Ray at once
     cli_checks.check_size(args)           # before --out is created: an absurd run leaves nothing behind
     if getattr(args, "out", None) is not None:
+        cli_checks.check_out_contents(args)   # nothing foreign, no link or FIFO, before anything is written
         _check_out(args.out)
 
 
@@ -390,7 +392,7 @@ def _check_out(out) -> None:
     probe = path / f".recurscope-write-check-{os.getpid()}"
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
         probe.unlink()
     except OSError as err:
         raise UsageError(f"--out {out}: cannot write there ({err.strerror or err}); choose a directory you can "
@@ -496,7 +498,9 @@ def winner_verdict(result, run_path=None) -> dict:
     verdict = {"layer": layer, "head": head, "J": ci.estimate, "low": ci.low, "high": ci.high,
                "n_sources": int(scores["source"].nunique()), "winner": bool(ci.low > 0)}
     if run_path is not None:
-        (Path(run_path) / "winner.json").write_text(json.dumps(verdict, indent=1) + "\n")
+        from recurscope.interp.results import write_output
+
+        write_output(Path(run_path) / "winner.json", json.dumps(verdict, indent=1) + "\n")
     return verdict
 
 
@@ -614,11 +618,12 @@ def cmd_run(args):
     conf_args = argparse.Namespace(**{**vars(args), "sources": "heldout", "n_sources": args.n_heldout,
                                       "out": confirm_dir, "from_scan": scan_dir, "top_k": 1})
     result = cmd_confirm(conf_args)
+    from recurscope.interp.results import write_output
+
     figures = {"scan_heatmap": scan_dir / "figures" / "scan_heatmap.png", "effects": confirm_dir / "figures" / "effects.png"}
     for key, src in list(figures.items()):
         if src.is_file():
-            dst = out / src.name
-            dst.write_bytes(src.read_bytes())
+            dst = write_output(out / src.name, src.read_bytes())
             figures[key] = dst
     path = write_report(out, model_name=args.model, scan_dir=scan_dir, confirm_dir=confirm_dir,
                         heads=[] if result is None else result.heads,

@@ -124,6 +124,27 @@ def _check_utf8(path: Path, chunk: int = 1 << 20) -> None:
             offset += len(block)
 
 
+# ---- --out: empty, or a result directory of the same kind -------------------------------------------------------
+def check_out_contents(args) -> None:
+    """--out holds nothing recurscope did not create (results.check_out_dir): no foreign file is overwritten and no
+    link, FIFO or device in it is written through; before any work or any file is written."""
+    out = getattr(args, "out", None)
+    if out is None:
+        return
+    from recurscope.interp.results import check_out_dir
+
+    check_out_dir(Path(out).expanduser(), getattr(args, "command", None) or "run")
+
+
+def nested_dirs(args) -> tuple:
+    """The result directories a command writes inside its --out, locked with it: a `run`'s scan/ and confirm/."""
+    if getattr(args, "command", None) == "run":
+        from recurscope.interp.results import RUN_NESTED
+
+        return tuple(RUN_NESTED)
+    return ()
+
+
 # ---- the run sized up front -----------------------------------------------------------------------------------
 # A fact presentation and the query are a few tokens each (measured with the bundled word tokenizer: a 4-fact,
 # 3-presentation, 512-filler, 24-gap pair is 867 tokens, the estimate 880); the estimate is an upper bound there.
@@ -183,8 +204,12 @@ def _checkpoint_shape(model) -> dict:
     directory = Path(str(model)).expanduser()
     if not directory.is_dir():                     # a bundled name (as loading.resolve_checkpoint, without torch)
         directory = Path(__file__).parent / "checkpoints" / str(model)
-    try:
-        raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    from recurscope.interp.checkpoint_files import CheckpointError, read_regular
+
+    try:   # a FIFO or device config.json is refused at once, not read (it would block, or fill the memory)
+        raw = json.loads(read_regular(directory / "config.json", "the checkpoint's model configuration"))
+    except CheckpointError:
+        raise
     except (ValueError, OSError):
         return {}          # the loader reports an unusable checkpoint with its own message
     if not isinstance(raw, dict):
@@ -338,7 +363,7 @@ def run_guarded(args, fn: Callable) -> int:
     from recurscope.interp.results import RunLock
 
     out = getattr(args, "out", None)
-    lock = RunLock(out).acquire() if out is not None else None
+    lock = RunLock(out, nested=nested_dirs(args)).acquire() if out is not None else None
     previous = None
 
     def on_term(signum, frame):

@@ -12,9 +12,9 @@ from typing import Optional, Union
 
 import torch
 
-from recurscope.interp.checkpoint_files import (CheckpointError, check_finite_weights, check_no_remote_code,
-                                                check_shards, check_tokenizer_files, check_tokenizer_fits, read_index,
-                                                read_json, read_weight_file)
+from recurscope.interp.checkpoint_files import (CheckpointError, check_cast_fits, check_finite_weights,
+                                                check_no_remote_code, check_shards, check_tokenizer_files,
+                                                check_tokenizer_fits, read_index, read_json, read_weight_file)
 from recurscope.interp.models import ModelConfig, RecurrentLM
 from recurscope.interp.models.families import fla_to_ours, ours_to_fla  # noqa: F401  (public names)
 from recurscope.interp.models.protocol import RecurrentModel
@@ -173,6 +173,7 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
             raise ValueError(f"internal weight mapping error: missing {leftover}, unexpected {result.unexpected_keys}")
     if check_finite:
         check_finite_weights(ours.items(), directory, weights.to_checkpoint)
+    check_cast_fits(ours.items(), dtype, directory, weights.to_checkpoint)
     model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     model.set_backend(backend)
     model.name_or_path = str(path_or_name)

@@ -9,6 +9,7 @@ from typing import Optional
 import pandas as pd
 
 from recurscope.interp.interventions.registry import INTERVENTIONS, REGISTRY, controls_of, named_intervention
+from recurscope.interp.results import write_output
 from recurscope.interp.verdicts import Claim, control_verdict, judge, measure_from
 
 #: Report names of the interventions, in protocol order (from interventions.REGISTRY).
@@ -75,7 +76,7 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
     lines += [f"- seeds: {manifest.get('seeds')}; command: `{' '.join(manifest.get('argv', []))}`", ""]
     if failed:
         path = out_dir / "report.md"
-        path.write_text("\n".join(lines) + "\n")
+        write_output(path, "\n".join(lines) + "\n")
         return path
     lines += ["## Head selection (dev sources)", "",
               "J(l, h) is the mean over sources of the donor-margin shift from a state swap of that single head at "
@@ -101,7 +102,7 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
         lines += ["", f"![head scan]({Path(figures['scan_heatmap']).name})"]
     if summary is None:
         path = out_dir / "report.md"
-        path.write_text("\n".join(lines) + "\n")
+        write_output(path, "\n".join(lines) + "\n")
         return path
     no_head = winner is not None and not winner["winner"]
     lines += ["", f"## Confirmation on held-out sources: {', '.join(f'L{l}H{h}' for l, h in heads)}"
@@ -132,7 +133,7 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
               "donor's value (chance for a random pick: 25%). Controls should sit near zero. Joint effects of several "
               "heads are measured by running them together, never by adding single-head effects."]
     path = out_dir / "report.md"
-    path.write_text("\n".join(lines) + "\n")
+    write_output(path, "\n".join(lines) + "\n")
     return path
 
 

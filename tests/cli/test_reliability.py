@@ -6,11 +6,18 @@ test_doc_lists_every_case checks it is in sync).
 
 Rows marked `new=True` are the cases issue 32 found: each failed on the code before it (a traceback, a silent exit 0,
 a late or nameless error, or a hang). Checked by running this file against that tree (commit 62d2dd5, with a 40 s
-alarm per test for the hangs): 57 failed, and the 5 that passed are the rows marked new=False."""
+alarm per test for the hangs): 57 failed, and the 5 that passed are the rows marked new=False.
+
+Rows marked `issue=42` are the cases issue 42 found (a checkpoint's code, writes through links or over foreign files,
+silently wrong numbers, hangs, tracebacks, silent accepts); each failed on the code before it (commit dfaece4).
+A CLI row also must leave --out as it found it: every file there before is there after with the same bytes (the
+directory itself may be created), and a run that is hung is failed after 120 s instead of blocking the suite."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +33,7 @@ SMALL = ["--n-facts", "2", "--presentations", "2", "--filler", "12", "--batch-si
 QWEN = ROOT / "recurscope" / "interp" / "checkpoints" / "tiny-qwen35"
 
 CLI, CHECKPOINT, INPUT, API = "command-line option", "checkpoint file", "input directory or file", "Python API"
+OUT = "--out directory"
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,8 @@ class Case:
     base: str = "fla"                # the checkpoint a CHECKPOINT row damages: "fla" (tiny GLA) or "qwen" (bridge)
     call: Optional[Callable] = None  # API rows: call(ctx) must raise ValueError
     new: bool = True                 # found by issue 32 (failed before it)
+    issue: int = 32                  # the issue that found it
+    hold: Optional[tuple] = None     # (directory under --out's parent, nested names): another process's run lock
 
 
 # ---- damage to a checkpoint or a result directory --------------------------------------------------------------
@@ -117,6 +127,128 @@ def scan_table(text: str):
 
 def latin1_corpus(d: Path):
     (d / "notes.txt").write_bytes("Caf\xe9 au lait, cr\xe8me br\xfbl\xe9e.\n".encode("latin-1") * 50)
+
+
+EVIL_PY = "import pathlib\npathlib.Path(__file__).with_name('MARKER').write_text('ran')\n"
+
+
+def auto_map(where: str):
+    """An auto_map naming evil.py (which writes MARKER beside itself when imported)."""
+    def damage(d: Path):
+        (d / "evil.py").write_text(EVIL_PY)
+        if where == "config.json":
+            config(auto_map={"AutoConfig": "evil.EvilConfig"})(d)
+        else:
+            tokenizer_config(auto_map={"AutoTokenizer": ["evil.EvilTokenizer", None]})(d)
+    return damage
+
+
+def fifo(name: str):
+    def damage(d: Path):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / name).unlink(missing_ok=True)
+        os.mkfifo(d / name)
+    return damage
+
+
+def link_to(name: str, target: str):
+    def damage(d: Path):
+        (d / name).unlink(missing_ok=True)
+        (d / name).symlink_to(target)
+    return damage
+
+
+def header_dtype(dtype: str):
+    """model.safetensors' header marks lm_head.weight (F32) as another dtype of the same width: only the header
+    changes, so the file still checks against its size."""
+    def damage(d: Path):
+        f = d / "model.safetensors"
+        data = f.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        header["lm_head.weight"]["dtype"] = dtype
+        text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+        assert len(text) == n
+        f.write_bytes(data[:8] + text + data[8 + n:])
+    return damage
+
+
+def huge_weight(d: Path):
+    """One weight of 3e38: finite in float32, inf in float16."""
+    from safetensors.torch import load_file, save_file
+
+    f = d / "model.safetensors"
+    sd = load_file(str(f))
+    sd["lm_head.weight"] = sd["lm_head.weight"].clone()
+    sd["lm_head.weight"].view(-1)[0] = 3e38
+    save_file(sd, str(f), metadata={"format": "pt"})
+
+
+def pickle_bin(d: Path):
+    """pytorch_model.bin whose unpickling would run os.system: the only weight file of a transformers checkpoint."""
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {d / 'MARKER'}",))
+    (d / "model.safetensors").unlink()
+    import torch as _torch
+
+    _torch.save({"x": Evil()}, d / "pytorch_model.bin", pickle_module=pickle)
+
+
+# ---- damage to the --out directory before the command (it starts empty) -----------------------------------------
+OUTSIDE = "outside"       # a folder beside --out whose files a link in --out points at
+
+
+def out_files(**files):
+    """--out holding the user's files (name -> text)."""
+    def damage(d: Path):
+        d.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (d / name).write_text(text)
+    return damage
+
+
+def out_links(d: Path):
+    """--out holding links to files outside it, where a scan writes (the issue's case: 8 files outside were
+    overwritten)."""
+    outside = d.parent / OUTSIDE
+    outside.mkdir(parents=True, exist_ok=True)
+    d.mkdir(parents=True, exist_ok=True)
+    for name in (".recurscope.lock", "scan_rows.jsonl", "gate.json", "winner.json", "manifest.json"):
+        (outside / name).write_text("the user's file\n")
+        (d / name).symlink_to(outside / name)
+    (outside / "figures").mkdir(exist_ok=True)
+    (d / "figures").symlink_to(outside / "figures")
+
+
+def scan_copy(*changes):
+    """--out is a copy of the finished scan, then `changes` applied to it."""
+    def damage(d: Path):
+        shutil.copytree(SCAN_DIR[0], d)
+        outside = d.parent / OUTSIDE
+        outside.mkdir(parents=True, exist_ok=True)
+        for change in changes:
+            change(d)
+    return damage
+
+
+def into_link(name: str):
+    """A file of the result directory replaced by a link to a file outside it."""
+    def damage(d: Path):
+        target = d.parent / OUTSIDE / name.replace("/", "_")
+        target.write_text("the user's file\n")
+        (d / name).unlink()
+        (d / name).symlink_to(target)
+    return damage
+
+
+def drop(name: str):
+    return lambda d: (d / name).unlink()
+
+
+SCAN_DIR: list = []       # the world's finished scan, for scan_copy
 
 
 # ---- API calls ------------------------------------------------------------------------------------------------
@@ -276,6 +408,81 @@ CASES = [
     Case("tokenizer_class bogus", CHECKPOINT, "`tokenizer_class` naming nothing transformers has",
          ("`tokenizer_class` 'NoSuchTokenizer' is no such name in transformers",), SCAN_BAD,
          tokenizer_config(tokenizer_class="NoSuchTokenizer"), "qwen"),
+    # -- issue 42: a checkpoint's code, damaged weights, non-regular files
+    Case("auto_map config", CHECKPOINT, "`config.json` with an `auto_map` (code shipped with the checkpoint; \"y\" "
+         "at transformers' prompt ran it before)", ("config.json: `auto_map` names Python code shipped with the "
+                                                    "checkpoint", "remove the key"), SCAN_BAD, auto_map("config.json"),
+         issue=42),
+    Case("auto_map tokenizer", CHECKPOINT, "`tokenizer_config.json` with an `auto_map`",
+         ("tokenizer_config.json: `auto_map` names Python code",), SCAN_BAD, auto_map("tokenizer_config.json"),
+         issue=42),
+    Case("auto_map qwen", CHECKPOINT, "transformers `config.json` with an `auto_map`",
+         ("config.json: `auto_map` names Python code",), SCAN_BAD, auto_map("config.json"), "qwen", issue=42),
+    Case("tokenizer_class model", CHECKPOINT, "`tokenizer_class: \"LlamaForCausalLM\"` in an fla checkpoint (built a "
+         "model as the tokenizer)", ("`tokenizer_class` 'LlamaForCausalLM' is a class but not a tokenizer class",),
+         SCAN_BAD, tokenizer_config(tokenizer_class="LlamaForCausalLM"), issue=42),
+    Case("lm_head I32", CHECKPOINT, "`model.safetensors` header marking `lm_head.weight` as I32 (J = +1.9e11, exit 0 "
+         "before)", ("tensor `lm_head.weight` is stored as I32, but a model weight is floating point",), SCAN_BAD,
+         header_dtype("I32"), issue=42),
+    Case("lm_head I32 qwen", CHECKPOINT, "the same in a transformers checkpoint",
+         ("tensor `lm_head.weight` is stored as I32",), SCAN_BAD, header_dtype("I32"), "qwen", issue=42),
+    Case("float16 overflow", CHECKPOINT, "a weight of 3e38 loaded with `--dtype float16` (inf before)",
+         ("weight lm_head.weight", "beyond float16's largest value", "would become inf", "--dtype float32"),
+         [*SCAN_BAD, "--dtype", "float16"], huge_weight, issue=42),
+    Case("float16 overflow qwen", CHECKPOINT, "the same in a transformers checkpoint",
+         ("weight lm_head.weight", "would become inf"), [*SCAN_BAD, "--dtype", "float16"], huge_weight, "qwen",
+         issue=42),
+    Case("pickle bin", CHECKPOINT, "a `pytorch_model.bin` whose unpickling runs code (a 40 s traceback before)",
+         ("pytorch_model.bin is not a plain weight file", "recurscope never does"), SCAN_BAD, pickle_bin, "qwen",
+         issue=42),
+    Case("config FIFO", CHECKPOINT, "`config.json` a FIFO (blocked for ever before)",
+         ("config.json is a FIFO (named pipe), not a regular file",), SCAN_BAD, fifo("config.json"), issue=42),
+    Case("config /dev/zero", CHECKPOINT, "`config.json` a link to `/dev/zero` (a 36 s MemoryError before)",
+         ("config.json is a character device, not a regular file",), SCAN_BAD, link_to("config.json", "/dev/zero"),
+         issue=42),
+    Case("tokenizer FIFO", CHECKPOINT, "`tokenizer.json` a FIFO",
+         ("tokenizer.json is a FIFO (named pipe)",), SCAN_BAD, fifo("tokenizer.json"), issue=42),
+    # -- issue 42: --out holds what recurscope did not create
+    Case("out foreign files", OUT, "`--out` holding the user's files (`manifest.json`, `gate.json`, ... replaced "
+         "before)", ("--out", "has a manifest.json that is not a recurscope manifest", "use a fresh folder"), SCAN,
+         out_files(**{"manifest.json": "{\"mine\": 1}\n", "gate.json": "mine\n", "scan_rows.jsonl": "mine\n"}),
+         issue=42),
+    Case("out notes", OUT, "`--out` an existing folder of the user's (`notes.txt`)",
+         ("holds", "notes.txt", "which recurscope did not create", "use a fresh folder, e.g. --out"), SCAN,
+         out_files(**{"notes.txt": "mine\n"}), issue=42),
+    Case("run over report", OUT, "`run --out` a folder holding the user's `report.md` (overwritten before)",
+         ("report.md, which recurscope did not create", "not the result directory of a `recurscope run`"),
+         ["run", "{ckpt}", "--out", "{out}", *SMALL[:-2], "--n-dev", "1", "--n-heldout", "1"],
+         out_files(**{"report.md": "# my notes\n"}), issue=42),
+    Case("selectivity over report", OUT, "`selectivity --out` a folder holding the user's `report.md`",
+         ("report.md", "which recurscope did not create", "not a selectivity result directory"),
+         ["selectivity", "{ckpt}", "--head", "0", "1", "--n-sources", "1", "--out", "{out}"],
+         out_files(**{"report.md": "# my notes\n"}), issue=42),
+    Case("out other kind", OUT, "`confirm --out` a scan's result directory",
+         ("holds a 'scan' run, not a confirm run",), ["confirm", "{ckpt}", "--from-scan", "{scan}", "--out", "{out}",
+                                                      *SMALL], scan_copy(), issue=42),
+    Case("out links", OUT, "`--out` holding links to files outside it (`.recurscope.lock`, `scan_rows.jsonl`, "
+         "`figures/`, ...: 8 files outside overwritten before)", ("manifest.json is a symbolic link (to",
+                                                                  "never writes through links", "fresh --out"),
+         SCAN, out_links, issue=42),
+    Case("link in a scan", OUT, "a scan's own result directory whose `scan_heads.csv` is a link outside it",
+         ("scan_heads.csv is a symbolic link (to",), [*SCAN, "--gate-threshold", "0"],
+         scan_copy(into_link("scan_heads.csv")), issue=42),
+    Case("FIFO manifest", OUT, "`--out/manifest.json` a FIFO (blocked for ever before)",
+         ("manifest.json is a FIFO (named pipe)",), SCAN, fifo("manifest.json"), issue=42),
+    Case("FIFO row log", OUT, "`--out/scan_rows.jsonl` a FIFO", ("scan_rows.jsonl is a FIFO (named pipe)",), SCAN,
+         fifo("scan_rows.jsonl"), issue=42),
+    Case("rows without manifest", OUT, "a scan directory whose `manifest.json` was deleted, rerun with `--seed 1` "
+         "(reused the seed-0 rows before)", ("holds the row log scan_rows.jsonl but no manifest.json",
+                                             "they are not reused"),
+         [*SCAN, "--gate-threshold", "0", "--seed", "1"], scan_copy(drop("manifest.json")), issue=42),
+    Case("nested scan beside run", OUT, "`scan --out X/scan` while `run --out X` runs (240 rows for 128 keys before)",
+         ("lies inside", "which another recurscope process (pid", "use an --out outside it"),
+         ["scan", "{ckpt}", "--out", "{out}/scan", *SMALL], hold=("out", ("scan", "confirm")), issue=42),
+    Case("run beside nested scan", OUT, "`run --out X` while `scan --out X/scan` runs",
+         ("scan is in use by another recurscope process (pid",),
+         ["run", "{ckpt}", "--out", "{out}", *SMALL[:-2], "--n-dev", "1", "--n-heldout", "1"],
+         hold=("out/scan", ()), issue=42),
     # -- input directories and files
     Case("scan without hash", INPUT, "`--from-scan` whose manifest records no checkpoint hash",
          ("records no checkpoint_hash",), CONFIRM_BAD_SCAN, scan_manifest(checkpoint_hash=None)),
@@ -364,9 +571,13 @@ def _swapped(tokenizer, root: Path):
 
 
 def _prepare(case: Case, world, tmp: Path) -> dict:
-    """The {placeholders} of a row: a damaged copy where it has damage, a fresh --out."""
+    """The {placeholders} of a row: a damaged copy where it has damage, a fresh --out (damaged for OUT rows)."""
     fill = {"ckpt": str(world["ckpt"]), "scan": str(world["scan"]), "out": str(tmp / "out")}
-    if case.damage is not None:
+    if case.kind == OUT:
+        SCAN_DIR[:] = [world["scan"]]
+        if case.damage is not None:
+            case.damage(tmp / "out")
+    elif case.damage is not None:
         if case.kind == CHECKPOINT:
             src = world["ckpt"] if case.base == "fla" else QWEN
         elif "--corpus" in case.argv:
@@ -392,6 +603,34 @@ def _one_error_line(err: str) -> str:
     return errors[0]
 
 
+def _snapshot(root: Path) -> dict:
+    """Every entry under `root` (links not followed): a file's bytes, a link's target, a FIFO; lock files and empty
+    directories aside (a refused command may create --out and take its lock)."""
+    seen = {}
+    if not os.path.lexists(root):
+        return seen
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            if name == ".recurscope.lock" and not path.is_symlink():
+                continue
+            if path.is_symlink():
+                seen[str(path.relative_to(root))] = ("link", os.readlink(path))
+            elif path.is_fifo():
+                seen[str(path.relative_to(root))] = ("fifo",)
+            elif path.is_file():
+                seen[str(path.relative_to(root))] = ("file", path.read_bytes())
+    return seen
+
+
+class Hung(BaseException):
+    """A row ran past its alarm (a hang); a BaseException, so the CLI's error handler does not turn it into a line."""
+
+
+def _hung(signum, frame):
+    raise Hung("the command hung (no answer in 120 s)")
+
+
 def run_case(case: Case, world, tmp: Path, capsys) -> str:
     """Runs one row and returns its error line, asserting everything the harness promises."""
     if case.kind == API:
@@ -406,21 +645,35 @@ def run_case(case: Case, world, tmp: Path, capsys) -> str:
     argv = [a.format(**fill) for a in case.argv]
     capsys.readouterr()
     holder = None
-    if case.name == "run lock":                          # another writer holds --out (a process: see test_run_guard)
-        from recurscope.interp.results import RunLock
+    from recurscope.interp.results import RunLock
 
+    if case.name == "run lock":                          # another writer holds --out (a process: see test_run_guard)
         holder = RunLock(fill["out"]).acquire()
+    elif case.hold is not None:                          # another writer holds a directory around or inside --out
+        holder = RunLock(tmp / case.hold[0], nested=case.hold[1]).acquire()
+    out, outside = Path(fill["out"]), tmp / OUTSIDE
+    before, before_outside = _snapshot(out), _snapshot(outside)
+    manifest_before = os.path.lexists(out / "manifest.json")
+    previous = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(120)
     try:
         code = cli.main(argv)
     except SystemExit as exc:                           # argparse's own refusals
         code = exc.code
     finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
         if holder is not None:
             holder.release()
     err = capsys.readouterr().err
     assert code == 2, err[-3000:]
     line = _one_error_line(err)
-    assert not (Path(fill["out"]) / "manifest.json").exists(), "a refused run left a manifest behind"
+    if not manifest_before:
+        assert not (out / "manifest.json").exists(), "a refused run left a manifest behind"
+    assert _snapshot(out) == before, "a refused run changed a file in --out"
+    assert _snapshot(outside) == before_outside, "a refused run changed a file outside --out"
+    for folder in (tmp / "deep" / "bad", out):
+        assert not (folder / "MARKER").exists(), "the checkpoint's code ran"
     return line
 
 

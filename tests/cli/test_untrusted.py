@@ -91,3 +91,95 @@ def test_auto_map_refused_by_the_api(tmp_path):
     with pytest.raises(CheckpointError, match=r"tokenizer_config.json: `auto_map`"):
         load_model("tiny-gla", tokenizer=tok)
     assert not marker.exists()
+
+
+# ---- writing only what the tool created, only inside --out ---------------------------------------------------------
+def test_outputs_never_follow_links_or_open_fifos(tmp_path):
+    """write_output, RowLog and RunLock refuse a link or FIFO where their file goes, and leave its target alone (the
+    old code wrote through each: open() and savefig follow links, and a FIFO blocked for ever)."""
+    from recurscope.interp.results import OutputRefused, RowLog, RunLock, write_output
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("the user's file\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("report.md", "rows.jsonl", ".recurscope.lock"):
+        (out / name).symlink_to(outside)
+    with pytest.raises(OutputRefused, match=r"report.md is a symbolic link \(to .*outside.txt\)"):
+        write_output(out / "report.md", "# report\n")
+    with pytest.raises(OutputRefused, match="rows.jsonl is a symbolic link"):
+        RowLog(out / "rows.jsonl").append([{"a": 1}])
+    with pytest.raises(OutputRefused, match="rows.jsonl is a symbolic link"):
+        RowLog(out / "rows.jsonl").rows()
+    with pytest.raises(OutputRefused, match=".recurscope.lock is a symbolic link"):
+        RunLock(out).acquire()
+    assert outside.read_text() == "the user's file\n"
+    os.mkfifo(out / "fifo.jsonl")
+    with pytest.raises(OutputRefused, match="fifo.jsonl is a FIFO"):
+        RowLog(out / "fifo.jsonl").rows()
+    with pytest.raises(OutputRefused, match="fifo.jsonl is a FIFO"):
+        write_output(out / "fifo.jsonl", "x")
+    (tmp_path / "elsewhere").mkdir()
+    (out / "figures").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OutputRefused, match="figures is a symbolic link"):
+        write_output(out / "figures" / "a.png", b"png")
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_write_output_replaces_through_a_rename(tmp_path):
+    from recurscope.interp.results import write_output
+
+    path = tmp_path / "report.md"
+    path.write_text("old\n")
+    inode = path.stat().st_ino
+    write_output(path, "new\n")
+    assert path.read_text() == "new\n" and path.stat().st_ino != inode     # a new file renamed over the old one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md"]      # no temporary left
+
+
+def test_out_dir_accepts_only_empty_or_same_kind(tmp_path):
+    from recurscope.interp.results import OutputRefused, RunDir, check_out_dir
+
+    check_out_dir(tmp_path / "absent", "scan")
+    (tmp_path / "empty").mkdir()
+    check_out_dir(tmp_path / "empty", "scan")
+    RunDir.create(tmp_path / "scan", kind="scan", model_name="m")
+    check_out_dir(tmp_path / "scan", "scan")
+    with pytest.raises(OutputRefused, match="holds a 'scan' run, not a confirm run"):
+        check_out_dir(tmp_path / "scan", "confirm")
+    run = tmp_path / "run"
+    RunDir.create(run / "scan", kind="scan", model_name="m")
+    (run / "report.md").write_text("# report\n")
+    check_out_dir(run, "run")                                  # a run's own report, beside its scan
+    (run / "notes.txt").write_text("mine\n")
+    with pytest.raises(OutputRefused, match="notes.txt, which recurscope did not create"):
+        check_out_dir(run, "run")
+
+
+def test_run_lock_covers_nested_result_directories(tmp_path):
+    """`run --out X` locks X/scan and X/confirm with X; a writer inside a held directory is refused, and a run is
+    refused while a nested directory is held (before, both wrote: 240 rows for 128 keys)."""
+    from recurscope.interp.results import RunLock, RunLocked
+
+    out = tmp_path / "X"
+    with RunLock(out, nested=("scan", "confirm")):
+        for inner in (out / "scan", out / "confirm", out / "scan" / "deeper"):
+            with pytest.raises(RunLocked, match=r"lies inside .*X(/scan)?, which another recurscope process"):
+                RunLock(inner).acquire()
+    with RunLock(out / "confirm"):
+        with pytest.raises(RunLocked, match="confirm is in use by another recurscope process"):
+            RunLock(out, nested=("scan", "confirm")).acquire()
+        with RunLock(out / "scan"):       # a sibling is not nested
+            pass
+    with RunLock(out, nested=("scan", "confirm")):   # everything was released
+        pass
+
+
+def test_rows_without_manifest_are_not_reused(tmp_path):
+    from recurscope.interp.results import RunDir
+
+    run = RunDir.create(tmp_path / "r", kind="scan", model_name="m", seeds=[0])
+    run.table("scan_rows", key=["k"]).append([{"k": 1}])
+    (tmp_path / "r" / "manifest.json").unlink()
+    with pytest.raises(ValueError, match="holds committed rows .scan_rows.jsonl. but no manifest.json"):
+        RunDir.create_or_open(tmp_path / "r", kind="scan", model_name="m", seeds=[1])

@@ -8,8 +8,9 @@ import torch
 
 from recurscope.interp.bridge.families import bridge_family, supported_model_types
 from recurscope.interp.bridge.model import BridgedLM
-from recurscope.interp.checkpoint_files import (CheckpointError, check_finite_weights, check_no_remote_code,
-                                                check_shards, check_tokenizer_fits, read_json)
+from recurscope.interp.checkpoint_files import (CheckpointError, check_cast_fits_files, check_finite_weights,
+                                                check_no_remote_code, check_shards, check_tokenizer_fits, read_json,
+                                                read_weight_file)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -104,6 +105,9 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
     except ValueError as err:
         raise CheckpointError(f"{directory}/{err}") from None
     check_shards(directory)
+    if not any(directory.glob("*.safetensors")):
+        for path in sorted(directory.glob("pytorch_model*.bin")):   # pickles: refused unless plain tensors
+            read_weight_file(path)
     check_no_remote_code(directory)        # load_model checked already; a direct caller is checked here
     if isinstance(tokenizer, (str, Path)):
         check_no_remote_code(Path(tokenizer))
@@ -128,6 +132,7 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
         check_tokenizer_fits(tokenizer, int(text.vocab_size), directory)
     from transformers.utils import logging as hf_logging
 
+    check_cast_fits_files(directory, dtype)   # transformers casts as it loads: a weight beyond float16 becomes inf
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()   # its load report would repeat what the check below says in one line
     try:
