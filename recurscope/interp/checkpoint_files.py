@@ -325,3 +325,21 @@ def check_cast_fits_files(directory: Path, dtype) -> None:
     for path in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(str(path), "pt") as handle:
             check_cast_fits(((k, handle.get_tensor(k)) for k in handle.keys()), dtype, directory)
+
+
+def check_config_fits_weights(directory: Path, raw: dict) -> None:
+    """config.json's vocab_size x hidden_size embedding (at least one byte a weight) against the bytes of every weight
+    file together: a vocab_size of 5e7 would allocate tens of GiB before the shapes are compared, so it is refused
+    first, naming both numbers."""
+    raw = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    vocab, hidden = raw.get("vocab_size"), raw.get("hidden_size")
+    if not (isinstance(vocab, int) and isinstance(hidden, int) and vocab > 0 and hidden > 0):
+        return
+    held = sum(p.stat().st_size for p in Path(directory).iterdir()
+               if p.suffix in (".safetensors", ".bin") and p.is_file())
+    need = vocab * hidden
+    if held and need > held:
+        raise CheckpointError(f"{Path(directory) / 'config.json'}: vocab_size {vocab:,} x hidden_size {hidden:,} = "
+                              f"{need:,} embedding weights (at least {need / (1 << 30):,.1f} GiB to build), more than "
+                              f"the {held:,} bytes all the weight files hold; vocab_size does not match these "
+                              "weights: restore config.json from the original checkpoint")

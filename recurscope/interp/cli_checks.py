@@ -23,6 +23,10 @@ AT_LEAST = {
     "resamples": 100,   # stats' bootstrap refuses fewer (after the whole computation, before this check)
 }
 LIST_AT_LEAST = {"loads": 1, "gaps": 0, "fillers": 0}   # --head: cli.validate_args
+# (highest value, why) per option: beyond it a value is silently wrapped or clamped downstream
+AT_MOST = {"seed": (2 ** 63 - 1, "seeds are 64-bit integers (torch and numpy generators)")}
+# Bootstrap resamples beyond this, unless --yes: the paper uses 9999; 1e12 ran out of memory after half a minute.
+MAX_RESAMPLES = 10 ** 7
 FRACTIONS = ("threshold", "gate", "gate_threshold")
 WHY = {"resamples": " (bootstrap intervals need at least 100; default 9999)",
        "head": " (heads and layers are numbered from 0)"}
@@ -45,6 +49,14 @@ def check_options(args) -> None:
         if value is not None and value < low:
             raise CheckError(f"{_flag(name)} must be at least {low}, got {value}{WHY.get(name, '')}; e.g. "
                              f"{_flag(name)} {max(low, 1) if name != 'seed' else 0}")
+    for name, (high, why) in AT_MOST.items():
+        value = getattr(args, name, None)
+        if value is not None and value > high:
+            raise CheckError(f"{_flag(name)} must be at most {high:,} ({why}), got {value:,}; e.g. {_flag(name)} 0")
+    nontarget, loads = getattr(args, "n_nontarget", None), getattr(args, "loads", None)
+    if nontarget is not None and loads and nontarget > max(loads) - 1 >= 0:
+        raise CheckError(f"--n-nontarget {nontarget:,} is more than the K - 1 = {max(loads) - 1} other facts a pair "
+                         f"of the largest load (K = {max(loads)}) has; use --n-nontarget {max(loads) - 1} or fewer")
     for name, low in LIST_AT_LEAST.items():
         values = getattr(args, name, None)
         if values is None:
@@ -197,13 +209,18 @@ def machine_memory(device: str = "cpu") -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def _checkpoint_dir(model) -> Path:
+    directory = Path(str(model)).expanduser()
+    if not directory.is_dir():                     # a bundled name (as loading.resolve_checkpoint, without torch)
+        directory = Path(__file__).parent / "checkpoints" / str(model)
+    return directory
+
+
 def _checkpoint_shape(model) -> dict:
     """hidden size, layers, heads and weight bytes read from config.json and file sizes (no model is built)."""
     import json
 
-    directory = Path(str(model)).expanduser()
-    if not directory.is_dir():                     # a bundled name (as loading.resolve_checkpoint, without torch)
-        directory = Path(__file__).parent / "checkpoints" / str(model)
+    directory = _checkpoint_dir(model)
     from recurscope.interp.checkpoint_files import CheckpointError, read_regular
 
     try:   # a FIFO or device config.json is refused at once, not read (it would block, or fill the memory)
@@ -236,16 +253,19 @@ def size_run(args) -> Optional[RunSize]:
     if sources == 0:
         return None
     pairs = sources * (getattr(args, "pairs_per_source", None) or 1)
-    n_facts = getattr(args, "n_facts", None) or 4
-    n_facts = list(n_facts) if isinstance(n_facts, (list, tuple)) else [n_facts]   # overlap takes several loads
-    facts = max([*n_facts, getattr(args, "k", None) or 0, *(getattr(args, "loads", None) or [])])
-    presentations = getattr(args, "presentations", None) or 3
-    gap = getattr(args, "gap", None) or 24
-    filler = getattr(args, "filler", None)
-    if filler is None and hasattr(args, "layout"):   # the layout's (a recorded one is only known once loaded)
+    layout = None
+    if hasattr(args, "layout"):   # the named layout, else the checkpoint's pair_layout.json (through this check too)
         from recurscope.interp.data.layout import choose_layout
 
-        filler = choose_layout(args.layout).filler_tokens
+        layout = choose_layout(args.layout, _checkpoint_dir(args.model))
+    n_facts = getattr(args, "n_facts", None) or (layout.n_facts if layout else 4)
+    n_facts = list(n_facts) if isinstance(n_facts, (list, tuple)) else [n_facts]   # overlap takes several loads
+    facts = max([*n_facts, getattr(args, "k", None) or 0, *(getattr(args, "loads", None) or [])])
+    presentations = getattr(args, "presentations", None) or (layout.presentations if layout else 3)
+    gap = getattr(args, "gap", None) or (layout.gap_tokens if layout else 24)
+    filler = getattr(args, "filler", None)
+    if filler is None and layout is not None:
+        filler = layout.filler_tokens
     filler = max([filler or 0, getattr(args, "total_length", None) or 0,
                   *(getattr(args, "gaps", None) or []), *(getattr(args, "fillers", None) or [])])
     length = facts * presentations * (FACT_TOKENS + gap) + filler + QUERY_TOKENS
@@ -276,6 +296,12 @@ def check_size(args) -> Optional[RunSize]:
             if value > limit:
                 raise CheckError(f"this run would build {size.describe()}: {value:,} {what} exceeds the sanity "
                                  f"limit of {limit:,}; {lower}, or pass --yes if you mean it")
+    resamples = getattr(args, "resamples", None)
+    if resamples is not None and resamples > MAX_RESAMPLES and not getattr(args, "yes", False):
+        draws = resamples * max(size.sources, 1)
+        raise CheckError(f"--resamples {resamples:,} would draw {draws:,} source indices per interval (about "
+                         f"{draws * 8 / GiB:,.1f} GiB each), beyond the sanity limit of {MAX_RESAMPLES:,} resamples; "
+                         "the paper uses 9999 (the default): lower --resamples, or pass --yes if you mean it")
     bound = parse_bytes(args.max_memory) if getattr(args, "max_memory", None) else machine_memory(
         getattr(args, "device", "cpu") or "cpu")
     if size.peak_bytes > bound:
@@ -303,6 +329,19 @@ def check_loaded(model, args) -> None:
             model.check_head(layer, h)
     elif isinstance(getattr(args, "head", None), list) and len(args.head) == 2:
         model.check_head(*args.head)
+    heads = len(model.heads())
+    top = getattr(args, "confirm_top", None)
+    if top is not None and top > heads:
+        raise CheckError(f"--confirm-top {top:,} is more than this model's {heads} heads; use --confirm-top {heads} or "
+                         "fewer (all of them is the exact scan: --method exact)")
+    rank = getattr(args, "rank", None)
+    if rank is not None:
+        d_model = int(model.cfg.d_model)
+        if rank > d_model:
+            raise CheckError(f"--rank {rank:,} is more than d_model = {d_model}, the largest rank a map into the "
+                             f"residual stream can have (a rank-{rank:,} random control would hold about "
+                             f"{rank * d_model * 8 / GiB:,.1f} GiB); use --rank {min(4, d_model)} (the paper's) up to "
+                             f"{d_model}")
     total = getattr(args, "total_length", None)
     if total is not None and getattr(args, "loads", None) and model.tokenizer is not None:
         from recurscope.interp.protocols.capacity import _bare_length, load_layout

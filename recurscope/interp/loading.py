@@ -12,9 +12,10 @@ from typing import Optional, Union
 
 import torch
 
-from recurscope.interp.checkpoint_files import (CheckpointError, check_cast_fits, check_finite_weights,
-                                                check_no_remote_code, check_shards, check_tokenizer_files,
-                                                check_tokenizer_fits, read_index, read_json, read_weight_file)
+from recurscope.interp.checkpoint_files import (CheckpointError, check_cast_fits, check_config_fits_weights,
+                                                check_finite_weights, check_no_remote_code, check_shards,
+                                                check_tokenizer_files, check_tokenizer_fits, read_index, read_json,
+                                                read_weight_file)
 from recurscope.interp.models import ModelConfig, RecurrentLM
 from recurscope.interp.models.families import fla_to_ours, ours_to_fla  # noqa: F401  (public names)
 from recurscope.interp.models.protocol import RecurrentModel
@@ -143,6 +144,8 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     except ValueError as err:
         raise CheckpointError(f"{cfg_file}: {err}") from None
     check_tokenizer_files(directory)
+    if isinstance(raw_config, dict):
+        check_config_fits_weights(directory, raw_config)     # before a 5e7-row embedding is allocated
     if fmt == "transformers":
         from recurscope.interp.bridge import load_transformers
 

@@ -44,7 +44,8 @@ class Case:
     expect: tuple                    # substrings of the one error line, in the order the docs show them
     argv: Sequence[str] = ()         # CLI rows: {ckpt} {bad} {out} {scan} {file} are filled in
     damage: Optional[Callable] = None   # CHECKPOINT / INPUT rows: damage(directory) on a copy
-    base: str = "fla"                # the checkpoint a CHECKPOINT row damages: "fla" (tiny GLA) or "qwen" (bridge)
+    base: str = "fla"                # the checkpoint a CHECKPOINT row damages: "fla" (tiny GLA), "qwen" (bridge) or
+                                     # a bundled name
     call: Optional[Callable] = None  # API rows: call(ctx) must raise ValueError
     new: bool = True                 # found by issue 32 (failed before it)
     issue: int = 32                  # the issue that found it
@@ -442,6 +443,66 @@ CASES = [
          issue=42),
     Case("tokenizer FIFO", CHECKPOINT, "`tokenizer.json` a FIFO",
          ("tokenizer.json is a FIFO (named pipe)",), SCAN_BAD, fifo("tokenizer.json"), issue=42),
+    # -- issue 42: the newer families' config values (a ZeroDivisionError, KeyError or silent accept before)
+    Case("mamba2 n_groups 0", CHECKPOINT, "Mamba-2 `config.json`: `n_groups: 0` (ZeroDivisionError before)",
+         ("`n_groups` must be a positive integer, got 0",), SCAN_BAD, config(n_groups=0), "tiny-mamba2", issue=42),
+    Case("mamba2 state_size string", CHECKPOINT, "Mamba-2 `config.json`: a string `state_size`",
+         ("`state_size` must be a positive integer, got \"32\"",), SCAN_BAD, config(state_size="32"), "tiny-mamba2",
+         issue=42),
+    Case("mamba2 A_init_range", CHECKPOINT, "Mamba-2 `config.json`: `A_init_range: \"wide\"`",
+         ("`A_init_range` must be a pair [low, high] of numbers",), SCAN_BAD, config(A_init_range="wide"),
+         "tiny-mamba2", issue=42),
+    Case("mamba2 rmsnorm no", CHECKPOINT, "Mamba-2 `config.json`: `rmsnorm: \"no\"` (read as true before)",
+         ("`rmsnorm` must be true or false (a JSON boolean), got \"no\"",), SCAN_BAD, config(rmsnorm="no"),
+         "tiny-mamba2", issue=42),
+    Case("rwkv7 low rank negative", CHECKPOINT, "RWKV-7 `config.json`: a negative low-rank size",
+         ("`a_low_rank_dim` must be a positive integer, got -4",), SCAN_BAD, config(a_low_rank_dim=-4), "tiny-rwkv7",
+         issue=42),
+    Case("rwkv7 low rank string", CHECKPOINT, "RWKV-7 `config.json`: a string low-rank size",
+         ("`decay_low_rank_dim` must be a positive integer, got \"16\"",), SCAN_BAD,
+         config(decay_low_rank_dim="16"), "tiny-rwkv7", issue=42),
+    Case("rwkv7 norm_first yes", CHECKPOINT, "RWKV-7 `config.json`: `norm_first: \"yes\"`",
+         ("`norm_first` must be true or false (a JSON boolean), got \"yes\"",), SCAN_BAD,
+         config(norm_first="yes"), "tiny-rwkv7", issue=42),
+    Case("nemotronh n_groups 0", CHECKPOINT, "Nemotron-H `config.json`: `n_groups: 0` (ZeroDivisionError before)",
+         ("`n_groups` must be a positive integer, got 0",), SCAN_BAD, config(n_groups=0), "tiny-nemotronh", issue=42),
+    Case("nemotronh time_step_limit", CHECKPOINT, "Nemotron-H `config.json`: `time_step_limit: [1, 0]` (accepted "
+         "before)", ("`time_step_limit` must be a pair [low, high] of numbers with 0 <= low < high, got [1, 0]",),
+         SCAN_BAD, config(time_step_limit=[1, 0]), "tiny-nemotronh", issue=42),
+    Case("nemotronh activation", CHECKPOINT, "Nemotron-H `config.json`: an unknown activation (KeyError before)",
+         ("`mlp_hidden_act` must name an activation transformers knows", "got \"relu9\""), SCAN_BAD,
+         config(mlp_hidden_act="relu9"), "tiny-nemotronh", issue=42),
+    Case("nemotronh bias no", CHECKPOINT, "Nemotron-H `config.json`: `use_conv_bias: \"no\"`",
+         ("`use_conv_bias` must be true or false",), SCAN_BAD, config(use_conv_bias="no"), "tiny-nemotronh",
+         issue=42),
+    Case("vocab 5e7", CHECKPOINT, "`config.json`: `vocab_size: 50000000` (an allocation error after 19-38 s before)",
+         ("vocab_size 50,000,000 x hidden_size 32", "more than the", "bytes all the weight files hold"), SCAN_BAD,
+         config(vocab_size=50_000_000), issue=42),
+    Case("layout filler 1e9", CHECKPOINT, "`pair_layout.json` with `filler_tokens: 1000000000` (generated filler for "
+         "ever before)", ("tokens per sequence exceeds the sanity limit",),
+         ["scan", "{bad}", "--out", "{out}", "--n-sources", "1"],
+         lambda d: (d / "pair_layout.json").write_text(json.dumps({"filler_tokens": 1_000_000_000})), issue=42),
+    Case("layout /dev/zero", CHECKPOINT, "`pair_layout.json` a link to `/dev/zero` (silently ignored before)",
+         ("pair_layout.json is a character device, not a regular file",), SCAN_BAD,
+         link_to("pair_layout.json", "/dev/zero"), issue=42),
+    # -- issue 42: sizes and counts beyond what the run can use
+    Case("confirm-top above heads", CLI, "`--confirm-top 99` on a model of 4 heads (accepted before)",
+         ("--confirm-top 99 is more than this model's 4 heads", "use --confirm-top 4 or fewer"),
+         [*SCAN, "--method", "attribution", "--confirm-top", "99"], issue=42),
+    Case("seed 2**70", CLI, "`--seed 2**70` (accepted before)", ("--seed must be at most 9,223,372,036,854,775,807",),
+         [*SCAN, "--seed", str(2 ** 70)], issue=42),
+    Case("n-nontarget 1e9", CLI, "`retention --n-nontarget 1000000000` (accepted before)",
+         ("--n-nontarget 1,000,000,000 is more than the K - 1 = 7 other facts",),
+         ["retention", "{ckpt}", "--head", "0", "1", "--loads", "4", "8", "--n-nontarget", "1000000000", "--out",
+          "{out}"], issue=42),
+    Case("resamples 1e12", CLI, "`selectivity --resamples 1000000000000` (an allocation error after 38 s before)",
+         ("--resamples 1,000,000,000,000 would draw", "GiB each", "lower --resamples"),
+         ["selectivity", "{ckpt}", "--head", "0", "1", "--n-sources", "1", "--resamples", "1000000000000", "--out",
+          "{out}"], issue=42),
+    Case("corrector rank 1e9", CLI, "`corrector --rank 1000000000` (an allocation error before)",
+         ("--rank 1,000,000,000 is more than d_model = 32", "use --rank 4"),
+         ["corrector", "{ckpt}", "--head", "0", "1", "--n-fit", "2", "--n-sources", "2", "--rank", "1000000000",
+          "--out", "{out}"], issue=42),
     # -- issue 42: --out holds what recurscope did not create
     Case("out foreign files", OUT, "`--out` holding the user's files (`manifest.json`, `gate.json`, ... replaced "
          "before)", ("--out", "has a manifest.json that is not a recurscope manifest", "use a fresh folder"), SCAN,
@@ -579,7 +640,7 @@ def _prepare(case: Case, world, tmp: Path) -> dict:
             case.damage(tmp / "out")
     elif case.damage is not None:
         if case.kind == CHECKPOINT:
-            src = world["ckpt"] if case.base == "fla" else QWEN
+            src = {"fla": world["ckpt"], "qwen": QWEN}.get(case.base, QWEN.parent / case.base)
         elif "--corpus" in case.argv:
             src = None
         else:

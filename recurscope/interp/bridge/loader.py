@@ -60,8 +60,17 @@ BRIDGE_POSITIVE_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_a
                         "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                         "linear_value_head_dim", "linear_conv_kernel_dim", "moe_intermediate_size", "num_experts",
                         "num_experts_per_tok", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
-                        "qk_nope_head_dim", "v_head_dim")
-BRIDGE_BOOLS = ("tie_word_embeddings", "attention_bias", "linear_allow_neg_eigval")
+                        "qk_nope_head_dim", "v_head_dim",
+                        # Mamba-2 and Nemotron-H (n_groups 0 divided by zero in transformers)
+                        "num_heads", "n_groups", "state_size", "ssm_state_size", "mamba_num_heads", "mamba_head_dim",
+                        "conv_kernel", "chunk_size", "expand")
+BRIDGE_BOOLS = ("tie_word_embeddings", "attention_bias", "linear_allow_neg_eigval", "use_bias", "use_conv_bias",
+                "mamba_proj_bias", "mlp_bias", "residual_in_fp32", "rescale_prenorm_residual", "norm_before_gate",
+                "rms_norm")
+BRIDGE_POSITIVE_FLOATS = ("time_step_min", "time_step_max", "time_step_floor", "layer_norm_epsilon")
+#: [low, high] pairs a Mamba-2 layer reads: time_step_limit clamps dt (low < high, or every dt is one constant)
+BRIDGE_RANGES = {"time_step_limit": True, "A_init_range": False}
+BRIDGE_ACTIVATIONS = ("hidden_act", "mamba_hidden_act", "mlp_hidden_act")
 
 
 def check_bridge_config(raw: dict, where: str = "config.json") -> None:
@@ -77,6 +86,24 @@ def check_bridge_config(raw: dict, where: str = "config.json") -> None:
         if key in raw and not isinstance(raw[key], bool):
             raise ValueError(f"{where}: `{key}` must be true or false (a JSON boolean), got "
                              f"{fla_config._show(raw[key])}; fix it to match the checkpoint's weights")
+    for key in BRIDGE_POSITIVE_FLOATS:
+        if raw.get(key) is not None and not (fla_config._is_number(raw[key]) and raw[key] > 0):
+            raise ValueError(f"{where}: `{key}` must be a positive number, got {fla_config._show(raw[key])}")
+    for key, strict in BRIDGE_RANGES.items():
+        if raw.get(key) is None:
+            continue
+        pair = fla_config.range_pair(raw[key])
+        if pair is None or pair[0] < 0 or (pair[0] >= pair[1] if strict else pair[0] > pair[1]):
+            raise ValueError(f"{where}: `{key}` must be a pair [low, high] of numbers with 0 <= low "
+                             f"{'<' if strict else '<='} high, got {fla_config._show(raw[key])}; fix it to match the "
+                             "checkpoint (transformers' default time_step_limit is [0.0, {\"__float__\": \"Infinity\"}])")
+    for key in BRIDGE_ACTIVATIONS:
+        if key in raw:
+            from transformers.activations import ACT2CLS
+
+            if not (isinstance(raw[key], str) and raw[key] in ACT2CLS):
+                raise ValueError(f"{where}: `{key}` must name an activation transformers knows (e.g. \"silu\", "
+                                 f"\"relu2\", \"gelu\"), got {fla_config._show(raw[key])}")
     eps = raw.get("rms_norm_eps")
     if eps is not None and not (fla_config._is_number(eps) and eps > 0):
         raise ValueError(f"{where}: `rms_norm_eps` must be a positive number, got {fla_config._show(eps)}")
