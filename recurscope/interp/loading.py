@@ -116,6 +116,40 @@ def checkpoint_format(raw_config: dict) -> str:
         f"{', '.join(supported_model_types())}; this architecture is neither")
 
 
+def _check_load_args(path_or_name, device, dtype, tokenizer) -> None:
+    """load_model's arguments, each refused in one line naming it and the fix (TypeError for a wrong type)."""
+    if not isinstance(path_or_name, (str, os.PathLike)) or not str(path_or_name).strip():
+        raise TypeError(f"load_model: path_or_name must be a checkpoint directory or a bundled name (a string or "
+                        f"path), got {path_or_name!r}; e.g. load_model('tiny-gla')")
+    if isinstance(dtype, str):
+        raise TypeError(f"load_model: dtype must be a torch dtype, got the string {dtype!r}; pass "
+                        f"torch.{dtype.replace('torch.', '')}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"load_model: dtype must be a floating torch dtype (torch.float32, torch.bfloat16, "
+                        f"torch.float16, torch.float64) or None, got {dtype!r}")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"load_model: device must be a string or torch.device such as 'cpu' or 'cuda:0', got "
+                        f"{device!r}")
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"load_model: device {device!r} is not a device torch knows; use 'cpu', 'cuda' or "
+                         "'cuda:N'") from None
+    if tokenizer is None:
+        return
+    if isinstance(tokenizer, (str, os.PathLike)):
+        path = Path(tokenizer).expanduser()
+        if not str(tokenizer).strip() or not path.is_dir():
+            raise ValueError(f"load_model: tokenizer {str(tokenizer)!r} is not a directory; pass a tokenizer "
+                             "directory (with tokenizer.json), a tokenizer object, or None for the checkpoint's own")
+        return
+    if isinstance(tokenizer, (bool, bytes, bytearray, dict, list, tuple, int, float)) or not (
+            callable(getattr(tokenizer, "encode", None)) and callable(getattr(tokenizer, "decode", None))):
+        raise TypeError(f"load_model: tokenizer must be a tokenizer object (with encode and decode, e.g. "
+                        f"transformers' PreTrainedTokenizerFast), a tokenizer directory or None, got "
+                        f"{type(tokenizer).__name__}")
+
+
 def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu",
                dtype: Optional[torch.dtype] = None, backend: str = "auto", tokenizer=None,
                check_finite: bool = True) -> RecurrentModel:
@@ -131,6 +165,7 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     tokenizer: a tokenizer object, or a directory to load one from (AutoTokenizer); by default the checkpoint's own
     (tokenizer.json beside config.json). A checkpoint without one loads for forward and hook work; building recall
     pairs then asks for one."""
+    _check_load_args(path_or_name, device, dtype, tokenizer)
     directory = resolve_checkpoint(path_or_name)
     cfg_file = directory / "config.json"
     if not cfg_file.exists():     # a FIFO or device config.json is refused by read_json, at once
@@ -144,8 +179,6 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     except ValueError as err:
         raise CheckpointError(f"{cfg_file}: {err}") from None
     check_tokenizer_files(directory)
-    if isinstance(raw_config, dict):
-        check_config_fits_weights(directory, raw_config)     # before a 5e7-row embedding is allocated
     if fmt == "transformers":
         from recurscope.interp.bridge import load_transformers
 
@@ -157,6 +190,7 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     weights = cfg.family.weights
     # The shapes come from the model itself, built before the weights are read: a probe on the meta device would
     # initialise its weights through torch's Python decompositions, whose first use imports torch._dynamo (1-3 s).
+    check_config_fits_weights(directory, raw_config)     # before a 5e7-row embedding is allocated
     model = RecurrentLM(cfg)
     expected = {weights.to_checkpoint(k): v.shape for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:

@@ -607,6 +607,13 @@ class RunDir:
         return f"RunDir({str(self.path)!r}, kind={self.manifest.get('kind')!r})"
 
 
+def check_run_dir(run_dir, where: str) -> None:
+    """run_dir, where a function takes one: None or a RunDir (a path string would be written as if it were one)."""
+    if run_dir is not None and not isinstance(run_dir, RunDir):
+        raise TypeError(f"{where}: run_dir must be a RunDir or None, got {type(run_dir).__name__} {run_dir!r}; open "
+                        "one with RunDir.create_or_open(path, kind=..., model_name=...)")
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Input run directories (--from-scan and the like)
 # --------------------------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class Case:
     new: bool = True                 # found by issue 32 (failed before it)
     issue: int = 32                  # the issue that found it
     hold: Optional[tuple] = None     # (directory under --out's parent, nested names): another process's run lock
+    error: type = ValueError         # API rows: the exception (TypeError for an argument of the wrong type)
 
 
 # ---- damage to a checkpoint or a result directory --------------------------------------------------------------
@@ -303,6 +304,56 @@ def pairs_of_another_tokenizer(ctx):
     pairs = build_pairs(ctx["swapped_tokenizer"], split="heldout", n_sources=1, n_facts=2, presentations=2,
                         filler_tokens=12, pairs_per_source=1)
     iv.state_swap(ctx["model"], pairs, [(0, 1)])
+
+
+def load(*args, **kwargs):
+    def call(ctx):
+        from recurscope.interp.loading import load_model
+
+        load_model(*args, **kwargs)
+    return call
+
+
+def tokenizer_given(value):
+    def call(ctx):
+        from recurscope.interp.loading import load_model
+
+        load_model(str(ctx["ckpt"]), tokenizer=value(ctx) if callable(value) else value)
+    return call
+
+
+def on_model(method: str, *args, **kwargs):
+    """A call of one of the model's TransformerLens methods (generate, to_string, to_tokens, forward)."""
+    def call(ctx):
+        getattr(ctx["model"], method)(*args, **kwargs)
+    return call
+
+
+def patched(tokens=None, patches=()):
+    def call(ctx):
+        from recurscope.hooks import run_with_patches
+
+        run_with_patches(ctx["model"], ctx["tokens"] if tokens is None else tokens, list(patches))
+    return call
+
+
+def scan_call(fn: str, **kwargs):
+    def call(ctx):
+        if fn == "run_scan":
+            from recurscope.interp.scan import run_scan as run
+        else:
+            from recurscope.interp.scan_attribution import run_attribution_scan as run
+        run(ctx["model"], ctx["pairs"], **kwargs)
+    return call
+
+
+def pairs_with(**kwargs):
+    def call(ctx):
+        from recurscope.interp.data import build_pairs
+
+        build_pairs(ctx["model"].tokenizer, split="heldout", n_sources=1, n_facts=2, presentations=2,
+                    filler_tokens=12, **kwargs)
+    return call
 
 
 SCAN = ["scan", "{ckpt}", "--out", "{out}", *SMALL]
@@ -599,6 +650,72 @@ CASES = [
 ]
 
 
+CASES += [
+    # -- issue 42: the Python API, one line each (TypeError for an argument of the wrong type)
+    Case("load 42", API, "`load_model(42)`", ("load_model: path_or_name must be a checkpoint directory or a bundled "
+                                              "name",), call=load(42), issue=42, error=TypeError),
+    Case("load None", API, "`load_model(None)`", ("path_or_name must be a checkpoint directory",), call=load(None),
+         issue=42, error=TypeError),
+    Case("load tpu", API, "`load_model(..., device='tpu')`", ("device 'tpu' is not a device torch knows",
+                                                             "use 'cpu'"), call=load("tiny-gla", device="tpu"),
+         issue=42),
+    Case("load dtype string", API, "`load_model(..., dtype='float32')` (a string for a dtype)",
+         ("dtype must be a torch dtype, got the string 'float32'", "pass torch.float32"),
+         call=load("tiny-gla", dtype="float32"), issue=42, error=TypeError),
+    Case("tokenizer empty", API, "`load_model(..., tokenizer='')`", ("tokenizer '' is not a directory",),
+         call=tokenizer_given(""), issue=42),
+    Case("tokenizer file", API, "`load_model(..., tokenizer=<a file>)`", ("is not a directory",),
+         call=tokenizer_given(lambda ctx: str(ctx["ckpt"] / "config.json")), issue=42),
+    Case("tokenizer bytes", API, "`load_model(..., tokenizer=b'...')`, a dict, `object()` or `True`",
+         ("tokenizer must be a tokenizer object", "got bytes"), call=tokenizer_given(b"tok"), issue=42,
+         error=TypeError),
+    Case("tokenizer dict", API, "`load_model(..., tokenizer={})`", ("tokenizer must be a tokenizer object",
+                                                                    "got dict"), call=tokenizer_given({}),
+         issue=42, error=TypeError),
+    Case("tokenizer object", API, "`load_model(..., tokenizer=object())`", ("got object",),
+         call=tokenizer_given(object()), issue=42, error=TypeError),
+    Case("tokenizer True", API, "`load_model(..., tokenizer=True)`", ("got bool",), call=tokenizer_given(True),
+         issue=42, error=TypeError),
+    Case("generate negative", API, "`generate(max_new_tokens=-1)` (accepted before)",
+         ("generate: max_new_tokens must be an integer >= 0, got -1",),
+         call=on_model("generate", "Paris", max_new_tokens=-1), issue=42),
+    Case("generate top_k float", API, "`generate(top_k=2.5)`", ("top_k must be an integer >= 1 (or None), got 2.5",),
+         call=on_model("generate", "Paris", top_k=2.5), issue=42),
+    Case("generate eos negative", API, "`generate(eos_token_id=-1)`", ("eos_token_id must be a token id in [0,",),
+         call=on_model("generate", "Paris", eos_token_id=-1), issue=42),
+    Case("generate temperature nan", API, "`generate(temperature=nan)` (a raw error before)",
+         ("temperature must be a finite number >= 0", "got nan"),
+         call=on_model("generate", "Paris", temperature=float("nan")), issue=42),
+    Case("to_string range", API, "`to_string` on an id beyond the vocabulary", ("to_string: token id 999999 is "
+                                                                               "outside the vocabulary",),
+         call=on_model("to_string", [999999]), issue=42),
+    Case("to_string 3-D", API, "`to_string` on 3-D ids", ("to_string takes token ids of shape (T,) or (B, T)",),
+         call=on_model("to_string", torch.ones(1, 1, 2, dtype=torch.long)), issue=42),
+    Case("to_tokens surrogate", API, "`to_tokens('\\ud800')` (a lone surrogate; a raw error before)",
+         ("to_tokens: the text holds", "a lone surrogate"), call=on_model("to_tokens", "\ud800"), issue=42),
+    Case("state_positions float", API, "`run_with_cache(..., state_positions=[2.5])`",
+         ("state_positions must be integer positions in [0,",),
+         call=lambda ctx: ctx["model"].run_with_cache(ctx["tokens"], state_positions=[2.5]), issue=42),
+    Case("cu_seqlens float", API, "float `cu_seqlens`", ("cu_seqlens must be integer offsets",),
+         call=lambda ctx: ctx["model"](ctx["tokens"][:1], cu_seqlens=[0.0, float(ctx["tokens"].shape[1])]),
+         issue=42),
+    Case("empty tokens", API, "tokens of shape (1, 0)", ("tokens has shape (1, 0): no rows or no positions",),
+         call=patched(tokens=torch.zeros(1, 0, dtype=torch.long)), issue=42),
+    Case("patches None", API, "`patches=[None]`", ("patches[0] is None, not a patch specification",),
+         call=patched(patches=[None]), issue=42),
+    Case("write scale position", API, "`WriteScale` at a position beyond the run",
+         ("WriteScale(layer=0).positions [999] are not positions of this run's",),
+         call=lambda ctx: patched(patches=[__import__("recurscope.hooks", fromlist=["WriteScale"]).WriteScale(
+             0, 1, [999], scale=0.0)])(ctx), issue=42),
+    Case("run_scan run_dir string", API, "`run_scan(run_dir='a/string')`",
+         ("run_scan: run_dir must be a RunDir or None, got str", "RunDir.create_or_open"),
+         call=scan_call("run_scan", run_dir="a/string"), issue=42, error=TypeError),
+    Case("attribution batch 0", API, "`run_attribution_scan(batch_size=0)` (accepted before)",
+         ("batch_size must be a positive integer, got 0",), call=scan_call("attribution", batch_size=0), issue=42),
+    Case("build_pairs values empty", API, "`build_pairs(values=[])` (an IndexError before)",
+         ("build_pairs: values= must be a list of at least 2 words",), call=pairs_with(values=[]), issue=42),
+]
+
 # ---- running a row --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_checkpoint, word_tok):
@@ -695,7 +812,7 @@ def _hung(signum, frame):
 def run_case(case: Case, world, tmp: Path, capsys) -> str:
     """Runs one row and returns its error line, asserting everything the harness promises."""
     if case.kind == API:
-        with pytest.raises(ValueError) as info:
+        with pytest.raises(case.error) as info:
             case.call(world)
         message = str(info.value)
         assert "\n" not in message, message
@@ -753,7 +870,7 @@ def render_table() -> str:
     lines = [BEGIN, "", "| class | bad input | what it gets |", "|---|---|---|"]
     for case in CASES:
         what = " ... ".join(case.expect).replace("|", "\\|")
-        gets = f"exit 2, ``error: ...{what}...``" if case.kind != API else f"``ValueError: ...{what}...``"
+        gets = f"exit 2, ``error: ...{what}...``" if case.kind != API else f"``{case.error.__name__}: ...{what}...``"
         lines.append(f"| {case.kind} | {case.bad.replace('|', chr(92) + '|')} | {gets} |")
     return "\n".join(lines + ["", END])
 

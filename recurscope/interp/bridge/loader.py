@@ -8,9 +8,9 @@ import torch
 
 from recurscope.interp.bridge.families import bridge_family, supported_model_types
 from recurscope.interp.bridge.model import BridgedLM
-from recurscope.interp.checkpoint_files import (CheckpointError, check_cast_fits_files, check_finite_weights,
-                                                check_no_remote_code, check_shards, check_tokenizer_fits, read_json,
-                                                read_weight_file)
+from recurscope.interp.checkpoint_files import (CheckpointError, check_cast_fits_files, check_config_fits_weights,
+                                                check_finite_weights, check_no_remote_code, check_shards,
+                                                check_tokenizer_fits, read_json, read_weight_file)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -135,6 +135,7 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
     if not any(directory.glob("*.safetensors")):
         for path in sorted(directory.glob("pytorch_model*.bin")):   # pickles: refused unless plain tensors
             read_weight_file(path)
+    check_config_fits_weights(directory, raw_config)     # before transformers allocates a 5e7-row embedding
     check_no_remote_code(directory)        # load_model checked already; a direct caller is checked here
     if isinstance(tokenizer, (str, Path)):
         check_no_remote_code(Path(tokenizer))
