@@ -261,6 +261,12 @@ def check_tokenizer_files(directory: Path) -> None:
         if vocab is not None and not isinstance(vocab, (dict, list)):
             raise CheckpointError(f"{tok}: `model.vocab` must be a JSON object or list, got a "
                                   f"{type(vocab).__name__}; restore it from the original checkpoint")
+        unk = raw["model"].get("unk_token")
+        if raw["model"].get("type") == "WordLevel" and isinstance(vocab, dict) and unk not in vocab:
+            raise CheckpointError(f"{tok}: the WordLevel vocabulary lacks its unknown token (`model.unk_token` "
+                                  f"{unk!r} is not in `model.vocab`), so any word outside the vocabulary fails to "
+                                  "encode; add the token to the vocabulary, or restore the file from the original "
+                                  "checkpoint")
     cfg = directory / "tokenizer_config.json"
     if cfg.exists():
         raw = read_json(cfg, "tokenizer configuration")

@@ -9,6 +9,7 @@ import codecs
 import math
 import os
 import signal
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,12 @@ def check_options(args) -> None:
         if bad:
             raise CheckError(f"{_flag(name)} values must be at least {low}, got {bad[0]}{WHY.get(name, '')}; e.g. "
                              f"{_flag(name)} {max(low, 1)}")
+    for name in ("formats", "loads", "gaps", "fillers"):
+        values = getattr(args, name, None)
+        if isinstance(values, (list, tuple)) and len(set(map(str, values))) < len(values):
+            twice = next(v for i, v in enumerate(values) if v in values[:i])
+            raise CheckError(f"{_flag(name)} lists {twice} more than once; give each value once, e.g. {_flag(name)} "
+                             + " ".join(dict.fromkeys(map(str, values))))
     for name in FRACTIONS:
         value = getattr(args, name, None)
         if value is not None and not 0.0 <= value <= 1.0:
@@ -117,9 +124,20 @@ def check_inputs(args) -> None:
                                                       and p.suffix in (".txt", ".raw", ""))
         for f in files:
             _check_utf8(f)
+    for name in ("keys", "values"):      # a word-list file: UTF-8 text, one word a line
+        spec = getattr(args, name, None)
+        if isinstance(spec, str) and os.path.lexists(spec):
+            from recurscope.interp.checkpoint_files import file_kind
+
+            mode = os.stat(spec).st_mode if os.path.exists(spec) else 0
+            if stat.S_ISDIR(mode) or not stat.S_ISREG(mode):
+                raise CheckError(f"{_flag(name)} {spec} is {file_kind(mode)}, not a word-list file; pass a text "
+                                 f"file with one word a line, or a comma list ({_flag(name)} red,blue,green)")
+            _check_utf8(Path(spec), option=_flag(name), fix="save it as UTF-8 text with one word a line")
 
 
-def _check_utf8(path: Path, chunk: int = 1 << 20) -> None:
+def _check_utf8(path: Path, chunk: int = 1 << 20, option: str = "--corpus",
+                fix: str = "convert it, e.g. `iconv -f latin1 -t utf-8`, or leave it out of the corpus folder") -> None:
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
     with open(path, "rb") as fh:
@@ -128,9 +146,8 @@ def _check_utf8(path: Path, chunk: int = 1 << 20) -> None:
             try:
                 decoder.decode(block, final=not block)
             except UnicodeDecodeError as err:
-                raise CheckError(f"--corpus: {path} is not UTF-8 text (undecodable byte at offset "
-                                 f"{offset + err.start}); convert it, e.g. `iconv -f latin1 -t utf-8`, or leave it "
-                                 "out of the corpus folder") from None
+                raise CheckError(f"{option}: {path} is not UTF-8 text (undecodable byte at offset "
+                                 f"{offset + err.start}); {fix}") from None
             if not block:
                 return
             offset += len(block)

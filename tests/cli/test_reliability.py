@@ -160,6 +160,12 @@ def link_to(name: str, target: str):
     return damage
 
 
+def _drop_unk(path: Path):
+    raw = json.loads(path.read_text())
+    del raw["model"]["vocab"]["[UNK]"]
+    path.write_text(json.dumps(raw))
+
+
 def header_dtype(dtype: str):
     """model.safetensors' header marks lm_head.weight (F32) as another dtype of the same width: only the header
     changes, so the file still checks against its size."""
@@ -494,6 +500,10 @@ CASES = [
          issue=42),
     Case("tokenizer FIFO", CHECKPOINT, "`tokenizer.json` a FIFO",
          ("tokenizer.json is a FIFO (named pipe)",), SCAN_BAD, fifo("tokenizer.json"), issue=42),
+    Case("wordlevel without unk", CHECKPOINT, "a WordLevel `tokenizer.json` without its `[UNK]` (a traceback at the "
+         "first unknown word before)", ("tokenizer.json: the WordLevel vocabulary lacks its unknown token",
+                                        "`model.unk_token` '[UNK]' is not in `model.vocab`"), SCAN_BAD,
+         lambda d: _drop_unk(d / "tokenizer.json"), issue=42),
     # -- issue 42: the newer families' config values (a ZeroDivisionError, KeyError or silent accept before)
     Case("mamba2 n_groups 0", CHECKPOINT, "Mamba-2 `config.json`: `n_groups: 0` (ZeroDivisionError before)",
          ("`n_groups` must be a positive integer, got 0",), SCAN_BAD, config(n_groups=0), "tiny-mamba2", issue=42),
@@ -540,6 +550,13 @@ CASES = [
     Case("confirm-top above heads", CLI, "`--confirm-top 99` on a model of 4 heads (accepted before)",
          ("--confirm-top 99 is more than this model's 4 heads", "use --confirm-top 4 or fewer"),
          [*SCAN, "--method", "attribution", "--confirm-top", "99"], issue=42),
+    Case("topk formats twice", CLI, "`topk --formats compact compact` (a nameless error before)",
+         ("--formats lists compact more than once", "give each value once"),
+         ["topk", "{ckpt}", "--n-sources", "1", "--formats", "compact", "compact", "--out", "{out}"], issue=42),
+    Case("keys binary", INPUT, "`--keys` a binary file (a nameless decoding error before)",
+         ("--keys:", "keys.txt is not UTF-8 text (undecodable byte at offset 2)", "one word a line"),
+         [*SCAN, "--keys", "{bad}/keys.txt"], lambda d: (d / "keys.txt").write_bytes(b"ab\xbc\xff\x00" * 20),
+         issue=42),
     Case("seed 2**70", CLI, "`--seed 2**70` (accepted before)", ("--seed must be at most 9,223,372,036,854,775,807",),
          [*SCAN, "--seed", str(2 ** 70)], issue=42),
     Case("n-nontarget 1e9", CLI, "`retention --n-nontarget 1000000000` (accepted before)",
@@ -758,7 +775,7 @@ def _prepare(case: Case, world, tmp: Path) -> dict:
     elif case.damage is not None:
         if case.kind == CHECKPOINT:
             src = {"fla": world["ckpt"], "qwen": QWEN}.get(case.base, QWEN.parent / case.base)
-        elif "--corpus" in case.argv:
+        elif "--corpus" in case.argv or "--keys" in case.argv:
             src = None
         else:
             src = world["scan"]
