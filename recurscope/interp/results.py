@@ -444,6 +444,33 @@ class WorkDiffers(ValueError):
         self.diffs = list(diffs)
 
 
+#: args naming an input result directory by path (a `run`'s confirmation names its own scan/): a moved run
+#: directory still resumes when the path now given holds the same run (the heads it gave are compared anyway)
+MOVABLE_PATH_ARGS = ("from_scan",)
+
+
+def _manifest_of(path) -> Optional[dict]:
+    try:
+        raw = json.loads(read_regular_bytes(Path(path) / MANIFEST_NAME).decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def _same_run(old_path, new_path) -> bool:
+    """Whether result directory `new_path` is the run recorded at `old_path` (moved or copied): its manifest has
+    the same creation time, kind, checkpoint hash and work; when `old_path` is gone, `new_path` must be a run."""
+    if not isinstance(old_path, str) or not isinstance(new_path, str):
+        return False
+    new = _manifest_of(new_path)
+    if new is None:
+        return False
+    old = _manifest_of(old_path)
+    if old is None:
+        return not Path(old_path).exists()
+    return all(old.get(k) == new.get(k) for k in ("created", "kind", "checkpoint_hash", "args", "seeds", "sources"))
+
+
 class RunDir:
     """One run's output directory. Create it with ``RunDir.create``, reopen it for a resume with ``RunDir.open``
     (which refuses if the work would differ), or use ``RunDir.create_or_open`` from a CLI."""
@@ -533,6 +560,11 @@ class RunDir:
                                        dict(value) if name == "args" else value)
         if checkpoint_path is not None:
             now["checkpoint_hash"] = checkpoint_hash(checkpoint_path)
+        if isinstance(now.get("args"), dict) and isinstance(manifest.get("args"), dict):
+            for key in MOVABLE_PATH_ARGS:
+                old_path, new_path = manifest["args"].get(key), now["args"].get(key)
+                if old_path != new_path and _same_run(old_path, new_path):
+                    now["args"][key] = old_path      # the input run moved (with this one): the same work
         diffs = [f"{name}: run has {manifest.get(name)!r}, now {value!r}" for name, value in now.items()
                  if manifest.get(name) != value]
         if diffs:

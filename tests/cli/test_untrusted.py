@@ -183,3 +183,31 @@ def test_rows_without_manifest_are_not_reused(tmp_path):
     (tmp_path / "r" / "manifest.json").unlink()
     with pytest.raises(ValueError, match="holds committed rows .scan_rows.jsonl. but no manifest.json"):
         RunDir.create_or_open(tmp_path / "r", kind="scan", model_name="m", seeds=[1])
+
+
+# ---- reports and moved run directories ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_moved_run_resumes_and_report_escapes_the_manifest(tmp_path, tiny_checkpoint):
+    """A `run` directory moved elsewhere resumes (its confirmation named its scan by the old path, so the rerun was
+    refused before); a crafted argv and layout name in the manifest stay inside code spans in report.md."""
+    import pandas as pd
+
+    from recurscope.interp.cli import main
+
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    args = [*SMALL[:-4], "--n-dev", "2", "--n-heldout", "2", "--gate-threshold", "0"]
+    assert main(["run", str(ckpt), "--out", str(tmp_path / "a"), *args]) == 0
+    rows = len(pd.read_json(tmp_path / "a" / "confirm" / "confirm_rows.jsonl", lines=True))
+    (tmp_path / "a").rename(tmp_path / "b")
+    crafted = tmp_path / "b" / "confirm" / "manifest.json"
+    manifest = json.loads(crafted.read_text())
+    manifest["argv"] = ["x`\n# Injected heading\n<script>alert(1)</script>", "``"]
+    manifest["extra"]["pair_layout"]["name"] = "paper`\n## Owned"
+    crafted.write_text(json.dumps(manifest))
+    assert main(["run", str(ckpt), "--out", str(tmp_path / "b"), *args]) == 0
+    assert len(pd.read_json(tmp_path / "b" / "confirm" / "confirm_rows.jsonl", lines=True)) == rows
+    report = (tmp_path / "b" / "report.md").read_text()
+    headings = [line for line in report.splitlines() if line.startswith("#")]
+    assert not any("Injected" in h or "Owned" in h for h in headings), headings
+    line = next(line for line in report.splitlines() if "command:" in line)
+    assert "```" in line and "<script>" in line.split("```")[1]     # inside a code span (fence longer than ``)
