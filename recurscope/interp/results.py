@@ -825,8 +825,9 @@ def check_out_dir(out, kind: str) -> None:
         mode = os.lstat(out).st_mode
     except OSError:       # absent, under a file, unreadable: the CLI's writability check words these
         return
-    if stat.S_ISLNK(mode) and out.is_dir():
-        mode = os.stat(out).st_mode      # --out itself may be a link the user chose; nothing inside may be
+    if stat.S_ISLNK(mode):
+        raise OutputRefused(f"--out {out} is a symbolic link (to {os.readlink(out)}); recurscope writes only into "
+                            f"real directories, never through a link: pass --out {os.path.realpath(out)}")
     if not stat.S_ISDIR(mode):
         raise OutputRefused(f"--out {out} is {file_kind(mode)}, not a directory; use a fresh folder, e.g. "
                             f"--out {out}-{kind}")

@@ -141,6 +141,10 @@ def test_out_dir_accepts_only_empty_or_same_kind(tmp_path):
     from recurscope.interp.results import OutputRefused, RunDir, check_out_dir
 
     check_out_dir(tmp_path / "absent", "scan")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "real")
+    with pytest.raises(OutputRefused, match=r"--out .*alias is a symbolic link .* pass --out .*real"):
+        check_out_dir(tmp_path / "alias", "scan")
     (tmp_path / "empty").mkdir()
     check_out_dir(tmp_path / "empty", "scan")
     RunDir.create(tmp_path / "scan", kind="scan", model_name="m")
