@@ -120,8 +120,21 @@ def check_inputs(args) -> None:
     corpus = getattr(args, "corpus", None)
     if corpus and Path(corpus).exists():
         path = Path(corpus)
+        mode = os.stat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):    # a FIFO would block the filler reader for ever
+            from recurscope.interp.checkpoint_files import file_kind
+
+            raise CheckError(f"--corpus {path} is {file_kind(mode)}, not a text file or folder; pass a WikiText .raw "
+                             "file or a folder of .txt files")
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()
                                                       and p.suffix in (".txt", ".raw", ""))
+        odd = [] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".raw", "")
+                                               and not (p.is_file() or p.is_dir()))
+        if odd:
+            from recurscope.interp.checkpoint_files import file_kind
+
+            raise CheckError(f"--corpus: {odd[0]} is {file_kind(os.lstat(odd[0]).st_mode)}, not a text file; remove "
+                             "it from the corpus folder")
         for f in files:
             _check_utf8(f)
     for name in ("keys", "values"):      # a word-list file: UTF-8 text, one word a line

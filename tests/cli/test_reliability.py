@@ -557,6 +557,9 @@ CASES = [
          ("--keys:", "keys.txt is not UTF-8 text (undecodable byte at offset 2)", "one word a line"),
          [*SCAN, "--keys", "{bad}/keys.txt"], lambda d: (d / "keys.txt").write_bytes(b"ab\xbc\xff\x00" * 20),
          issue=42),
+    Case("corpus FIFO", INPUT, "`--corpus` a FIFO (blocked for ever before)",
+         ("--corpus", "corpus.txt is a FIFO (named pipe), not a text file or folder"),
+         [*SCAN, "--corpus", "{bad}/corpus.txt"], fifo("corpus.txt"), issue=42),
     Case("seed 2**70", CLI, "`--seed 2**70` (accepted before)", ("--seed must be at most 9,223,372,036,854,775,807",),
          [*SCAN, "--seed", str(2 ** 70)], issue=42),
     Case("n-nontarget 1e9", CLI, "`retention --n-nontarget 1000000000` (accepted before)",
@@ -775,7 +778,7 @@ def _prepare(case: Case, world, tmp: Path) -> dict:
     elif case.damage is not None:
         if case.kind == CHECKPOINT:
             src = {"fla": world["ckpt"], "qwen": QWEN}.get(case.base, QWEN.parent / case.base)
-        elif "--corpus" in case.argv or "--keys" in case.argv:
+        elif "--corpus" in case.argv or "--keys" in case.argv or case.name == "corpus FIFO":
             src = None
         else:
             src = world["scan"]
