@@ -96,7 +96,8 @@ def check_bridge_config(raw: dict, where: str = "config.json") -> None:
         if pair is None or pair[0] < 0 or (pair[0] >= pair[1] if strict else pair[0] > pair[1]):
             raise ValueError(f"{where}: `{key}` must be a pair [low, high] of numbers with 0 <= low "
                              f"{'<' if strict else '<='} high, got {fla_config._show(raw[key])}; fix it to match the "
-                             "checkpoint (transformers' default time_step_limit is [0.0, {\"__float__\": \"Infinity\"}])")
+                             "checkpoint (transformers' default time_step_limit is "
+                             "[0.0, {\"__float__\": \"Infinity\"}])")
     for key in BRIDGE_ACTIVATIONS:
         if key in raw:
             from transformers.activations import ACT2CLS
