@@ -107,6 +107,16 @@ def _where(patch, t: torch.Tensor, hook) -> torch.Tensor:
                              f"activation needs (B, T, H) = {(B, T, H)}; build the mask for this batch and length")
         return patch.mask.to(t.device)
     rows = torch.arange(B) if getattr(patch, "batch", None) is None else torch.as_tensor(list(patch.batch))
+    label = f"{hook.name}: {type(patch).__name__}(layer={patch.layer})"
+    if not isinstance(patch.positions, slice):
+        items = list(patch.positions) if hasattr(patch.positions, "__iter__") else [patch.positions]
+        if not all(_is_index(p) and -T <= operator.index(p) < T for p in items):
+            raise ValueError(f"{label}.positions {patch.positions!r} are not positions of this run's {T} tokens; "
+                             f"give integers in [0, {T}) or a slice")
+    if rows.numel() and not (rows.dtype != torch.bool and not rows.is_floating_point()
+                             and -B <= int(rows.min()) and int(rows.max()) < B):
+        raise ValueError(f"{label}.batch {patch.batch!r} names rows outside this run's {B}; give row indices in "
+                         f"[0, {B})")
     pos = torch.arange(T)[patch.positions]
     heads = torch.as_tensor(_heads(patch.heads))
     m = torch.zeros(B, T, H, dtype=torch.bool)
@@ -280,6 +290,9 @@ def check_tokens(tokens) -> None:
                else type(tokens).__name__)
         raise ValueError(f"tokens must be a 2-D integer tensor (B, T), got {got}; for one sequence pass "
                          "tokens[None]")
+    if 0 in tokens.shape:
+        raise ValueError(f"tokens has shape {tuple(tokens.shape)}: no rows or no positions to patch; pass at least "
+                         "one row of at least one token")
 
 
 def check_patch_heads(model, patch) -> None:
@@ -311,7 +324,13 @@ def patch_hooks(model, patches: Sequence) -> list[tuple[str, Callable]]:
     """The forward hooks of every patch, each checked to name a hook point of `model` and every head checked
     (check_patch_heads)."""
     hooks: list[tuple[str, Callable]] = []
-    for p in patches:
+    if isinstance(patches, (str, bytes)) or not hasattr(patches, "__iter__"):
+        raise ValueError(f"patches must be a list of patch specifications (WriteScale, WriteReplace, StateReplace, "
+                         f"ReadoutReplace), got {type(patches).__name__}")
+    for i, p in enumerate(patches):
+        if not hasattr(p, "fwd_hooks"):
+            raise ValueError(f"patches[{i}] is {p!r}, not a patch specification; pass WriteScale, WriteReplace, "
+                             "StateReplace or ReadoutReplace objects")
         check_patch_heads(model, p)
         hooks.extend(p.fwd_hooks())
     for name, _ in hooks:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import torch
@@ -69,6 +70,12 @@ def read_index(directory: Path) -> dict:
     return weight_map
 
 
+# safetensors' integer and boolean dtypes: no weight of a supported model is stored so (an lm_head marked I32 would
+# be read as integers and cast, giving logits of 1e11); only these buffers may be.
+INTEGER_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
+INTEGER_BUFFERS = ("position_ids", "num_batches_tracked")
+
+
 def safetensors_header(path: Path) -> dict:
     """The JSON header of a safetensors file, checked against the file's size without reading any tensor: a
     truncated or garbled file raises CheckpointError naming it at once (loading would fail minutes later)."""
@@ -93,6 +100,11 @@ def safetensors_header(path: Path) -> dict:
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        if dtype in INTEGER_DTYPES and not name.endswith(INTEGER_BUFFERS):
+            raise CheckpointError(f"{path}: tensor `{name}` is stored as {dtype}, but a model weight is floating "
+                                  "point (F32, F16, BF16 or F64); its values would be read as garbage: the file is "
+                                  "damaged or was not saved from a model: download or save the checkpoint again")
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
         if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1]):
@@ -147,19 +159,112 @@ def read_weight_file(path: Path) -> dict:
             from safetensors.torch import load_file
 
             return load_file(str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # safetensors and torch raise their own types for a damaged file
-        reason = " ".join(str(err).split()) or type(err).__name__
+        reason = " ".join(str(err).split())[:300] or type(err).__name__
+        if "weights_only" in reason or "Unpickl" in type(err).__name__:
+            raise CheckpointError(f"{path} is not a plain weight file: it asks to run code when unpickled, which "
+                                  "recurscope never does; use the checkpoint's safetensors files (or convert it "
+                                  "with a tool you trust)") from None
         raise CheckpointError(f"{path} cannot be read as weights ({type(err).__name__}: {reason}); the file is "
                               "truncated or corrupt: download or save the checkpoint again") from err
+    if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+        raise CheckpointError(f"{path} holds a {type(loaded).__name__}, not a dict of weight tensors; download or "
+                              "save the checkpoint again")
+    for name, tensor in loaded.items():
+        if not (tensor.is_floating_point() or str(name).endswith(INTEGER_BUFFERS)):
+            raise CheckpointError(f"{path}: tensor `{name}` is stored as {tensor.dtype}, but a model weight is "
+                                  "floating point; the file is damaged or was not saved from a model: download or "
+                                  "save the checkpoint again")
+    return loaded
+
+
+# A JSON file of a checkpoint (config, tokenizer configuration, index) larger than this is not one: a link to
+# /dev/zero or a stray data file, refused before it is read into memory.
+MAX_JSON_BYTES = 1 << 30
+
+
+def file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_regular(path: Path, what: str, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of `path`, which must be a regular file (a link to one is followed) of at most `limit` bytes. A FIFO,
+    a device or a socket is refused at once, without blocking on it: opened non-blocking, judged by fstat."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be opened ({err.strerror or err}); it should be {what}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{path} is {file_kind(info.st_mode)}, not a regular file; it should be {what}: "
+                                  "replace it with the file itself")
+        if info.st_size > limit:
+            raise CheckpointError(f"{path} is {info.st_size:,} bytes, more than the {limit:,} that {what} can be; "
+                                  "it is the wrong file: restore it from the original checkpoint")
+        chunks = []
+        while True:
+            block = os.read(fd, 1 << 20)
+            if not block:
+                break
+            chunks.append(block)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def read_json(path: Path, what: str):
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_regular(path, f"the checkpoint's {what}").decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+        if isinstance(err, CheckpointError):
+            raise
+
         raise CheckpointError(f"{path} is not valid JSON ({err}); it should be the checkpoint's {what}: restore it "
                               "from the original checkpoint") from None
+
+
+# Files whose `auto_map` would make transformers import Python shipped with the checkpoint.
+CODE_MAP_FILES = ("config.json", "tokenizer_config.json")
+
+
+def _auto_maps(raw, where: str = "") -> list:
+    """The key paths of every `auto_map` in a parsed JSON file (nested ones included, e.g. text_config.auto_map)."""
+    found = []
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            path = f"{where}.{key}" if where else str(key)
+            if key == "auto_map":
+                found.append(path)
+            else:
+                found += _auto_maps(value, path)
+    elif isinstance(raw, list):
+        for i, value in enumerate(raw):
+            found += _auto_maps(value, f"{where}[{i}]")
+    return found
+
+
+def check_no_remote_code(directory: Path) -> None:
+    """Refuses a checkpoint whose config.json or tokenizer_config.json has an `auto_map`: transformers would import
+    the Python it names (after a prompt, or at once with trust_remote_code). recurscope never runs a checkpoint's
+    code; it is refused here, before transformers reads anything, naming the file and the key."""
+    for name in CODE_MAP_FILES:
+        path = Path(directory) / name
+        if not path.exists():
+            continue
+        keys = _auto_maps(read_json(path, "configuration"))
+        if keys:
+            raise CheckpointError(f"{path}: `{keys[0]}` names Python code shipped with the checkpoint, and recurscope "
+                                  "never runs a checkpoint's code; remove the key (recurscope loads fla's and "
+                                  "transformers' own architectures only)")
 
 
 # Tokenizer files: what each must hold, checked before transformers reads them (it raises bare KeyErrors).
@@ -169,7 +274,7 @@ TOKENIZER_JSON_KEYS = {"model": dict, "added_tokens": list}
 def check_tokenizer_files(directory: Path) -> None:
     """tokenizer.json and tokenizer_config.json parsed and checked, each problem naming its file."""
     tok = directory / "tokenizer.json"
-    if tok.is_file():
+    if tok.exists():              # not is_file(): a FIFO or device is refused by read_json, not skipped
         raw = read_json(tok, "tokenizer (tokenizers' JSON format)")
         if not isinstance(raw, dict):
             raise CheckpointError(f"{tok} holds a JSON {type(raw).__name__}, not a tokenizer object; restore it "
@@ -183,8 +288,14 @@ def check_tokenizer_files(directory: Path) -> None:
         if vocab is not None and not isinstance(vocab, (dict, list)):
             raise CheckpointError(f"{tok}: `model.vocab` must be a JSON object or list, got a "
                                   f"{type(vocab).__name__}; restore it from the original checkpoint")
+        unk = raw["model"].get("unk_token")
+        if raw["model"].get("type") == "WordLevel" and isinstance(vocab, dict) and unk not in vocab:
+            raise CheckpointError(f"{tok}: the WordLevel vocabulary lacks its unknown token (`model.unk_token` "
+                                  f"{unk!r} is not in `model.vocab`), so any word outside the vocabulary fails to "
+                                  "encode; add the token to the vocabulary, or restore the file from the original "
+                                  "checkpoint")
     cfg = directory / "tokenizer_config.json"
-    if cfg.is_file():
+    if cfg.exists():
         raw = read_json(cfg, "tokenizer configuration")
         if not isinstance(raw, dict):
             raise CheckpointError(f"{cfg} holds a JSON {type(raw).__name__}, not an object of tokenizer options; "
@@ -222,3 +333,46 @@ def check_tokenizer_fits(tokenizer, vocab_size: int, directory: Path) -> None:
         raise CheckpointError(f"the tokenizer in {directory} has {n} tokens but config.json's vocab_size is "
                               f"{vocab_size}: it is not this model's tokenizer (check `tokenizer_class` in "
                               "tokenizer_config.json); restore the checkpoint's own tokenizer files")
+
+
+def check_cast_fits(named_tensors, dtype, directory: Path, rename=lambda name: name) -> None:
+    """Refuses a cast to `dtype` that would turn a finite weight into inf (3e38 in float16), naming the tensor:
+    every floating weight's largest magnitude against the dtype's largest finite value."""
+    if dtype is None or not dtype.is_floating_point:
+        return
+    limit = torch.finfo(dtype).max
+    for name, t in named_tensors:
+        if (t.is_floating_point() and t.numel() and torch.finfo(t.dtype).max > limit
+                and float(t.detach().abs().max()) > limit):
+            raise CheckpointError(f"weight {rename(name)} in {directory} holds {float(t.detach().abs().max()):.3g}, "
+                                  f"beyond {str(dtype).replace('torch.', '')}'s largest value {limit:.3g}: it would "
+                                  "become inf; load it in float32 or bfloat16 (--dtype float32)")
+
+
+def check_cast_fits_files(directory: Path, dtype) -> None:
+    """check_cast_fits over a directory's safetensors files, tensor by tensor (the bridge casts while it loads)."""
+    if dtype is None or not dtype.is_floating_point or torch.finfo(dtype).max >= torch.finfo(torch.float32).max:
+        return
+    from safetensors import safe_open
+
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as handle:
+            check_cast_fits(((k, handle.get_tensor(k)) for k in handle.keys()), dtype, directory)
+
+
+def check_config_fits_weights(directory: Path, raw: dict) -> None:
+    """config.json's vocab_size x hidden_size embedding (at least one byte a weight) against the bytes of every weight
+    file together: a vocab_size of 5e7 would allocate tens of GiB before the shapes are compared, so it is refused
+    first, naming both numbers."""
+    raw = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    vocab, hidden = raw.get("vocab_size"), raw.get("hidden_size")
+    if not (isinstance(vocab, int) and isinstance(hidden, int) and vocab > 0 and hidden > 0):
+        return
+    held = sum(p.stat().st_size for p in Path(directory).iterdir()
+               if p.suffix in (".safetensors", ".bin") and p.is_file())
+    need = vocab * hidden
+    if held and need > held:
+        raise CheckpointError(f"{Path(directory) / 'config.json'}: vocab_size {vocab:,} x hidden_size {hidden:,} = "
+                              f"{need:,} embedding weights (at least {need / (1 << 30):,.1f} GiB to build), more than "
+                              f"the {held:,} bytes all the weight files hold; vocab_size does not match these "
+                              "weights: restore config.json from the original checkpoint")

@@ -212,7 +212,9 @@ def _capability(model, pairs, args, run) -> dict:
                             batch_size=args.batch_size, seed=args.seed)
     n_sources = None if gate.off else int(pairs.source_id.unique().numel())
     record = gate_record(gate, n_sources, args.sources)
-    (Path(run.path) / "gate.json").write_text(json.dumps(record, indent=1) + "\n")
+    from recurscope.interp.results import write_output
+
+    write_output(Path(run.path) / "gate.json", json.dumps(record, indent=1) + "\n")
     if gate.off:
         print("WARNING: --gate-threshold 0: the capability gate is off; nothing here shows the model does the task",
               file=sys.stderr)
@@ -347,6 +349,7 @@ def validate_args(args) -> None:
         require_ray()   # before --out is created: say how to install Ray at once
     cli_checks.check_size(args)           # before --out is created: an absurd run leaves nothing behind
     if getattr(args, "out", None) is not None:
+        cli_checks.check_out_contents(args)   # nothing foreign, no link or FIFO, before anything is written
         _check_out(args.out)
 
 
@@ -395,7 +398,7 @@ def _check_out(out) -> None:
     probe = path / f".recurscope-write-check-{os.getpid()}"
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
         probe.unlink()
     except OSError as err:
         raise UsageError(f"--out {out}: cannot write there ({err.strerror or err}); choose a directory you can "
@@ -506,7 +509,9 @@ def winner_verdict(result, run_path=None) -> dict:
     verdict = {"layer": layer, "head": head, "J": ci.estimate, "low": ci.low, "high": ci.high,
                "n_sources": int(scores["source"].nunique()), "winner": bool(ci.low > 0) and not tied}
     if run_path is not None:
-        (Path(run_path) / "winner.json").write_text(json.dumps(verdict, indent=1) + "\n")
+        from recurscope.interp.results import write_output
+
+        write_output(Path(run_path) / "winner.json", json.dumps(verdict, indent=1) + "\n")
     return verdict
 
 
@@ -639,11 +644,12 @@ def cmd_run(args):
     conf_args = argparse.Namespace(**{**vars(args), "sources": "heldout", "n_sources": args.n_heldout,
                                       "out": confirm_dir, "from_scan": scan_dir, "top_k": 1})
     result = cmd_confirm(conf_args)
+    from recurscope.interp.results import write_output
+
     figures = {"scan_heatmap": scan_dir / "figures" / "scan_heatmap.png", "effects": confirm_dir / "figures" / "effects.png"}
     for key, src in list(figures.items()):
         if src.is_file():
-            dst = out / src.name
-            dst.write_bytes(src.read_bytes())
+            dst = write_output(out / src.name, src.read_bytes())
             figures[key] = dst
     path = write_report(out, model_name=args.model, scan_dir=scan_dir, confirm_dir=confirm_dir,
                         heads=[] if result is None else result.heads,

@@ -9,6 +9,7 @@ import codecs
 import math
 import os
 import signal
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,10 @@ AT_LEAST = {
     "resamples": 100,   # stats' bootstrap refuses fewer (after the whole computation, before this check)
 }
 LIST_AT_LEAST = {"loads": 1, "gaps": 0, "fillers": 0}   # --head: cli.validate_args
+# (highest value, why) per option: beyond it a value is silently wrapped or clamped downstream
+AT_MOST = {"seed": (2 ** 63 - 1, "seeds are 64-bit integers (torch and numpy generators)")}
+# Bootstrap resamples beyond this, unless --yes: the paper uses 9999; 1e12 ran out of memory after half a minute.
+MAX_RESAMPLES = 10 ** 7
 FRACTIONS = ("threshold", "gate", "gate_threshold", "capability_threshold")
 WHY = {"resamples": " (bootstrap intervals need at least 100; default 9999)",
        "head": " (heads and layers are numbered from 0)"}
@@ -47,6 +52,14 @@ def check_options(args) -> None:
         if value is not None and value < low:
             raise CheckError(f"{_flag(name)} must be at least {low}, got {value}{WHY.get(name, '')}; e.g. "
                              f"{_flag(name)} {max(low, 1) if name != 'seed' else 0}")
+    for name, (high, why) in AT_MOST.items():
+        value = getattr(args, name, None)
+        if value is not None and value > high:
+            raise CheckError(f"{_flag(name)} must be at most {high:,} ({why}), got {value:,}; e.g. {_flag(name)} 0")
+    nontarget, loads = getattr(args, "n_nontarget", None), getattr(args, "loads", None)
+    if nontarget is not None and loads and nontarget > max(loads) - 1 >= 0:
+        raise CheckError(f"--n-nontarget {nontarget:,} is more than the K - 1 = {max(loads) - 1} other facts a pair "
+                         f"of the largest load (K = {max(loads)}) has; use --n-nontarget {max(loads) - 1} or fewer")
     for name, low in LIST_AT_LEAST.items():
         values = getattr(args, name, None)
         if values is None:
@@ -57,6 +70,12 @@ def check_options(args) -> None:
         if bad:
             raise CheckError(f"{_flag(name)} values must be at least {low}, got {bad[0]}{WHY.get(name, '')}; e.g. "
                              f"{_flag(name)} {max(low, 1)}")
+    for name in ("formats", "loads", "gaps", "fillers"):
+        values = getattr(args, name, None)
+        if isinstance(values, (list, tuple)) and len(set(map(str, values))) < len(values):
+            twice = next(v for i, v in enumerate(values) if v in values[:i])
+            raise CheckError(f"{_flag(name)} lists {twice} more than once; give each value once, e.g. {_flag(name)} "
+                             + " ".join(dict.fromkeys(map(str, values))))
     for name in FRACTIONS:
         value = getattr(args, name, None)
         if value is not None and not 0.0 <= value <= 1.0:
@@ -103,13 +122,37 @@ def check_inputs(args) -> None:
     corpus = getattr(args, "corpus", None)
     if corpus and Path(corpus).exists():
         path = Path(corpus)
+        mode = os.stat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):    # a FIFO would block the filler reader for ever
+            from recurscope.interp.checkpoint_files import file_kind
+
+            raise CheckError(f"--corpus {path} is {file_kind(mode)}, not a text file or folder; pass a WikiText .raw "
+                             "file or a folder of .txt files")
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()
                                                       and p.suffix in (".txt", ".raw", ""))
+        odd = [] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".raw", "")
+                                               and not (p.is_file() or p.is_dir()))
+        if odd:
+            from recurscope.interp.checkpoint_files import file_kind
+
+            raise CheckError(f"--corpus: {odd[0]} is {file_kind(os.lstat(odd[0]).st_mode)}, not a text file; remove "
+                             "it from the corpus folder")
         for f in files:
             _check_utf8(f)
+    for name in ("keys", "values"):      # a word-list file: UTF-8 text, one word a line
+        spec = getattr(args, name, None)
+        if isinstance(spec, str) and os.path.lexists(spec):
+            from recurscope.interp.checkpoint_files import file_kind
+
+            mode = os.stat(spec).st_mode if os.path.exists(spec) else 0
+            if stat.S_ISDIR(mode) or not stat.S_ISREG(mode):
+                raise CheckError(f"{_flag(name)} {spec} is {file_kind(mode)}, not a word-list file; pass a text "
+                                 f"file with one word a line, or a comma list ({_flag(name)} red,blue,green)")
+            _check_utf8(Path(spec), option=_flag(name), fix="save it as UTF-8 text with one word a line")
 
 
-def _check_utf8(path: Path, chunk: int = 1 << 20) -> None:
+def _check_utf8(path: Path, chunk: int = 1 << 20, option: str = "--corpus",
+                fix: str = "convert it, e.g. `iconv -f latin1 -t utf-8`, or leave it out of the corpus folder") -> None:
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
     with open(path, "rb") as fh:
@@ -118,12 +161,32 @@ def _check_utf8(path: Path, chunk: int = 1 << 20) -> None:
             try:
                 decoder.decode(block, final=not block)
             except UnicodeDecodeError as err:
-                raise CheckError(f"--corpus: {path} is not UTF-8 text (undecodable byte at offset "
-                                 f"{offset + err.start}); convert it, e.g. `iconv -f latin1 -t utf-8`, or leave it "
-                                 "out of the corpus folder") from None
+                raise CheckError(f"{option}: {path} is not UTF-8 text (undecodable byte at offset "
+                                 f"{offset + err.start}); {fix}") from None
             if not block:
                 return
             offset += len(block)
+
+
+# ---- --out: empty, or a result directory of the same kind -------------------------------------------------------
+def check_out_contents(args) -> None:
+    """--out holds nothing recurscope did not create (results.check_out_dir): no foreign file is overwritten and no
+    link, FIFO or device in it is written through; before any work or any file is written."""
+    out = getattr(args, "out", None)
+    if out is None:
+        return
+    from recurscope.interp.results import check_out_dir
+
+    check_out_dir(Path(out).expanduser(), getattr(args, "command", None) or "run")
+
+
+def nested_dirs(args) -> tuple:
+    """The result directories a command writes inside its --out, locked with it: a `run`'s scan/ and confirm/."""
+    if getattr(args, "command", None) == "run":
+        from recurscope.interp.results import RUN_NESTED
+
+        return tuple(RUN_NESTED)
+    return ()
 
 
 # ---- the run sized up front -----------------------------------------------------------------------------------
@@ -178,15 +241,24 @@ def machine_memory(device: str = "cpu") -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def _checkpoint_dir(model) -> Path:
+    directory = Path(str(model)).expanduser()
+    if not directory.is_dir():                     # a bundled name (as loading.resolve_checkpoint, without torch)
+        directory = Path(__file__).parent / "checkpoints" / str(model)
+    return directory
+
+
 def _checkpoint_shape(model) -> dict:
     """hidden size, layers, heads and weight bytes read from config.json and file sizes (no model is built)."""
     import json
 
-    directory = Path(str(model)).expanduser()
-    if not directory.is_dir():                     # a bundled name (as loading.resolve_checkpoint, without torch)
-        directory = Path(__file__).parent / "checkpoints" / str(model)
-    try:
-        raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    directory = _checkpoint_dir(model)
+    from recurscope.interp.checkpoint_files import CheckpointError, read_regular
+
+    try:   # a FIFO or device config.json is refused at once, not read (it would block, or fill the memory)
+        raw = json.loads(read_regular(directory / "config.json", "the checkpoint's model configuration"))
+    except CheckpointError:
+        raise
     except (ValueError, OSError):
         return {}          # the loader reports an unusable checkpoint with its own message
     if not isinstance(raw, dict):
@@ -213,16 +285,19 @@ def size_run(args) -> Optional[RunSize]:
     if sources == 0:
         return None
     pairs = sources * (getattr(args, "pairs_per_source", None) or 1)
-    n_facts = getattr(args, "n_facts", None) or 4
-    n_facts = list(n_facts) if isinstance(n_facts, (list, tuple)) else [n_facts]   # overlap takes several loads
-    facts = max([*n_facts, getattr(args, "k", None) or 0, *(getattr(args, "loads", None) or [])])
-    presentations = getattr(args, "presentations", None) or 3
-    gap = getattr(args, "gap", None) or 24
-    filler = getattr(args, "filler", None)
-    if filler is None and hasattr(args, "layout"):   # the layout's (a recorded one is only known once loaded)
+    layout = None
+    if hasattr(args, "layout"):   # the named layout, else the checkpoint's pair_layout.json (through this check too)
         from recurscope.interp.data.layout import choose_layout
 
-        filler = choose_layout(args.layout).filler_tokens
+        layout = choose_layout(args.layout, _checkpoint_dir(args.model))
+    n_facts = getattr(args, "n_facts", None) or (layout.n_facts if layout else 4)
+    n_facts = list(n_facts) if isinstance(n_facts, (list, tuple)) else [n_facts]   # overlap takes several loads
+    facts = max([*n_facts, getattr(args, "k", None) or 0, *(getattr(args, "loads", None) or [])])
+    presentations = getattr(args, "presentations", None) or (layout.presentations if layout else 3)
+    gap = getattr(args, "gap", None) or (layout.gap_tokens if layout else 24)
+    filler = getattr(args, "filler", None)
+    if filler is None and layout is not None:
+        filler = layout.filler_tokens
     filler = max([filler or 0, getattr(args, "total_length", None) or 0,
                   *(getattr(args, "gaps", None) or []), *(getattr(args, "fillers", None) or [])])
     length = facts * presentations * (FACT_TOKENS + gap) + filler + QUERY_TOKENS
@@ -253,6 +328,12 @@ def check_size(args) -> Optional[RunSize]:
             if value > limit:
                 raise CheckError(f"this run would build {size.describe()}: {value:,} {what} exceeds the sanity "
                                  f"limit of {limit:,}; {lower}, or pass --yes if you mean it")
+    resamples = getattr(args, "resamples", None)
+    if resamples is not None and resamples > MAX_RESAMPLES and not getattr(args, "yes", False):
+        draws = resamples * max(size.sources, 1)
+        raise CheckError(f"--resamples {resamples:,} would draw {draws:,} source indices per interval (about "
+                         f"{draws * 8 / GiB:,.1f} GiB each), beyond the sanity limit of {MAX_RESAMPLES:,} resamples; "
+                         "the paper uses 9999 (the default): lower --resamples, or pass --yes if you mean it")
     bound = parse_bytes(args.max_memory) if getattr(args, "max_memory", None) else machine_memory(
         getattr(args, "device", "cpu") or "cpu")
     if size.peak_bytes > bound:
@@ -280,6 +361,19 @@ def check_loaded(model, args) -> None:
             model.check_head(layer, h)
     elif isinstance(getattr(args, "head", None), list) and len(args.head) == 2:
         model.check_head(*args.head)
+    heads = len(model.heads())
+    top = getattr(args, "confirm_top", None)
+    if top is not None and top > heads:
+        raise CheckError(f"--confirm-top {top:,} is more than this model's {heads} heads; use --confirm-top {heads} or "
+                         "fewer (all of them is the exact scan: --method exact)")
+    rank = getattr(args, "rank", None)
+    if rank is not None:
+        d_model = int(model.cfg.d_model)
+        if rank > d_model:
+            raise CheckError(f"--rank {rank:,} is more than d_model = {d_model}, the largest rank a map into the "
+                             f"residual stream can have (a rank-{rank:,} random control would hold about "
+                             f"{rank * d_model * 8 / GiB:,.1f} GiB); use --rank {min(4, d_model)} (the paper's) up to "
+                             f"{d_model}")
     total = getattr(args, "total_length", None)
     if total is not None and getattr(args, "loads", None) and model.tokenizer is not None:
         from recurscope.interp.protocols.capacity import _bare_length, load_layout
@@ -340,7 +434,7 @@ def run_guarded(args, fn: Callable) -> int:
     from recurscope.interp.results import RunLock
 
     out = getattr(args, "out", None)
-    lock = RunLock(out).acquire() if out is not None else None
+    lock = RunLock(out, nested=nested_dirs(args)).acquire() if out is not None else None
     previous = None
 
     def on_term(signum, frame):

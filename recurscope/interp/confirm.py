@@ -23,6 +23,7 @@ import torch
 
 from recurscope.interp import interventions as iv
 from recurscope.interp.metrics import example_metrics, summarise_metrics
+from recurscope.interp.results import check_run_dir
 
 CONFIRM_TABLE = "confirm_rows"
 CONFIRM_KEY = ("intervention", "row")
@@ -104,6 +105,7 @@ def run_confirm(model, pairs, heads: Sequence, run_dir=None, *, scan_heads: Opti
 
     share_runs: the arms share their unpatched runs (clean logits, prefix caches; interventions.reuse_clean_runs),
     which leaves every row as it is and saves most of the forwards; False runs each arm from scratch."""
+    check_run_dir(run_dir, "run_confirm")
     entries = [iv.named_intervention(arm) for arm in arms]
     heads = iv.normalise_heads(model, heads)
     controls = iv.choose_control_heads(model, heads, scan=scan_heads)

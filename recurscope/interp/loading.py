@@ -12,7 +12,8 @@ from typing import Optional, Union
 
 import torch
 
-from recurscope.interp.checkpoint_files import (CheckpointError, check_finite_weights, check_shards,
+from recurscope.interp.checkpoint_files import (CheckpointError, check_cast_fits, check_config_fits_weights,
+                                                check_finite_weights, check_no_remote_code, check_shards,
                                                 check_tokenizer_files, check_tokenizer_fits, read_index, read_json,
                                                 mismatch_error, read_weight_file)
 from recurscope.interp.models import ModelConfig, RecurrentLM
@@ -110,6 +111,40 @@ def checkpoint_format(raw_config: dict) -> str:
         f"{', '.join(supported_model_types())}; this architecture is neither")
 
 
+def _check_load_args(path_or_name, device, dtype, tokenizer) -> None:
+    """load_model's arguments, each refused in one line naming it and the fix (TypeError for a wrong type)."""
+    if not isinstance(path_or_name, (str, os.PathLike)) or not str(path_or_name).strip():
+        raise TypeError(f"load_model: path_or_name must be a checkpoint directory or a bundled name (a string or "
+                        f"path), got {path_or_name!r}; e.g. load_model('tiny-gla')")
+    if isinstance(dtype, str):
+        raise TypeError(f"load_model: dtype must be a torch dtype, got the string {dtype!r}; pass "
+                        f"torch.{dtype.replace('torch.', '')}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"load_model: dtype must be a floating torch dtype (torch.float32, torch.bfloat16, "
+                        f"torch.float16, torch.float64) or None, got {dtype!r}")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"load_model: device must be a string or torch.device such as 'cpu' or 'cuda:0', got "
+                        f"{device!r}")
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"load_model: device {device!r} is not a device torch knows; use 'cpu', 'cuda' or "
+                         "'cuda:N'") from None
+    if tokenizer is None:
+        return
+    if isinstance(tokenizer, (str, os.PathLike)):
+        path = Path(tokenizer).expanduser()
+        if not str(tokenizer).strip() or not path.is_dir():
+            raise ValueError(f"load_model: tokenizer {str(tokenizer)!r} is not a directory; pass a tokenizer "
+                             "directory (with tokenizer.json), a tokenizer object, or None for the checkpoint's own")
+        return
+    if isinstance(tokenizer, (bool, bytes, bytearray, dict, list, tuple, int, float)) or not (
+            callable(getattr(tokenizer, "encode", None)) and callable(getattr(tokenizer, "decode", None))):
+        raise TypeError(f"load_model: tokenizer must be a tokenizer object (with encode and decode, e.g. "
+                        f"transformers' PreTrainedTokenizerFast), a tokenizer directory or None, got "
+                        f"{type(tokenizer).__name__}")
+
+
 def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu",
                dtype: Optional[torch.dtype] = None, backend: str = "auto", tokenizer=None,
                check_finite: bool = True) -> RecurrentModel:
@@ -125,11 +160,15 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     tokenizer: a tokenizer object, or a directory to load one from (AutoTokenizer); by default the checkpoint's own
     (tokenizer.json beside config.json). A checkpoint without one loads for forward and hook work; building recall
     pairs then asks for one."""
+    _check_load_args(path_or_name, device, dtype, tokenizer)
     directory = resolve_checkpoint(path_or_name)
     cfg_file = directory / "config.json"
-    if not cfg_file.is_file():
+    if not cfg_file.exists():     # a FIFO or device config.json is refused by read_json, at once
         raise CheckpointError(f"{directory} has no config.json; copy the checkpoint's config.json beside its weights")
     raw_config = read_json(cfg_file, "model configuration")
+    check_no_remote_code(directory)           # before transformers reads any file of it
+    if isinstance(tokenizer, (str, os.PathLike)):
+        check_no_remote_code(Path(tokenizer))
     try:
         fmt = checkpoint_format(raw_config) if isinstance(raw_config, dict) else "fla"
     except ValueError as err:
@@ -148,6 +187,7 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     weights = cfg.family.weights
     # The shapes come from the model itself, built before the weights are read: a probe on the meta device would
     # initialise its weights through torch's Python decompositions, whose first use imports torch._dynamo (1-3 s).
+    check_config_fits_weights(directory, raw_config)     # before a 5e7-row embedding is allocated
     model = RecurrentLM(cfg)
     expected = {weights.to_checkpoint(k): v.shape for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
@@ -167,6 +207,7 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
             raise ValueError(f"internal weight mapping error: missing {leftover}, unexpected {result.unexpected_keys}")
     if check_finite:
         check_finite_weights(ours.items(), directory, weights.to_checkpoint)
+    check_cast_fits(ours.items(), dtype, directory, weights.to_checkpoint)
     model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     model.set_backend(backend)
     model.name_or_path = str(path_or_name)
@@ -176,15 +217,20 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
         model.tokenizer = tokenizer
         return model
     tokenizer_dir = Path(tokenizer) if tokenizer is not None else directory
-    if (tokenizer_dir / "tokenizer.json").is_file() or (tokenizer_dir / "tokenizer_config.json").is_file():
+    if (tokenizer_dir / "tokenizer.json").exists() or (tokenizer_dir / "tokenizer_config.json").exists():
+        check_tokenizer_files(tokenizer_dir)
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
+        from recurscope.interp.bridge.loader import tokenizer_class
+
+        # tokenizer_config.json's tokenizer_class must name a tokenizer class (never a model class or any other name)
+        cls = tokenizer_class(tokenizer_dir, AutoTokenizer)
         # AutoTokenizer peeks at config.json, whose fla model_type transformers does not know; that is expected.
         previous = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
-            model.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+            model.tokenizer = cls.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
         except Exception as err:  # tokenizers and transformers raise many types for damaged files
             reason = " ".join(str(err).split())[:300] or type(err).__name__
             raise CheckpointError(f"the tokenizer files of {tokenizer_dir} cannot be loaded ({type(err).__name__}: "

@@ -6,6 +6,7 @@ Figure, and the exact numbers it plotted as a DataFrame.
 """
 from __future__ import annotations
 
+import io
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from matplotlib.transforms import blended_transform_factory
 from matplotlib.ticker import FixedLocator, MaxNLocator, PercentFormatter, ScalarFormatter
 
 from recurscope.interp.interventions.registry import INTERVENTION_NAMES, REGISTRY
+from recurscope.interp.results import output_dir, write_output
 from recurscope.interp.stats import binomial_ci
 
 #: Row order of Figures 3/4 (How Linear Attention Remembers), from interventions.REGISTRY; other interventions
@@ -76,7 +78,7 @@ def _stem(out_path) -> Path:
     path = Path(out_path)
     if path.suffix in (".png", ".svg"):
         path = path.with_suffix("")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    output_dir(path.parent)
     return path
 
 
@@ -135,8 +137,10 @@ def _save(fig: Figure, out_path, data: pd.DataFrame, dpi: int) -> PlotResult:
     stem = _stem(out_path)
     fold_axis_scales(fig)
     png, svg = stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".svg")
-    fig.savefig(png, dpi=dpi, bbox_inches="tight")
-    fig.savefig(svg, bbox_inches="tight")
+    for path, options in ((png, {"dpi": dpi}), (svg, {})):
+        image = io.BytesIO()      # written through a temporary file and a rename, never through a link
+        fig.savefig(image, format=path.suffix[1:], bbox_inches="tight", **options)
+        write_output(path, image.getvalue())
     return PlotResult(png, svg, fig, data.reset_index(drop=True))
 
 

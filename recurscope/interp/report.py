@@ -3,12 +3,14 @@ statements of what the numbers show (including where they do not show the paper'
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Optional
 
 import pandas as pd
 
 from recurscope.interp.interventions.registry import INTERVENTIONS, REGISTRY, controls_of, named_intervention
+from recurscope.interp.results import write_output
 from recurscope.interp.verdicts import Claim, control_verdict, gate_off, identity_check, judge, measure_from
 
 #: Report names of the interventions, in protocol order (from interventions.REGISTRY).
@@ -26,6 +28,25 @@ def _ci(summary: pd.DataFrame, intervention: str, metric: str, pct: bool = False
 
 MIN_INTERVAL_SOURCES = 8
 
+# Text that reads the same as markdown and as plain text: copied from a manifest or a checkpoint, anything else
+# goes into a code span, so a crafted argv, path or word list cannot add a heading, a link or HTML to the report.
+_PLAIN = re.compile(r"^[A-Za-z0-9 .,:;()/'%=+@-]*$")
+
+
+def code_span(value) -> str:
+    """`value` as an inline code span that its content cannot end early: line breaks and control characters become
+    spaces (a line break could start a heading), and the fence is one backtick longer than any run inside."""
+    text = "".join(ch if ch.isprintable() else " " for ch in " ".join(str(value).split()))
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") or not text else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def plain(value) -> str:
+    """`value` as it is when it is plain text (a name, a number, a path of ordinary characters), else a code span."""
+    text = str(value)
+    return text if _PLAIN.match(text) else code_span(text)
+
 
 def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, control_heads,
                  scan_heads: Optional[pd.DataFrame], loso=None, summary: Optional[pd.DataFrame], figures: dict,
@@ -40,7 +61,7 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
     scan_manifest_path = Path(scan_dir) / "manifest.json"
     scan_manifest = json.loads(scan_manifest_path.read_text()) if scan_manifest_path.is_file() else {}
     extra, args = manifest.get("extra", {}), manifest.get("args", {})
-    lines = [f"# recurscope report: {model_name}", ""]
+    lines = [f"# recurscope report: {plain(model_name)}", ""]
     failed = gate is not None and not gate.get("passed", True)
     if failed:
         lines += [f"> **The model does not do the task.** {_gate_line(gate)}: below the preset "
@@ -54,10 +75,12 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
                   "Selection and test on the same sources is not a confirmation; rerun `recurscope confirm` with "
                   "`--sources heldout`.**", ""]
     n_confirm = int(summary["n_sources"].max()) if summary is not None and len(summary) else 0
-    lines += [f"- checkpoint: `{manifest.get('checkpoint_path')}` ({manifest.get('checkpoint_hash', '')[:19]}...)",
-              f"- scan: `{scan_dir}` on {scan_manifest.get('split', 'dev')} sources"
-              + (f"; confirmation: `{confirm_dir}` on {manifest.get('split')} sources (n = {n_confirm}, "
-                 f"{args.get('pairs_per_source', 1)} pair(s) per source)" if summary is not None else
+    lines += [f"- checkpoint: {code_span(manifest.get('checkpoint_path'))} "
+              f"({plain(str(manifest.get('checkpoint_hash', ''))[:19])}...)",
+              f"- scan: {code_span(scan_dir)} on {plain(scan_manifest.get('split', 'dev'))} sources"
+              + (f"; confirmation: {code_span(confirm_dir)} on {plain(manifest.get('split'))} sources (n = "
+                 f"{n_confirm}, {plain(args.get('pairs_per_source', 1))} pair(s) per source)"
+                 if summary is not None else
                  "; no confirmation ran"),
               f"- layout: {_layout_line(extra.get('pair_layout'))}",
               f"- filler: {_filler_line(extra)}",
@@ -72,10 +95,12 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
         lines.append(f"- a \"head\" here (L<layer>H<head>) is a state group read by {group} query heads "
                      "(num_kv_heads < num_heads, as GLA-7B): each intervention edits the group's one state, and the "
                      "output patches replace all its query heads' readouts")
-    lines += [f"- seeds: {manifest.get('seeds')}; command: `{' '.join(manifest.get('argv', []))}`", ""]
+    argv = manifest.get("argv", [])
+    command = " ".join(map(str, argv)) if isinstance(argv, list) else str(argv)
+    lines += [f"- seeds: {plain(manifest.get('seeds'))}; command: {code_span(command)}", ""]
     if failed:
         path = out_dir / "report.md"
-        path.write_text("\n".join(lines) + "\n")
+        write_output(path, "\n".join(lines) + "\n")
         return path
     lines += ["## Head selection (dev sources)", "",
               "J(l, h) is the mean over sources of the donor-margin shift from a state swap of that single head at "
@@ -102,7 +127,7 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
         lines += ["", f"![head scan]({Path(figures['scan_heatmap']).name})"]
     if summary is None:
         path = out_dir / "report.md"
-        path.write_text("\n".join(lines) + "\n")
+        write_output(path, "\n".join(lines) + "\n")
         return path
     no_head = winner is not None and not winner["winner"]
     lines += ["", f"## Confirmation on held-out sources: {', '.join(f'L{l}H{h}' for l, h in heads)}"
@@ -139,7 +164,7 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
               "donor's value (chance for a random pick: 25%). Controls should sit near zero. Joint effects of several "
               "heads are measured by running them together, never by adding single-head effects."]
     path = out_dir / "report.md"
-    path.write_text("\n".join(lines) + "\n")
+    write_output(path, "\n".join(lines) + "\n")
     return path
 
 
@@ -170,10 +195,10 @@ def _layout_line(layout: Optional[dict]) -> str:
     if not layout:
         return "not recorded"
     lead = layout.get("lead_tokens")
-    return (f"`{layout.get('name')}`: {layout.get('n_facts')} bindings x {layout.get('presentations')} "
-            f"presentations, {layout.get('gap_tokens')} filler tokens between presentations"
-            + (f" ({lead} before the first)" if lead is not None else "")
-            + f", {layout.get('filler_tokens')} before the query, template `{layout.get('template')}`")
+    return (f"{code_span(layout.get('name'))}: {plain(layout.get('n_facts'))} bindings x "
+            f"{plain(layout.get('presentations'))} presentations, {plain(layout.get('gap_tokens'))} filler tokens "
+            "between presentations" + (f" ({plain(lead)} before the first)" if lead is not None else "")
+            + f", {plain(layout.get('filler_tokens'))} before the query, template {code_span(layout.get('template'))}")
 
 
 def _dropped_line(extra: dict) -> str:
@@ -185,8 +210,9 @@ def _dropped_line(extra: dict) -> str:
     parts = []
     for what, dropped, name in (("key", keys, extra.get("key_list")), ("value", values, extra.get("value_list"))):
         if dropped:
-            parts.append(f"{len(dropped)} {what}(s) of {name} dropped, not single tokens here: "
-                         + ", ".join(f"{w} ({'/'.join(t)})" for w, t in sorted(dropped.items())))
+            parts.append(f"{len(dropped)} {what}(s) of {plain(name)} dropped, not single tokens here: "
+                         + ", ".join(f"{plain(w)} ({code_span('/'.join(map(str, t)))})"
+                                     for w, t in sorted(dropped.items())))
     return "; ".join(parts)
 
 
@@ -208,7 +234,8 @@ def _filler_line(extra: dict) -> str:
     rate = extra.get("filler_unknown_rate", 0.0)
     limit = extra.get("filler_unknown_limit")
     over = limit is not None and rate > limit
-    return (f"{extra['filler_source']}; {100 * rate:.1f}% of its {extra.get('filler_tokens')} tokens are the "
+    return (f"{plain(extra['filler_source'])}; {100 * rate:.1f}% of its {plain(extra.get('filler_tokens'))} "
+            "tokens are the "
             f"tokenizer's unknown token" + (f" — **above the {100 * limit:.0f}% limit (run with --allow-unk): the "
                                             "filler is largely not the corpus' text**" if over else ""))
 

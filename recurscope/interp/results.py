@@ -14,7 +14,9 @@ them (NaN, Infinity).
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import fcntl
+import io
 import hashlib
 import importlib.metadata
 import json
@@ -22,6 +24,7 @@ import math
 import os
 import platform
 import re
+import stat
 import sys
 import warnings
 from pathlib import Path
@@ -29,7 +32,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import pandas as pd
 
-from recurscope.interp.checkpoint_files import LOADED_TEXT_FILES
+from recurscope.interp.checkpoint_files import LOADED_TEXT_FILES, file_kind
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -124,13 +127,113 @@ def _normalise(name: str, value: Any) -> Any:
                          f"unsupported value: {err}") from None
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+# --------------------------------------------------------------------------------------------------------------
+# Writing only what the tool creates: no link is followed, no FIFO or device is opened, every file goes through a
+# temporary file and a rename (so a reader never sees half a file, and a link planted where an output goes is
+# replaced, never written through).
+# --------------------------------------------------------------------------------------------------------------
+
+
+class OutputRefused(ValueError):
+    """Where an output goes there is something recurscope did not create (a link, a FIFO, a device, a directory)."""
+
+
+def _refuse(path: Path, mode: int) -> OutputRefused:
+    what = file_kind(mode)
+    if stat.S_ISLNK(mode):
+        what += f" (to {os.readlink(path)})"
+    return OutputRefused(f"{path} is {what} where recurscope writes its own output; it never writes through links "
+                         "or into FIFOs and devices: remove it, or use a fresh --out directory")
+
+
+def output_dir(path) -> Path:
+    """`path` as a directory to write in: created when absent, refused when it is a link or anything but a
+    directory."""
+    path = Path(path)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        path.mkdir(parents=True, exist_ok=True)
+        info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise _refuse(path, info.st_mode)
+    return path
+
+
+def check_output(path) -> Path:
+    """`path` may be written: it is absent or a regular file (not a link), in a directory that is not a link."""
+    path = Path(path)
+    output_dir(path.parent)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return path
+    if not stat.S_ISREG(info.st_mode):
+        raise _refuse(path, info.st_mode)
+    return path
+
+
+def write_output(path, data) -> Path:
+    """Writes `data` (bytes or text, UTF-8) to `path` through a temporary file beside it and a rename: never
+    following a link, never opening a FIFO or device, never leaving half a file."""
+    path = check_output(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        os.unlink(tmp)            # a stale temporary of this pid, or anything planted under its name (not followed)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        check_output(path)        # still absent or a regular file; the rename replaces a link, never follows it
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
+
+
+def open_regular(path, flags: int = os.O_RDONLY) -> int:
+    """A file descriptor for `path`, which must be a regular file and not a link: opened without following links and
+    without blocking (a FIFO would block for ever), judged by fstat. Raises OutputRefused naming it."""
+    path = Path(path)
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:   # O_NOFOLLOW on a link
+            raise _refuse(path, os.lstat(path).st_mode) from None
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise _refuse(path, info.st_mode)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_regular_bytes(path) -> bytes:
+    """The bytes of a file recurscope wrote (a row log, a manifest): refused at once if it is a link, FIFO or device."""
+    fd = open_regular(path)
+    try:
+        chunks = []
+        while True:
+            block = os.read(fd, _CHUNK)
+            if not block:
+                return b"".join(chunks)
+            chunks.append(block)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    write_output(path, text)
 
 
 def _check_name(kind: str, name: str) -> str:
@@ -156,9 +259,9 @@ class RowLog:
 
     def _scan(self) -> tuple[list[dict], int, int]:
         """Committed rows, the byte offset just past the last commit line, and the file size."""
-        if not self.path.exists():
+        if not os.path.lexists(self.path):
             return [], 0, 0
-        data = self.path.read_bytes()
+        data = read_regular_bytes(self.path)
         rows: list[dict] = []
         pending: list[dict] = []
         committed_end = 0
@@ -269,8 +372,8 @@ class RowLog:
                 raise ValueError(f"row {i} is not JSON serialisable: {err}") from None
         payload = ("\n".join(lines) + "\n").encode("utf-8")
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        output_dir(self.path.parent)
+        fd = open_regular(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # one writer at a time
             size = os.fstat(fd).st_size
@@ -341,6 +444,33 @@ class WorkDiffers(ValueError):
         self.diffs = list(diffs)
 
 
+#: args naming an input result directory by path (a `run`'s confirmation names its own scan/): a moved run
+#: directory still resumes when the path now given holds the same run (the heads it gave are compared anyway)
+MOVABLE_PATH_ARGS = ("from_scan",)
+
+
+def _manifest_of(path) -> Optional[dict]:
+    try:
+        raw = json.loads(read_regular_bytes(Path(path) / MANIFEST_NAME).decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def _same_run(old_path, new_path) -> bool:
+    """Whether result directory `new_path` is the run recorded at `old_path` (moved or copied): its manifest has
+    the same creation time, kind, checkpoint hash and work; when `old_path` is gone, `new_path` must be a run."""
+    if not isinstance(old_path, str) or not isinstance(new_path, str):
+        return False
+    new = _manifest_of(new_path)
+    if new is None:
+        return False
+    old = _manifest_of(old_path)
+    if old is None:
+        return not Path(old_path).exists()
+    return all(old.get(k) == new.get(k) for k in ("created", "kind", "checkpoint_hash", "args", "seeds", "sources"))
+
+
 class RunDir:
     """One run's output directory. Create it with ``RunDir.create``, reopen it for a resume with ``RunDir.open``
     (which refuses if the work would differ), or use ``RunDir.create_or_open`` from a CLI."""
@@ -378,9 +508,14 @@ class RunDir:
         """Make ``out_dir`` and write its manifest. ``args`` are the arguments that define the work (compared on
         resume); ``extra`` is recorded but not compared (device, batch size, ...). Refuses an existing run."""
         path = Path(out_dir)
-        if (path / MANIFEST_NAME).exists():
+        if os.path.lexists(path / MANIFEST_NAME):
             raise FileExistsError(f"{path} already holds a run ({MANIFEST_NAME} exists); resume it with RunDir.open "
                                   f"or choose a new --out directory")
+        if path.is_dir() and cls.holds_rows(path):
+            logs = sorted(f.name for f in path.glob("*.jsonl") if len(RowLog(f)))
+            raise ValueError(f"{path} holds committed rows ({', '.join(logs)}) but no {MANIFEST_NAME}, so what they "
+                             "were computed with (model, seed, layout) cannot be checked and they are not reused; "
+                             f"restore its {MANIFEST_NAME}, or use a fresh --out directory")
         return cls._write_new(path, kind=kind, model_name=model_name, checkpoint_path=checkpoint_path, args=args,
                               seeds=seeds, sources=sources, split=split, extra=extra)
 
@@ -396,7 +531,7 @@ class RunDir:
                     "resumed": []}
         if replaced:
             manifest["replaced"] = replaced
-        path.mkdir(parents=True, exist_ok=True)
+        output_dir(path)
         _atomic_write_text(path / MANIFEST_NAME, json.dumps(manifest, indent=2, default=_to_jsonable) + "\n")
         return cls(path, manifest)
 
@@ -408,12 +543,12 @@ class RunDir:
         manifest (the checkpoint by content hash); a mismatch raises ValueError naming the fields."""
         path = Path(out_dir)
         manifest_path = path / MANIFEST_NAME
-        if not manifest_path.exists():
+        if not os.path.lexists(manifest_path):
             raise FileNotFoundError(f"{path} has no {MANIFEST_NAME}: it is not a run directory; start a run with "
                                     f"RunDir.create")
         try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
+            manifest = json.loads(read_regular_bytes(manifest_path).decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise WorkDiffers(f"{manifest_path} is not valid JSON ({err}); use a new --out directory",
                               ["manifest: not valid JSON"]) from None
         given = {"kind": kind, "model_name": model_name, "args": args, "seeds": seeds, "sources": sources,
@@ -425,6 +560,11 @@ class RunDir:
                                        dict(value) if name == "args" else value)
         if checkpoint_path is not None:
             now["checkpoint_hash"] = checkpoint_hash(checkpoint_path)
+        if isinstance(now.get("args"), dict) and isinstance(manifest.get("args"), dict):
+            for key in MOVABLE_PATH_ARGS:
+                old_path, new_path = manifest["args"].get(key), now["args"].get(key)
+                if old_path != new_path and _same_run(old_path, new_path):
+                    now["args"][key] = old_path      # the input run moved (with this one): the same work
         diffs = [f"{name}: run has {manifest.get(name)!r}, now {value!r}" for name, value in now.items()
                  if manifest.get(name) != value]
         if diffs:
@@ -447,7 +587,7 @@ class RunDir:
         corrected rerun: its differing manifest is replaced, and the new manifest's ``replaced`` list records what
         differed. With rows, different work is refused as in ``open``."""
         path = Path(out_dir)
-        if (path / MANIFEST_NAME).exists():
+        if os.path.lexists(path / MANIFEST_NAME):
             try:
                 return cls.open(out_dir, kind=kind, model_name=model_name, checkpoint_path=checkpoint_path,
                                 args=args, seeds=seeds, sources=sources, split=split)
@@ -479,12 +619,13 @@ class RunDir:
             raise ValueError(f"frame must be a pandas DataFrame, got {type(frame).__name__}")
         _check_name("table", name)
         out = {"csv": self.path / f"{name}.csv", "parquet": self.path / f"{name}.parquet"}
-        tmp_csv = out["csv"].with_name(f".{name}.csv.tmp{os.getpid()}")
-        tmp_parquet = out["parquet"].with_name(f".{name}.parquet.tmp{os.getpid()}")
-        frame.to_csv(tmp_csv, index=False)
-        frame.to_parquet(tmp_parquet, engine="pyarrow", index=False)
-        os.replace(tmp_csv, out["csv"])
-        os.replace(tmp_parquet, out["parquet"])
+        parquet = io.BytesIO()
+        frame.to_parquet(parquet, engine="pyarrow", index=False)
+        csv = frame.to_csv(index=False)
+        for path in out.values():
+            check_output(path)        # both refused before either is written
+        write_output(out["csv"], csv)
+        write_output(out["parquet"], parquet.getvalue())
         return out
 
     def figure_path(self, name: str) -> Path:
@@ -492,12 +633,17 @@ class RunDir:
         stem = _check_name("figure", name)
         if stem.endswith((".png", ".svg")):
             stem = stem[:-4]
-        folder = self.path / "figures"
-        folder.mkdir(parents=True, exist_ok=True)
-        return folder / stem
+        return output_dir(self.path / "figures") / stem
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r}, kind={self.manifest.get('kind')!r})"
+
+
+def check_run_dir(run_dir, where: str) -> None:
+    """run_dir, where a function takes one: None or a RunDir (a path string would be written as if it were one)."""
+    if run_dir is not None and not isinstance(run_dir, RunDir):
+        raise TypeError(f"{where}: run_dir must be a RunDir or None, got {type(run_dir).__name__} {run_dir!r}; open "
+                        "one with RunDir.create_or_open(path, kind=..., model_name=...)")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -566,34 +712,165 @@ class RunLocked(ValueError):
 class RunLock:
     """An exclusive flock on ``<out>/.recurscope.lock`` for the life of a run, so a second process on the same
     directory is refused at once (naming the holder's pid) instead of writing duplicate rows beside it. The OS
-    releases the lock when its process dies, so a lock file left by a killed run never blocks a rerun."""
+    releases the lock when its process dies, so a lock file left by a killed run never blocks a rerun.
 
-    def __init__(self, out_dir):
+    Result directories nest (a `run` writes its scan in ``<out>/scan`` and its confirmation in ``<out>/confirm``):
+    ``nested`` names the subdirectories locked with the directory, and a directory inside one that another process
+    holds is refused too, so `scan --out X/scan` beside `run --out X` is refused whichever starts first."""
+
+    def __init__(self, out_dir, nested: Sequence[str] = ()):
         self.path = Path(out_dir) / LOCK_NAME
+        self.nested = tuple(nested)
         self.fd: Optional[int] = None
+        self.fds: list[int] = []
 
-    def acquire(self) -> "RunLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    @staticmethod
+    def _holder(fd: int) -> str:
+        return os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+
+    def _lock(self, directory: Path) -> int:
+        output_dir(directory)
+        fd = open_regular(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            holder = self._holder(fd)
             os.close(fd)
-            raise RunLocked(f"{self.path.parent} is in use by another recurscope process (pid {holder}); wait for "
-                            "it to finish or use another --out directory") from None
+            raise RunLocked(f"{directory} is in use by another recurscope process (pid {holder}); wait for it to "
+                            "finish or use another --out directory") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.fd = fd
+        return fd
+
+    def _check_enclosing(self, directory: Path) -> None:
+        """No enclosing directory is a result directory that another process holds."""
+        for parent in directory.resolve().parents:
+            lock = parent / LOCK_NAME
+            if not os.path.lexists(lock):
+                continue
+            try:
+                fd = open_regular(lock)
+            except (OSError, ValueError):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self._holder(fd)
+                raise RunLocked(f"{directory} lies inside {parent}, which another recurscope process (pid {holder}) "
+                                "is writing (a run's scan/ and confirm/ are locked with it); wait for it to finish or "
+                                "use an --out outside it") from None
+            finally:
+                os.close(fd)
+
+    def acquire(self) -> "RunLock":
+        directory = self.path.parent
+        self._check_enclosing(directory)
+        try:
+            self.fds.append(self._lock(directory))
+            for name in self.nested:
+                self.fds.append(self._lock(directory / name))
+        except BaseException:
+            self.release()
+            raise
+        self.fd = self.fds[0]
         return self
 
     def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)    # closing releases the flock; the file stays (harmless: the lock is the flock)
-            self.fd = None
+        for fd in self.fds:
+            os.close(fd)    # closing releases the flock; the file stays (harmless: the lock is the flock)
+        self.fds = []
+        self.fd = None
 
     def __enter__(self) -> "RunLock":
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# An --out directory: empty, or a result directory of the kind about to be written
+# --------------------------------------------------------------------------------------------------------------
+
+#: what a `run` writes beside its nested result directories (the report and the two figures it copies)
+RUN_FILES = ("report.md", "scan_heatmap.png", "effects.png")
+#: a `run`'s nested result directories and their kinds
+RUN_NESTED = {"scan": "scan", "confirm": "confirm"}
+_SCRATCH_RE = re.compile(r"^(\.recurscope\.lock|\..+\.tmp\d+|\.recurscope-write-check-\d+)$")
+
+
+def _entries(path: Path) -> list[str]:
+    return sorted(n for n in os.listdir(path) if not _SCRATCH_RE.match(n))
+
+
+def _refuse_specials(path: Path, recursive: bool) -> None:
+    """Links, FIFOs, devices and sockets anywhere in a result directory: refused, since outputs go there."""
+    for name in sorted(os.listdir(path)):
+        entry = path / name
+        mode = os.lstat(entry).st_mode
+        if stat.S_ISDIR(mode):
+            if recursive:
+                _refuse_specials(entry, recursive)
+        elif not stat.S_ISREG(mode):
+            raise _refuse(entry, mode)
+
+
+def check_out_dir(out, kind: str) -> None:
+    """Refuses an --out that holds anything recurscope did not create: it must be absent, empty, or a result
+    directory of the same kind (its manifest.json says `kind`; a `run`'s holds its report and its scan/ and confirm/
+    result directories). A link, FIFO or device in it is refused by name; so are row logs without a manifest (what
+    they were computed with cannot be checked). Raises OutputRefused with one line naming the first foreign file."""
+    out = Path(out)
+    try:
+        mode = os.lstat(out).st_mode
+    except OSError:       # absent, under a file, unreadable: the CLI's writability check words these
+        return
+    if stat.S_ISLNK(mode):
+        raise OutputRefused(f"--out {out} is a symbolic link (to {os.readlink(out)}); recurscope writes only into "
+                            f"real directories, never through a link: pass --out {os.path.realpath(out)}")
+    if not stat.S_ISDIR(mode):
+        raise OutputRefused(f"--out {out} is {file_kind(mode)}, not a directory; use a fresh folder, e.g. "
+                            f"--out {out}-{kind}")
+    entries = _entries(out)
+    fresh = f"use a fresh folder, e.g. --out {out / ('recurscope-' + kind)}"
+    if not entries:
+        _refuse_specials(out, recursive=False)      # a planted lock-file link, say
+        return
+    if kind == "run":
+        _refuse_specials(out, recursive=False)
+        # the report and figures are a run's only beside the scan it ran (scan/manifest.json)
+        ran = os.path.isfile(out / "scan" / MANIFEST_NAME) and not os.path.islink(out / "scan")
+        for name in entries:
+            entry = out / name
+            if name in RUN_NESTED and entry.is_dir():
+                check_out_dir(entry, RUN_NESTED[name])
+            elif name not in RUN_FILES or not ran:
+                raise OutputRefused(f"--out {out} holds {entry}, which recurscope did not create: it is not the "
+                                    f"result directory of a `recurscope run`, and recurscope never overwrites files "
+                                    f"it did not create; {fresh}")
+        return
+    manifest_path = out / MANIFEST_NAME
+    if os.path.lexists(manifest_path):
+        manifest_mode = os.lstat(manifest_path).st_mode
+        if not stat.S_ISREG(manifest_mode):
+            raise _refuse(manifest_path, manifest_mode)
+        try:
+            manifest = json.loads(read_regular_bytes(manifest_path).decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            manifest = None
+        recorded = manifest.get("kind") if isinstance(manifest, dict) else None
+        if recorded == kind:
+            _refuse_specials(out, recursive=True)
+            return
+        what = (f"holds a {recorded!r} run, not a {kind} run" if isinstance(recorded, str) else
+                f"has a {MANIFEST_NAME} that is not a recurscope manifest (recurscope did not write it)")
+        raise OutputRefused(f"--out {out} {what}; recurscope never overwrites files it did not create: {fresh}")
+    _refuse_specials(out, recursive=False)
+    logs = [n for n in entries if n.endswith(".jsonl")]
+    if logs:
+        raise OutputRefused(f"--out {out} holds the row log {logs[0]} but no {MANIFEST_NAME}, so what its rows were "
+                            "computed with (model, seed, layout) cannot be checked and they are not reused; restore "
+                            f"its {MANIFEST_NAME}, or {fresh}")
+    raise OutputRefused(f"--out {out} holds {out / entries[0]}" + (f" and {len(entries) - 1} more" if len(entries) > 1
+                        else "") + f", which recurscope did not create: it is not a {kind} result directory, and "
+                        f"recurscope never overwrites files it did not create; {fresh}")

@@ -37,6 +37,7 @@ import torch
 from recurscope.interp.interventions.clean_runs import run_prefixes
 from recurscope.interp.interventions.common import candidate_logits, check_pairs, model_device, normalise_heads
 from recurscope.interp.models.cache import LayerCache, RecurrentCache
+from recurscope.interp.results import check_run_dir
 
 __all__ = ["ScanResult", "SCAN_KEY", "all_heads", "run_scan", "scan_rows", "summarise_scan", "naive_head_shifts"]
 
@@ -215,15 +216,20 @@ def run_scan(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optiona
     return result
 
 
+def check_scan_sizes(batch_size, prefix_batch) -> None:
+    for name, value in (("batch_size", batch_size), ("prefix_batch", prefix_batch)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 def scan_rows(model, pairs, run_dir=None, batch_size: int = 96, *, heads: Optional[Sequence] = None,
               prefix_batch: int = 4, progress: Optional[Callable[[int, int], None]] = None,
               table: str = SCAN_TABLE) -> pd.DataFrame:
     """The rows of run_scan (one per target pair and head: clean margin, patched margin, shift) without the
     per-head summary; what a Ray worker computes for its unit. table: the row log's name (see run_scan)."""
     check_pairs(model, pairs)
-    for name, value in (("batch_size", batch_size), ("prefix_batch", prefix_batch)):
-        if not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_run_dir(run_dir, "run_scan")
+    check_scan_sizes(batch_size, prefix_batch)
     head_list = all_heads(model) if heads is None else normalise_heads(model, heads)
     rows = _target_rows(pairs)
     device = model_device(model)

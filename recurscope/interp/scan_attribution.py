@@ -31,8 +31,10 @@ import torch
 
 from recurscope.interp.interventions.common import check_pairs, model_device, normalise_heads
 from recurscope.interp.models.cache import RecurrentCache
+from recurscope.interp.results import check_run_dir
 from recurscope.interp.scan import (SCAN_KEY, SCAN_TABLE, ScanResult, _margins, _outputs_only, _prefix_cache,
-                                    _query_logits, _target_rows, all_heads, run_scan, summarise_scan)
+                                    _query_logits, _target_rows, all_heads, check_scan_sizes, run_scan,
+                                    summarise_scan)
 
 __all__ = ["METHODS", "ATTRIBUTION_TABLE", "attribution_shifts", "run_attribution_scan"]
 
@@ -135,6 +137,8 @@ def run_attribution_scan(model, pairs, run_dir=None, batch_size: int = 96, *, he
     """The scan by attribution patching (module docstring). Returns the ScanResult of what "scan_rows" holds: the
     estimates of every head, or with confirm_top=K the exact scan (interp.scan.run_scan, batch_size rows per
     suffix run) of the K heads with the largest estimated J."""
+    check_run_dir(run_dir, "run_attribution_scan")
+    check_scan_sizes(batch_size, prefix_batch)    # batch_size=0 was accepted before (used only with confirm_top)
     if confirm_top is not None and (not isinstance(confirm_top, (int, np.integer)) or confirm_top < 1):
         raise ValueError(f"confirm_top must be a positive integer (heads to scan exactly), got {confirm_top!r}")
     table = SCAN_TABLE if confirm_top is None else ATTRIBUTION_TABLE

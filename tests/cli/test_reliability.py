@@ -6,11 +6,21 @@ test_doc_lists_every_case checks it is in sync).
 
 Rows marked `new=True` are the cases issue 32 found: each failed on the code before it (a traceback, a silent exit 0,
 a late or nameless error, or a hang). Checked by running this file against that tree (commit 62d2dd5, with a 40 s
-alarm per test for the hangs): 57 failed, and the 5 that passed are the rows marked new=False."""
+alarm per test for the hangs): 57 failed, and the 5 that passed are the rows marked new=False.
+
+Rows marked `issue=42` are the cases issue 42 found (a checkpoint's code, writes through links or over foreign files,
+silently wrong numbers, hangs, tracebacks, silent accepts); each failed on the code before it (commit dfaece4),
+except three not rerun there for the memory they would take on a shared machine ("config /dev/zero", "vocab 5e7",
+"layout filler 1e9": the issue records their old behaviour) and the two nested-lock rows, which fail there because
+the old RunLock takes no `nested` (tests/cli/test_untrusted.py has the scenario).
+A CLI row also must leave --out as it found it: every file there before is there after with the same bytes (the
+directory itself may be created), and a run that is hung is failed after 120 s instead of blocking the suite."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +36,7 @@ SMALL = ["--n-facts", "2", "--presentations", "2", "--filler", "12", "--batch-si
 QWEN = ROOT / "recurscope" / "interp" / "checkpoints" / "tiny-qwen35"
 
 CLI, CHECKPOINT, INPUT, API = "command-line option", "checkpoint file", "input directory or file", "Python API"
+OUT = "--out directory"
 
 
 @dataclass(frozen=True)
@@ -36,9 +47,13 @@ class Case:
     expect: tuple                    # substrings of the one error line, in the order the docs show them
     argv: Sequence[str] = ()         # CLI rows: {ckpt} {bad} {out} {scan} {file} are filled in
     damage: Optional[Callable] = None   # CHECKPOINT / INPUT rows: damage(directory) on a copy
-    base: str = "fla"                # the checkpoint a CHECKPOINT row damages: "fla" (tiny GLA) or "qwen" (bridge)
+    base: str = "fla"                # the checkpoint a CHECKPOINT row damages: "fla" (tiny GLA), "qwen" (bridge) or
+                                     # a bundled name
     call: Optional[Callable] = None  # API rows: call(ctx) must raise ValueError
     new: bool = True                 # found by issue 32 (failed before it)
+    issue: int = 32                  # the issue that found it
+    hold: Optional[tuple] = None     # (directory under --out's parent, nested names): another process's run lock
+    error: type = ValueError         # API rows: the exception (TypeError for an argument of the wrong type)
 
 
 # ---- damage to a checkpoint or a result directory --------------------------------------------------------------
@@ -119,6 +134,134 @@ def latin1_corpus(d: Path):
     (d / "notes.txt").write_bytes("Caf\xe9 au lait, cr\xe8me br\xfbl\xe9e.\n".encode("latin-1") * 50)
 
 
+EVIL_PY = "import pathlib\npathlib.Path(__file__).with_name('MARKER').write_text('ran')\n"
+
+
+def auto_map(where: str):
+    """An auto_map naming evil.py (which writes MARKER beside itself when imported)."""
+    def damage(d: Path):
+        (d / "evil.py").write_text(EVIL_PY)
+        if where == "config.json":
+            config(auto_map={"AutoConfig": "evil.EvilConfig"})(d)
+        else:
+            tokenizer_config(auto_map={"AutoTokenizer": ["evil.EvilTokenizer", None]})(d)
+    return damage
+
+
+def fifo(name: str):
+    def damage(d: Path):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / name).unlink(missing_ok=True)
+        os.mkfifo(d / name)
+    return damage
+
+
+def link_to(name: str, target: str):
+    def damage(d: Path):
+        (d / name).unlink(missing_ok=True)
+        (d / name).symlink_to(target)
+    return damage
+
+
+def _drop_unk(path: Path):
+    raw = json.loads(path.read_text())
+    del raw["model"]["vocab"]["[UNK]"]
+    path.write_text(json.dumps(raw))
+
+
+def header_dtype(dtype: str):
+    """model.safetensors' header marks lm_head.weight (F32) as another dtype of the same width: only the header
+    changes, so the file still checks against its size."""
+    def damage(d: Path):
+        f = d / "model.safetensors"
+        data = f.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        header["lm_head.weight"]["dtype"] = dtype
+        text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+        assert len(text) == n
+        f.write_bytes(data[:8] + text + data[8 + n:])
+    return damage
+
+
+def huge_weight(d: Path):
+    """One weight of 3e38: finite in float32, inf in float16."""
+    from safetensors.torch import load_file, save_file
+
+    f = d / "model.safetensors"
+    sd = load_file(str(f))
+    sd["lm_head.weight"] = sd["lm_head.weight"].clone()
+    sd["lm_head.weight"].view(-1)[0] = 3e38
+    save_file(sd, str(f), metadata={"format": "pt"})
+
+
+def pickle_bin(d: Path):
+    """pytorch_model.bin whose unpickling would run os.system: the only weight file of a transformers checkpoint."""
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {d / 'MARKER'}",))
+    (d / "model.safetensors").unlink()
+    import torch as _torch
+
+    _torch.save({"x": Evil()}, d / "pytorch_model.bin", pickle_module=pickle)
+
+
+# ---- damage to the --out directory before the command (it starts empty) -----------------------------------------
+OUTSIDE = "outside"       # a folder beside --out whose files a link in --out points at
+
+
+def out_files(**files):
+    """--out holding the user's files (name -> text)."""
+    def damage(d: Path):
+        d.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (d / name).write_text(text)
+    return damage
+
+
+def out_links(d: Path):
+    """--out holding links to files outside it, where a scan writes (the issue's case: 8 files outside were
+    overwritten)."""
+    outside = d.parent / OUTSIDE
+    outside.mkdir(parents=True, exist_ok=True)
+    d.mkdir(parents=True, exist_ok=True)
+    for name in (".recurscope.lock", "scan_rows.jsonl", "gate.json", "winner.json", "manifest.json"):
+        (outside / name).write_text("the user's file\n")
+        (d / name).symlink_to(outside / name)
+    (outside / "figures").mkdir(exist_ok=True)
+    (d / "figures").symlink_to(outside / "figures")
+
+
+def scan_copy(*changes):
+    """--out is a copy of the finished scan, then `changes` applied to it."""
+    def damage(d: Path):
+        shutil.copytree(SCAN_DIR[0], d)
+        outside = d.parent / OUTSIDE
+        outside.mkdir(parents=True, exist_ok=True)
+        for change in changes:
+            change(d)
+    return damage
+
+
+def into_link(name: str):
+    """A file of the result directory replaced by a link to a file outside it."""
+    def damage(d: Path):
+        target = d.parent / OUTSIDE / name.replace("/", "_")
+        target.write_text("the user's file\n")
+        (d / name).unlink()
+        (d / name).symlink_to(target)
+    return damage
+
+
+def drop(name: str):
+    return lambda d: (d / name).unlink()
+
+
+SCAN_DIR: list = []       # the world's finished scan, for scan_copy
+
+
 # ---- API calls ------------------------------------------------------------------------------------------------
 def state_replace(shape=None, dtype=torch.float32, fill=None, heads=(0, 1)):
     def call(ctx):
@@ -170,6 +313,56 @@ def pairs_of_another_tokenizer(ctx):
     pairs = build_pairs(ctx["swapped_tokenizer"], split="heldout", n_sources=1, n_facts=2, presentations=2,
                         filler_tokens=12, pairs_per_source=1)
     iv.state_swap(ctx["model"], pairs, [(0, 1)])
+
+
+def load(*args, **kwargs):
+    def call(ctx):
+        from recurscope.interp.loading import load_model
+
+        load_model(*args, **kwargs)
+    return call
+
+
+def tokenizer_given(value):
+    def call(ctx):
+        from recurscope.interp.loading import load_model
+
+        load_model(str(ctx["ckpt"]), tokenizer=value(ctx) if callable(value) else value)
+    return call
+
+
+def on_model(method: str, *args, **kwargs):
+    """A call of one of the model's TransformerLens methods (generate, to_string, to_tokens, forward)."""
+    def call(ctx):
+        getattr(ctx["model"], method)(*args, **kwargs)
+    return call
+
+
+def patched(tokens=None, patches=()):
+    def call(ctx):
+        from recurscope.hooks import run_with_patches
+
+        run_with_patches(ctx["model"], ctx["tokens"] if tokens is None else tokens, list(patches))
+    return call
+
+
+def scan_call(fn: str, **kwargs):
+    def call(ctx):
+        if fn == "run_scan":
+            from recurscope.interp.scan import run_scan as run
+        else:
+            from recurscope.interp.scan_attribution import run_attribution_scan as run
+        run(ctx["model"], ctx["pairs"], **kwargs)
+    return call
+
+
+def pairs_with(**kwargs):
+    def call(ctx):
+        from recurscope.interp.data import build_pairs
+
+        build_pairs(ctx["model"].tokenizer, split="heldout", n_sources=1, n_facts=2, presentations=2,
+                    filler_tokens=12, **kwargs)
+    return call
 
 
 SCAN = ["scan", "{ckpt}", "--out", "{out}", *SMALL]
@@ -276,6 +469,155 @@ CASES = [
     Case("tokenizer_class bogus", CHECKPOINT, "`tokenizer_class` naming nothing transformers has",
          ("`tokenizer_class` 'NoSuchTokenizer' is no such name in transformers",), SCAN_BAD,
          tokenizer_config(tokenizer_class="NoSuchTokenizer"), "qwen"),
+    # -- issue 42: a checkpoint's code, damaged weights, non-regular files
+    Case("auto_map config", CHECKPOINT, "`config.json` with an `auto_map` (code shipped with the checkpoint; \"y\" "
+         "at transformers' prompt ran it before)", ("config.json: `auto_map` names Python code shipped with the "
+                                                    "checkpoint", "remove the key"), SCAN_BAD, auto_map("config.json"),
+         issue=42),
+    Case("auto_map tokenizer", CHECKPOINT, "`tokenizer_config.json` with an `auto_map`",
+         ("tokenizer_config.json: `auto_map` names Python code",), SCAN_BAD, auto_map("tokenizer_config.json"),
+         issue=42),
+    Case("auto_map qwen", CHECKPOINT, "transformers `config.json` with an `auto_map`",
+         ("config.json: `auto_map` names Python code",), SCAN_BAD, auto_map("config.json"), "qwen", issue=42),
+    Case("tokenizer_class model", CHECKPOINT, "`tokenizer_class: \"LlamaForCausalLM\"` in an fla checkpoint (built a "
+         "model as the tokenizer)", ("`tokenizer_class` 'LlamaForCausalLM' is a class but not a tokenizer class",),
+         SCAN_BAD, tokenizer_config(tokenizer_class="LlamaForCausalLM"), issue=42),
+    Case("lm_head I32", CHECKPOINT, "`model.safetensors` header marking `lm_head.weight` as I32 (J = +1.9e11, exit 0 "
+         "before)", ("tensor `lm_head.weight` is stored as I32, but a model weight is floating point",), SCAN_BAD,
+         header_dtype("I32"), issue=42),
+    Case("lm_head I32 qwen", CHECKPOINT, "the same in a transformers checkpoint",
+         ("tensor `lm_head.weight` is stored as I32",), SCAN_BAD, header_dtype("I32"), "qwen", issue=42),
+    Case("float16 overflow", CHECKPOINT, "a weight of 3e38 loaded with `--dtype float16` (inf before)",
+         ("weight lm_head.weight", "beyond float16's largest value", "would become inf", "--dtype float32"),
+         [*SCAN_BAD, "--dtype", "float16"], huge_weight, issue=42),
+    Case("float16 overflow qwen", CHECKPOINT, "the same in a transformers checkpoint",
+         ("weight lm_head.weight", "would become inf"), [*SCAN_BAD, "--dtype", "float16"], huge_weight, "qwen",
+         issue=42),
+    Case("pickle bin", CHECKPOINT, "a `pytorch_model.bin` whose unpickling runs code (a 40 s traceback before)",
+         ("pytorch_model.bin is not a plain weight file", "recurscope never does"), SCAN_BAD, pickle_bin, "qwen",
+         issue=42),
+    Case("config FIFO", CHECKPOINT, "`config.json` a FIFO (blocked for ever before)",
+         ("config.json is a FIFO (named pipe), not a regular file",), SCAN_BAD, fifo("config.json"), issue=42),
+    Case("config /dev/zero", CHECKPOINT, "`config.json` a link to `/dev/zero` (a 36 s MemoryError before)",
+         ("config.json is a character device, not a regular file",), SCAN_BAD, link_to("config.json", "/dev/zero"),
+         issue=42),
+    Case("tokenizer FIFO", CHECKPOINT, "`tokenizer.json` a FIFO",
+         ("tokenizer.json is a FIFO (named pipe)",), SCAN_BAD, fifo("tokenizer.json"), issue=42),
+    Case("wordlevel without unk", CHECKPOINT, "a WordLevel `tokenizer.json` without its `[UNK]` (a traceback at the "
+         "first unknown word before)", ("tokenizer.json: the WordLevel vocabulary lacks its unknown token",
+                                        "`model.unk_token` '[UNK]' is not in `model.vocab`"), SCAN_BAD,
+         lambda d: _drop_unk(d / "tokenizer.json"), issue=42),
+    # -- issue 42: the newer families' config values (a ZeroDivisionError, KeyError or silent accept before)
+    Case("mamba2 n_groups 0", CHECKPOINT, "Mamba-2 `config.json`: `n_groups: 0` (ZeroDivisionError before)",
+         ("`n_groups` must be a positive integer, got 0",), SCAN_BAD, config(n_groups=0), "tiny-mamba2", issue=42),
+    Case("mamba2 state_size string", CHECKPOINT, "Mamba-2 `config.json`: a string `state_size`",
+         ("`state_size` must be a positive integer, got \"32\"",), SCAN_BAD, config(state_size="32"), "tiny-mamba2",
+         issue=42),
+    Case("mamba2 A_init_range", CHECKPOINT, "Mamba-2 `config.json`: `A_init_range: \"wide\"`",
+         ("`A_init_range` must be a pair [low, high] of numbers",), SCAN_BAD, config(A_init_range="wide"),
+         "tiny-mamba2", issue=42),
+    Case("mamba2 rmsnorm no", CHECKPOINT, "Mamba-2 `config.json`: `rmsnorm: \"no\"` (read as true before)",
+         ("`rmsnorm` must be true or false (a JSON boolean), got \"no\"",), SCAN_BAD, config(rmsnorm="no"),
+         "tiny-mamba2", issue=42),
+    Case("rwkv7 low rank negative", CHECKPOINT, "RWKV-7 `config.json`: a negative low-rank size",
+         ("`a_low_rank_dim` must be a positive integer, got -4",), SCAN_BAD, config(a_low_rank_dim=-4), "tiny-rwkv7",
+         issue=42),
+    Case("rwkv7 low rank string", CHECKPOINT, "RWKV-7 `config.json`: a string low-rank size",
+         ("`decay_low_rank_dim` must be a positive integer, got \"16\"",), SCAN_BAD,
+         config(decay_low_rank_dim="16"), "tiny-rwkv7", issue=42),
+    Case("rwkv7 norm_first yes", CHECKPOINT, "RWKV-7 `config.json`: `norm_first: \"yes\"`",
+         ("`norm_first` must be true or false (a JSON boolean), got \"yes\"",), SCAN_BAD,
+         config(norm_first="yes"), "tiny-rwkv7", issue=42),
+    Case("nemotronh n_groups 0", CHECKPOINT, "Nemotron-H `config.json`: `n_groups: 0` (ZeroDivisionError before)",
+         ("`n_groups` must be a positive integer, got 0",), SCAN_BAD, config(n_groups=0), "tiny-nemotronh", issue=42),
+    Case("nemotronh time_step_limit", CHECKPOINT, "Nemotron-H `config.json`: `time_step_limit: [1, 0]` (accepted "
+         "before)", ("`time_step_limit` must be a pair [low, high] of numbers with 0 <= low < high, got [1, 0]",),
+         SCAN_BAD, config(time_step_limit=[1, 0]), "tiny-nemotronh", issue=42),
+    Case("nemotronh activation", CHECKPOINT, "Nemotron-H `config.json`: an unknown activation (KeyError before)",
+         ("`mlp_hidden_act` must name an activation transformers knows", "got \"relu9\""), SCAN_BAD,
+         config(mlp_hidden_act="relu9"), "tiny-nemotronh", issue=42),
+    Case("nemotronh bias no", CHECKPOINT, "Nemotron-H `config.json`: `use_conv_bias: \"no\"`",
+         ("`use_conv_bias` must be true or false",), SCAN_BAD, config(use_conv_bias="no"), "tiny-nemotronh",
+         issue=42),
+    Case("vocab 5e7", CHECKPOINT, "`config.json`: `vocab_size: 50000000` (an allocation error after 19-38 s before)",
+         ("vocab_size 50,000,000 x hidden_size 32", "more than the", "bytes all the weight files hold"), SCAN_BAD,
+         config(vocab_size=50_000_000), issue=42),
+    Case("layout filler 1e9", CHECKPOINT, "`pair_layout.json` with `filler_tokens: 1000000000` (generated filler for "
+         "ever before)", ("tokens per sequence exceeds the sanity limit",),
+         ["scan", "{bad}", "--out", "{out}", "--n-sources", "1"],
+         lambda d: (d / "pair_layout.json").write_text(json.dumps({"filler_tokens": 1_000_000_000})), issue=42),
+    Case("layout /dev/zero", CHECKPOINT, "`pair_layout.json` a link to `/dev/zero` (silently ignored before)",
+         ("pair_layout.json is a character device, not a regular file",), SCAN_BAD,
+         link_to("pair_layout.json", "/dev/zero"), issue=42),
+    # -- issue 42: sizes and counts beyond what the run can use
+    Case("confirm-top above heads", CLI, "`--confirm-top 99` on a model of 4 heads (accepted before)",
+         ("--confirm-top 99 is more than this model's 4 heads", "use --confirm-top 4 or fewer"),
+         [*SCAN, "--method", "attribution", "--confirm-top", "99"], issue=42),
+    Case("topk formats twice", CLI, "`topk --formats compact compact` (a nameless error before)",
+         ("--formats lists compact more than once", "give each value once"),
+         ["topk", "{ckpt}", "--n-sources", "1", "--formats", "compact", "compact", "--out", "{out}"], issue=42),
+    Case("keys binary", INPUT, "`--keys` a binary file (a nameless decoding error before)",
+         ("--keys:", "keys.txt is not UTF-8 text (undecodable byte at offset 2)", "one word a line"),
+         [*SCAN, "--keys", "{bad}/keys.txt"], lambda d: (d / "keys.txt").write_bytes(b"ab\xbc\xff\x00" * 20),
+         issue=42),
+    Case("corpus FIFO", INPUT, "`--corpus` a FIFO (blocked for ever before)",
+         ("--corpus", "corpus.txt is a FIFO (named pipe), not a text file or folder"),
+         [*SCAN, "--corpus", "{bad}/corpus.txt"], fifo("corpus.txt"), issue=42),
+    Case("seed 2**70", CLI, "`--seed 2**70` (accepted before)", ("--seed must be at most 9,223,372,036,854,775,807",),
+         [*SCAN, "--seed", str(2 ** 70)], issue=42),
+    Case("n-nontarget 1e9", CLI, "`retention --n-nontarget 1000000000` (accepted before)",
+         ("--n-nontarget 1,000,000,000 is more than the K - 1 = 7 other facts",),
+         ["retention", "{ckpt}", "--head", "0", "1", "--loads", "4", "8", "--n-nontarget", "1000000000", "--out",
+          "{out}"], issue=42),
+    Case("resamples 1e12", CLI, "`selectivity --resamples 1000000000000` (an allocation error after 38 s before)",
+         ("--resamples 1,000,000,000,000 would draw", "GiB each", "lower --resamples"),
+         ["selectivity", "{ckpt}", "--head", "0", "1", "--n-sources", "1", "--resamples", "1000000000000", "--out",
+          "{out}"], issue=42),
+    Case("corrector rank 1e9", CLI, "`corrector --rank 1000000000` (an allocation error before)",
+         ("--rank 1,000,000,000 is more than d_model = 32", "use --rank 4"),
+         ["corrector", "{ckpt}", "--head", "0", "1", "--n-fit", "2", "--n-sources", "2", "--rank", "1000000000",
+          "--out", "{out}"], issue=42),
+    # -- issue 42: --out holds what recurscope did not create
+    Case("out foreign files", OUT, "`--out` holding the user's files (`manifest.json`, `gate.json`, ... replaced "
+         "before)", ("--out", "has a manifest.json that is not a recurscope manifest", "use a fresh folder"), SCAN,
+         out_files(**{"manifest.json": "{\"mine\": 1}\n", "gate.json": "mine\n", "scan_rows.jsonl": "mine\n"}),
+         issue=42),
+    Case("out notes", OUT, "`--out` an existing folder of the user's (`notes.txt`)",
+         ("holds", "notes.txt", "which recurscope did not create", "use a fresh folder, e.g. --out"), SCAN,
+         out_files(**{"notes.txt": "mine\n"}), issue=42),
+    Case("run over report", OUT, "`run --out` a folder holding the user's `report.md` (overwritten before)",
+         ("report.md, which recurscope did not create", "not the result directory of a `recurscope run`"),
+         ["run", "{ckpt}", "--out", "{out}", *SMALL[:-2], "--n-dev", "1", "--n-heldout", "1"],
+         out_files(**{"report.md": "# my notes\n"}), issue=42),
+    Case("selectivity over report", OUT, "`selectivity --out` a folder holding the user's `report.md`",
+         ("report.md", "which recurscope did not create", "not a selectivity result directory"),
+         ["selectivity", "{ckpt}", "--head", "0", "1", "--n-sources", "1", "--out", "{out}"],
+         out_files(**{"report.md": "# my notes\n"}), issue=42),
+    Case("out other kind", OUT, "`confirm --out` a scan's result directory",
+         ("holds a 'scan' run, not a confirm run",), ["confirm", "{ckpt}", "--from-scan", "{scan}", "--out", "{out}",
+                                                      *SMALL], scan_copy(), issue=42),
+    Case("out links", OUT, "`--out` holding links to files outside it (`.recurscope.lock`, `scan_rows.jsonl`, "
+         "`figures/`, ...: 8 files outside overwritten before)", ("manifest.json is a symbolic link (to",
+                                                                  "never writes through links", "fresh --out"),
+         SCAN, out_links, issue=42),
+    Case("link in a scan", OUT, "a scan's own result directory whose `scan_heads.csv` is a link outside it",
+         ("scan_heads.csv is a symbolic link (to",), [*SCAN, "--gate-threshold", "0"],
+         scan_copy(into_link("scan_heads.csv")), issue=42),
+    Case("FIFO manifest", OUT, "`--out/manifest.json` a FIFO (blocked for ever before)",
+         ("manifest.json is a FIFO (named pipe)",), SCAN, fifo("manifest.json"), issue=42),
+    Case("FIFO row log", OUT, "`--out/scan_rows.jsonl` a FIFO", ("scan_rows.jsonl is a FIFO (named pipe)",), SCAN,
+         fifo("scan_rows.jsonl"), issue=42),
+    Case("rows without manifest", OUT, "a scan directory whose `manifest.json` was deleted, rerun with `--seed 1` "
+         "(reused the seed-0 rows before)", ("holds the row log scan_rows.jsonl but no manifest.json",
+                                             "they are not reused"),
+         [*SCAN, "--gate-threshold", "0", "--seed", "1"], scan_copy(drop("manifest.json")), issue=42),
+    Case("nested scan beside run", OUT, "`scan --out X/scan` while `run --out X` runs (240 rows for 128 keys before)",
+         ("lies inside", "which another recurscope process (pid", "use an --out outside it"),
+         ["scan", "{ckpt}", "--out", "{out}/scan", *SMALL], hold=("out", ("scan", "confirm")), issue=42),
+    Case("run beside nested scan", OUT, "`run --out X` while `scan --out X/scan` runs",
+         ("scan is in use by another recurscope process (pid",),
+         ["run", "{ckpt}", "--out", "{out}", *SMALL[:-2], "--n-dev", "1", "--n-heldout", "1"],
+         hold=("out/scan", ()), issue=42),
     # -- input directories and files
     Case("scan without hash", INPUT, "`--from-scan` whose manifest records no checkpoint hash",
          ("records no checkpoint_hash",), CONFIRM_BAD_SCAN, scan_manifest(checkpoint_hash=None)),
@@ -331,6 +673,72 @@ CASES = [
 ]
 
 
+CASES += [
+    # -- issue 42: the Python API, one line each (TypeError for an argument of the wrong type)
+    Case("load 42", API, "`load_model(42)`", ("load_model: path_or_name must be a checkpoint directory or a bundled "
+                                              "name",), call=load(42), issue=42, error=TypeError),
+    Case("load None", API, "`load_model(None)`", ("path_or_name must be a checkpoint directory",), call=load(None),
+         issue=42, error=TypeError),
+    Case("load tpu", API, "`load_model(..., device='tpu')`", ("device 'tpu' is not a device torch knows",
+                                                             "use 'cpu'"), call=load("tiny-gla", device="tpu"),
+         issue=42),
+    Case("load dtype string", API, "`load_model(..., dtype='float32')` (a string for a dtype)",
+         ("dtype must be a torch dtype, got the string 'float32'", "pass torch.float32"),
+         call=load("tiny-gla", dtype="float32"), issue=42, error=TypeError),
+    Case("tokenizer empty", API, "`load_model(..., tokenizer='')`", ("tokenizer '' is not a directory",),
+         call=tokenizer_given(""), issue=42),
+    Case("tokenizer file", API, "`load_model(..., tokenizer=<a file>)`", ("is not a directory",),
+         call=tokenizer_given(lambda ctx: str(ctx["ckpt"] / "config.json")), issue=42),
+    Case("tokenizer bytes", API, "`load_model(..., tokenizer=b'...')`, a dict, `object()` or `True`",
+         ("tokenizer must be a tokenizer object", "got bytes"), call=tokenizer_given(b"tok"), issue=42,
+         error=TypeError),
+    Case("tokenizer dict", API, "`load_model(..., tokenizer={})`", ("tokenizer must be a tokenizer object",
+                                                                    "got dict"), call=tokenizer_given({}),
+         issue=42, error=TypeError),
+    Case("tokenizer object", API, "`load_model(..., tokenizer=object())`", ("got object",),
+         call=tokenizer_given(object()), issue=42, error=TypeError),
+    Case("tokenizer True", API, "`load_model(..., tokenizer=True)`", ("got bool",), call=tokenizer_given(True),
+         issue=42, error=TypeError),
+    Case("generate negative", API, "`generate(max_new_tokens=-1)` (accepted before)",
+         ("generate: max_new_tokens must be an integer >= 0, got -1",),
+         call=on_model("generate", "Paris", max_new_tokens=-1), issue=42),
+    Case("generate top_k float", API, "`generate(top_k=2.5)`", ("top_k must be an integer >= 1 (or None), got 2.5",),
+         call=on_model("generate", "Paris", top_k=2.5), issue=42),
+    Case("generate eos negative", API, "`generate(eos_token_id=-1)`", ("eos_token_id must be a token id in [0,",),
+         call=on_model("generate", "Paris", eos_token_id=-1), issue=42),
+    Case("generate temperature nan", API, "`generate(temperature=nan)` (a raw error before)",
+         ("temperature must be a finite number >= 0", "got nan"),
+         call=on_model("generate", "Paris", temperature=float("nan")), issue=42),
+    Case("to_string range", API, "`to_string` on an id beyond the vocabulary", ("to_string: token id 999999 is "
+                                                                               "outside the vocabulary",),
+         call=on_model("to_string", [999999]), issue=42),
+    Case("to_string 3-D", API, "`to_string` on 3-D ids", ("to_string takes token ids of shape (T,) or (B, T)",),
+         call=on_model("to_string", torch.ones(1, 1, 2, dtype=torch.long)), issue=42),
+    Case("to_tokens surrogate", API, "`to_tokens('\\ud800')` (a lone surrogate; a raw error before)",
+         ("to_tokens: the text holds", "a lone surrogate"), call=on_model("to_tokens", "\ud800"), issue=42),
+    Case("state_positions float", API, "`run_with_cache(..., state_positions=[2.5])`",
+         ("state_positions must be integer positions in [0,",),
+         call=lambda ctx: ctx["model"].run_with_cache(ctx["tokens"], state_positions=[2.5]), issue=42),
+    Case("cu_seqlens float", API, "float `cu_seqlens`", ("cu_seqlens must be integer offsets",),
+         call=lambda ctx: ctx["model"](ctx["tokens"][:1], cu_seqlens=[0.0, float(ctx["tokens"].shape[1])]),
+         issue=42),
+    Case("empty tokens", API, "tokens of shape (1, 0)", ("tokens has shape (1, 0): no rows or no positions",),
+         call=patched(tokens=torch.zeros(1, 0, dtype=torch.long)), issue=42),
+    Case("patches None", API, "`patches=[None]`", ("patches[0] is None, not a patch specification",),
+         call=patched(patches=[None]), issue=42),
+    Case("write scale position", API, "`WriteScale` at a position beyond the run",
+         ("WriteScale(layer=0).positions [999] are not positions of this run's",),
+         call=lambda ctx: patched(patches=[__import__("recurscope.hooks", fromlist=["WriteScale"]).WriteScale(
+             0, 1, [999], scale=0.0)])(ctx), issue=42),
+    Case("run_scan run_dir string", API, "`run_scan(run_dir='a/string')`",
+         ("run_scan: run_dir must be a RunDir or None, got str", "RunDir.create_or_open"),
+         call=scan_call("run_scan", run_dir="a/string"), issue=42, error=TypeError),
+    Case("attribution batch 0", API, "`run_attribution_scan(batch_size=0)` (accepted before)",
+         ("batch_size must be a positive integer, got 0",), call=scan_call("attribution", batch_size=0), issue=42),
+    Case("build_pairs values empty", API, "`build_pairs(values=[])` (an IndexError before)",
+         ("build_pairs: values= must be a list of at least 2 words",), call=pairs_with(values=[]), issue=42),
+]
+
 # ---- running a row --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_checkpoint, word_tok):
@@ -364,12 +772,16 @@ def _swapped(tokenizer, root: Path):
 
 
 def _prepare(case: Case, world, tmp: Path) -> dict:
-    """The {placeholders} of a row: a damaged copy where it has damage, a fresh --out."""
+    """The {placeholders} of a row: a damaged copy where it has damage, a fresh --out (damaged for OUT rows)."""
     fill = {"ckpt": str(world["ckpt"]), "scan": str(world["scan"]), "out": str(tmp / "out")}
-    if case.damage is not None:
+    if case.kind == OUT:
+        SCAN_DIR[:] = [world["scan"]]
+        if case.damage is not None:
+            case.damage(tmp / "out")
+    elif case.damage is not None:
         if case.kind == CHECKPOINT:
-            src = world["ckpt"] if case.base == "fla" else QWEN
-        elif "--corpus" in case.argv:
+            src = {"fla": world["ckpt"], "qwen": QWEN}.get(case.base, QWEN.parent / case.base)
+        elif "--corpus" in case.argv or "--keys" in case.argv or case.name == "corpus FIFO":
             src = None
         else:
             src = world["scan"]
@@ -392,10 +804,38 @@ def _one_error_line(err: str) -> str:
     return errors[0]
 
 
+def _snapshot(root: Path) -> dict:
+    """Every entry under `root` (links not followed): a file's bytes, a link's target, a FIFO; lock files and empty
+    directories aside (a refused command may create --out and take its lock)."""
+    seen = {}
+    if not os.path.lexists(root):
+        return seen
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            if name == ".recurscope.lock" and not path.is_symlink():
+                continue
+            if path.is_symlink():
+                seen[str(path.relative_to(root))] = ("link", os.readlink(path))
+            elif path.is_fifo():
+                seen[str(path.relative_to(root))] = ("fifo",)
+            elif path.is_file():
+                seen[str(path.relative_to(root))] = ("file", path.read_bytes())
+    return seen
+
+
+class Hung(BaseException):
+    """A row ran past its alarm (a hang); a BaseException, so the CLI's error handler does not turn it into a line."""
+
+
+def _hung(signum, frame):
+    raise Hung("the command hung (no answer in 120 s)")
+
+
 def run_case(case: Case, world, tmp: Path, capsys) -> str:
     """Runs one row and returns its error line, asserting everything the harness promises."""
     if case.kind == API:
-        with pytest.raises(ValueError) as info:
+        with pytest.raises(case.error) as info:
             case.call(world)
         message = str(info.value)
         assert "\n" not in message, message
@@ -406,21 +846,35 @@ def run_case(case: Case, world, tmp: Path, capsys) -> str:
     argv = [a.format(**fill) for a in case.argv]
     capsys.readouterr()
     holder = None
-    if case.name == "run lock":                          # another writer holds --out (a process: see test_run_guard)
-        from recurscope.interp.results import RunLock
+    from recurscope.interp.results import RunLock
 
+    if case.name == "run lock":                          # another writer holds --out (a process: see test_run_guard)
         holder = RunLock(fill["out"]).acquire()
+    elif case.hold is not None:                          # another writer holds a directory around or inside --out
+        holder = RunLock(tmp / case.hold[0], nested=case.hold[1]).acquire()
+    out, outside = Path(fill["out"]), tmp / OUTSIDE
+    before, before_outside = _snapshot(out), _snapshot(outside)
+    manifest_before = os.path.lexists(out / "manifest.json")
+    previous = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(120)
     try:
         code = cli.main(argv)
     except SystemExit as exc:                           # argparse's own refusals
         code = exc.code
     finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
         if holder is not None:
             holder.release()
     err = capsys.readouterr().err
     assert code == 2, err[-3000:]
     line = _one_error_line(err)
-    assert not (Path(fill["out"]) / "manifest.json").exists(), "a refused run left a manifest behind"
+    if not manifest_before:
+        assert not (out / "manifest.json").exists(), "a refused run left a manifest behind"
+    assert _snapshot(out) == before, "a refused run changed a file in --out"
+    assert _snapshot(outside) == before_outside, "a refused run changed a file outside --out"
+    for folder in (tmp / "deep" / "bad", out):
+        assert not (folder / "MARKER").exists(), "the checkpoint's code ran"
     return line
 
 
@@ -439,7 +893,7 @@ def render_table() -> str:
     lines = [BEGIN, "", "| class | bad input | what it gets |", "|---|---|---|"]
     for case in CASES:
         what = " ... ".join(case.expect).replace("|", "\\|")
-        gets = f"exit 2, ``error: ...{what}...``" if case.kind != API else f"``ValueError: ...{what}...``"
+        gets = f"exit 2, ``error: ...{what}...``" if case.kind != API else f"``{case.error.__name__}: ...{what}...``"
         lines.append(f"| {case.kind} | {case.bad.replace('|', chr(92) + '|')} | {gets} |")
     return "\n".join(lines + ["", END])
 

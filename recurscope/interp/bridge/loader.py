@@ -10,8 +10,9 @@ import torch
 
 from recurscope.interp.bridge.families import bridge_family, supported_model_types
 from recurscope.interp.bridge.model import BridgedLM
-from recurscope.interp.checkpoint_files import (CheckpointError, check_finite_weights, check_shards,
-                                                check_tokenizer_fits, mismatch_error, read_json)
+from recurscope.interp.checkpoint_files import (CheckpointError, check_cast_fits_files, check_config_fits_weights,
+                                                check_finite_weights, check_no_remote_code, check_shards,
+                                                check_tokenizer_fits, mismatch_error, read_json, read_weight_file)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -23,7 +24,7 @@ def _named_tokenizer_class(directory: Path) -> Optional[str]:
     import transformers
 
     cfg_file = directory / "tokenizer_config.json"
-    raw = read_json(cfg_file, "tokenizer configuration") if cfg_file.is_file() else {}
+    raw = read_json(cfg_file, "tokenizer configuration") if cfg_file.exists() else {}
     named = raw.get("tokenizer_class") if isinstance(raw, dict) else None
     if not named or named == "AutoTokenizer":
         return None
@@ -40,6 +41,15 @@ def _named_tokenizer_class(directory: Path) -> Optional[str]:
     return named
 
 
+def tokenizer_class(directory: Path, auto):
+    """For a native (fla-format) checkpoint, whose model_type AutoTokenizer does not know: the tokenizer class
+    tokenizer_config.json names (checked to be one of transformers' tokenizer classes), else `auto`."""
+    import transformers
+
+    named = _named_tokenizer_class(directory)
+    return auto if named is None else getattr(transformers, named)
+
+
 def _tokenizer(directory: Path, config):
     """The tokenizer transformers' AutoTokenizer chooses for this model's config (its model_type's own class where
     transformers registers one, e.g. Qwen3_5Tokenizer for qwen3_5, which matches Qwen's own encoder where
@@ -53,7 +63,7 @@ def _tokenizer(directory: Path, config):
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()   # its notes on the class choice are said once below, in one line
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
     except Exception as err:  # tokenizers and transformers raise many types for damaged files
         reason = " ".join(str(err).split())[:300] or type(err).__name__
         raise CheckpointError(f"the tokenizer files of {directory} cannot be loaded by AutoTokenizer "
@@ -74,7 +84,7 @@ def _tokenizer(directory: Path, config):
         # word-level vocabulary saved beside a small model) is then misread, so the named class reads it instead.
         warnings.warn(f"{where}, which reads tokenizer.json's {declared} model as {read}; recurscope uses {named}",
                       TokenizerClassWarning, stacklevel=3)
-        return getattr(transformers, named).from_pretrained(str(directory))
+        return getattr(transformers, named).from_pretrained(str(directory), trust_remote_code=False)
     warnings.warn(f"{where}; recurscope uses {chosen}, as transformers would (for {named}, pass --tokenizer DIR, a "
                   "directory holding only the tokenizer's files)", TokenizerClassWarning, stacklevel=3)
     return tokenizer
@@ -104,8 +114,17 @@ BRIDGE_POSITIVE_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_a
                         "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                         "linear_value_head_dim", "linear_conv_kernel_dim", "moe_intermediate_size", "num_experts",
                         "num_experts_per_tok", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
-                        "qk_nope_head_dim", "v_head_dim")
-BRIDGE_BOOLS = ("tie_word_embeddings", "attention_bias", "linear_allow_neg_eigval")
+                        "qk_nope_head_dim", "v_head_dim",
+                        # Mamba-2 and Nemotron-H (n_groups 0 divided by zero in transformers)
+                        "num_heads", "n_groups", "state_size", "ssm_state_size", "mamba_num_heads", "mamba_head_dim",
+                        "conv_kernel", "chunk_size", "expand")
+BRIDGE_BOOLS = ("tie_word_embeddings", "attention_bias", "linear_allow_neg_eigval", "use_bias", "use_conv_bias",
+                "mamba_proj_bias", "mlp_bias", "residual_in_fp32", "rescale_prenorm_residual", "norm_before_gate",
+                "rms_norm")
+BRIDGE_POSITIVE_FLOATS = ("time_step_min", "time_step_max", "time_step_floor", "layer_norm_epsilon")
+#: [low, high] pairs a Mamba-2 layer reads: time_step_limit clamps dt (low < high, or every dt is one constant)
+BRIDGE_RANGES = {"time_step_limit": True, "A_init_range": False}
+BRIDGE_ACTIVATIONS = ("hidden_act", "mamba_hidden_act", "mlp_hidden_act")
 
 
 def check_bridge_config(raw: dict, where: str = "config.json") -> None:
@@ -121,6 +140,25 @@ def check_bridge_config(raw: dict, where: str = "config.json") -> None:
         if key in raw and not isinstance(raw[key], bool):
             raise ValueError(f"{where}: `{key}` must be true or false (a JSON boolean), got "
                              f"{fla_config._show(raw[key])}; fix it to match the checkpoint's weights")
+    for key in BRIDGE_POSITIVE_FLOATS:
+        if raw.get(key) is not None and not (fla_config._is_number(raw[key]) and raw[key] > 0):
+            raise ValueError(f"{where}: `{key}` must be a positive number, got {fla_config._show(raw[key])}")
+    for key, strict in BRIDGE_RANGES.items():
+        if raw.get(key) is None:
+            continue
+        pair = fla_config.range_pair(raw[key])
+        if pair is None or pair[0] < 0 or (pair[0] >= pair[1] if strict else pair[0] > pair[1]):
+            raise ValueError(f"{where}: `{key}` must be a pair [low, high] of numbers with 0 <= low "
+                             f"{'<' if strict else '<='} high, got {fla_config._show(raw[key])}; fix it to match the "
+                             "checkpoint (transformers' default time_step_limit is "
+                             "[0.0, {\"__float__\": \"Infinity\"}])")
+    for key in BRIDGE_ACTIVATIONS:
+        if key in raw:
+            from transformers.activations import ACT2CLS
+
+            if not (isinstance(raw[key], str) and raw[key] in ACT2CLS):
+                raise ValueError(f"{where}: `{key}` must name an activation transformers knows (e.g. \"silu\", "
+                                 f"\"relu2\", \"gelu\"), got {fla_config._show(raw[key])}")
     eps = raw.get("rms_norm_eps")
     if eps is not None and not (fla_config._is_number(eps) and eps > 0):
         raise ValueError(f"{where}: `rms_norm_eps` must be a positive number, got {fla_config._show(eps)}")
@@ -149,13 +187,21 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
     except ValueError as err:
         raise CheckpointError(f"{directory}/{err}") from None
     check_shards(directory)
+    if not any(directory.glob("*.safetensors")):
+        for path in sorted(directory.glob("pytorch_model*.bin")):   # pickles: refused unless plain tensors
+            read_weight_file(path)
+    check_config_fits_weights(directory, raw_config)     # before transformers allocates a 5e7-row embedding
+    check_no_remote_code(directory)        # load_model checked already; a direct caller is checked here
+    if isinstance(tokenizer, (str, Path)):
+        check_no_remote_code(Path(tokenizer))
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     # the family's own class where AutoModelForCausalLM may build another library's (fla's Mamba-2, see model_class)
     model_cls = getattr(transformers, family.model_class) if family.model_class else AutoModelForCausalLM
     try:
-        config = (model_cls.config_class if family.model_class else AutoConfig).from_pretrained(str(directory))
+        config = (model_cls.config_class if family.model_class else AutoConfig).from_pretrained(
+            str(directory), trust_remote_code=False)
     except Exception as err:  # transformers' strict config validation raises several types, over several lines
         reason = " ".join(str(err).split()) or type(err).__name__
         raise CheckpointError(f"{directory}/config.json is refused by transformers ({reason}); fix the key it "
@@ -169,6 +215,7 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
         check_tokenizer_fits(tokenizer, int(text.vocab_size), directory)
     from transformers.utils import logging as hf_logging
 
+    check_cast_fits_files(directory, dtype)   # transformers casts as it loads: a weight beyond float16 becomes inf
     previous, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()   # its load report would repeat what the check below says in one line
     hf_logging.disable_progress_bar()  # a bar per load would interleave with tables such as `recurscope models`
@@ -177,7 +224,8 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
             # fla, imported by transformers for some families, warns on every CPU-only import; not the user's concern
             warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
             hf, info = model_cls.from_pretrained(str(directory), config=config, dtype=dtype or torch.float32,
-                                                 output_loading_info=True, ignore_mismatched_sizes=True)
+                                                 output_loading_info=True, ignore_mismatched_sizes=True,
+                                                 trust_remote_code=False)
     finally:
         hf_logging.set_verbosity(previous)
         if bars:

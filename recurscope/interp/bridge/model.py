@@ -192,6 +192,7 @@ class BridgedLM(ProtocolMethods, HookedRootModule):
         restarting; the cache has one row per sequence with their lengths)."""
         self._check_return_type(return_type)
         tokens = self._input_tokens(tokens, prepend_bos, padding_side)
+        self._check_state_positions(state_positions, tokens.shape[1])
         vocab = self.cfg.vocab_size
         if int(tokens.max()) >= vocab or int(tokens.min()) < 0:
             raise ValueError(f"token ids must lie in [0, {vocab - 1}]; got ids in [{int(tokens.min())}, "

@@ -74,7 +74,7 @@ def torch_reference():
     causal-conv1d package whenever those import, which fails on a CPU. Public as `recurscope.torch_reference()`.
 
         with rs.torch_reference():
-            logits = AutoModelForCausalLM.from_pretrained(path)(input_ids=tokens).logits
+            logits = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False)(input_ids=tokens).logits
     """
     with torch_reference_path():
         yield

@@ -13,6 +13,7 @@ Named layouts (LAYOUTS):
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -86,12 +87,16 @@ def recorded_layout(directory) -> PairLayout | None:
     """The layout a checkpoint directory records in pair_layout.json, or None when it records none."""
     if directory is None:
         return None
+    from recurscope.interp.checkpoint_files import CheckpointError, read_regular
+
     path = Path(directory) / LAYOUT_FILE
-    if not path.is_file():
+    if not os.path.lexists(path) or (path.is_symlink() and not path.exists()):
         return None
-    try:
-        return resolve_layout(json.loads(path.read_text()))
-    except (json.JSONDecodeError, TypeError, ValueError) as err:
+    try:   # a FIFO or device is refused at once (it would block, or be skipped as "no layout")
+        return resolve_layout(json.loads(read_regular(path, "the checkpoint's pair layout", limit=1 << 20)))
+    except CheckpointError:
+        raise
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, ValueError) as err:
         raise ValueError(f"{path}: not a pair layout ({err}); fix or delete the file (the default is "
                          f"--layout {DEFAULT_LAYOUT}).") from None
 

@@ -929,6 +929,12 @@ def build_pairs(tokenizer, sources: Sequence[Source] | None = None, *, split: st
     report (on the batch): dropped keys/values with their tokenisations, the count filtered, and the filler's
     unknown-token count and rate (filler_unknown_rate).
     """
+    for name in ("keys", "values"):
+        words = kwargs.get(name)
+        if words is not None and (isinstance(words, (str, bytes)) or not hasattr(words, "__len__")
+                                  or len(words) < 2):
+            raise ValueError(f"build_pairs: {name}= must be a list of at least 2 words (a pair needs the recipient's "
+                             f"and the donor's), got {words!r}; or leave it out for the default list")
     report: dict = {}
     pairs = list(iter_pairs(tokenizer, split, n_sources, sources=sources, report=report, **kwargs))
     batch = PairBatch.collate(pairs, _pad_id(tokenizer), report=report)

@@ -213,7 +213,7 @@ def load_word_tokenizer(directory: str | os.PathLike):
     if not (directory / "tokenizer.json").is_file():
         raise ValueError(f"tokenizer directory {str(directory)!r} has no tokenizer.json; write it with "
                          f"save_word_tokenizer(tokenizer, directory) first.")
-    return AutoTokenizer.from_pretrained(str(directory))
+    return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
 
 
 # --- whole-text encoding: the ids a model's own tokenizer gives a prompt, and where each character went ----------

@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 import torch
 
-from recurscope.interp.interventions.common import candidate_logits, check_pairs, chunks, model_device
+from recurscope.interp.interventions.common import candidate_logits, check_pairs, chunks, logit_dtype, model_device
 from recurscope.interp.models.cache import LayerCache, RecurrentCache
 
 __all__ = ["reuse_clean_runs", "memoised", "prefix_caches", "run_prefixes", "clean_recipient_logits", "clean_run"]
@@ -126,7 +126,8 @@ def clean_run(model, pairs, batch_size: int = 16) -> dict[str, torch.Tensor]:
     check_pairs(model, pairs)
     n = len(pairs)
     C = pairs.candidate_ids.shape[1]
-    out = {"recipient": torch.empty(n, C), "donor": torch.empty(n, C)}
+    dtype = logit_dtype(model)       # float64 logits stay float64
+    out = {"recipient": torch.empty(n, C, dtype=dtype), "donor": torch.empty(n, C, dtype=dtype)}
     if hasattr(pairs, "is_ragged") and pairs.is_ragged():
         lengths = pairs.row_lengths()
         for length in torch.unique(lengths).tolist():

@@ -120,6 +120,11 @@ def model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+def logit_dtype(model) -> torch.dtype:
+    """The dtype candidate_logits gives for this model's logits: float32, or float64 for a float64 model."""
+    return torch.promote_types(next(model.parameters()).dtype, torch.float32)
+
+
 def resolve_boundaries(pairs, boundary) -> torch.Tensor:
     """(N,) boundary per row: query_start - 1 by default; an int or an (N,) tensor otherwise."""
     n = len(pairs)

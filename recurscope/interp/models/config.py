@@ -185,14 +185,33 @@ class ModelConfig(TLConfigAliases):
 # ---- every key the family specs read, checked for type and range before anything is built ---------------------
 POSITIVE_INTS = frozenset({"vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "num_kv_heads",
                            "intermediate_size", "attnres_block_size", "max_position_embeddings", "conv_size",
-                           "gate_low_rank_dim", "head_dim", "num_v_heads"})
+                           "gate_low_rank_dim", "head_dim", "num_v_heads",
+                           # Mamba-2 and RWKV-7 (the families' own options)
+                           "state_size", "n_groups", "conv_kernel", "chunk_size", "decay_low_rank_dim",
+                           "a_low_rank_dim", "v_low_rank_dim"})
 TOKEN_IDS = frozenset({"bos_token_id", "eos_token_id", "pad_token_id"})
 POSITIVE_FLOATS = frozenset({"norm_eps", "hidden_ratio", "expand_k", "expand_v", "gate_logit_normalizer",
-                             "qed_lambda_max"})
-FLOATS = frozenset({"clamp_min", "qed_theta_init"})
+                             "qed_lambda_max", "expand", "dt_min", "dt_max", "dt_init_floor"})
+FLOATS = frozenset({"clamp_min", "qed_theta_init", "conv_init"})
 BOOLS = frozenset({"tie_word_embeddings", "fuse_norm", "use_short_conv", "conv_bias", "use_output_gate",
-                   "elementwise_affine", "use_gate", "allow_neg_eigval"})
+                   "elementwise_affine", "use_gate", "allow_neg_eigval",
+                   "use_bias", "use_conv_bias", "D_has_hdim", "rmsnorm", "norm_before_gate", "residual_in_fp32",
+                   "rescale_prenorm_residual", "norm_first", "norm_bias"})
 STRINGS = frozenset({"model_type", "hidden_act", "feature_map", "output_gate_activation", "erase_arm"})
+#: [low, high] pairs: the lowest low, and whether low < high strictly
+RANGES = {"A_init_range": (0.0, False), "dt_limit": (0.0, False)}
+
+
+def range_pair(value):
+    """A [low, high] pair of numbers (transformers writes inf as {"__float__": "Infinity"}), or None."""
+    def one(v):
+        if isinstance(v, dict) and set(v) == {"__float__"} and v["__float__"] in ("Infinity", "inf"):
+            return math.inf
+        return float(v) if _is_number(v) else None
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        return None
+    low, high = one(value[0]), one(value[1])
+    return None if low is None or high is None or math.isinf(low) else (low, high)
 
 
 def _show(value) -> str:
@@ -230,6 +249,17 @@ def check_key(key: str, value, default=MISSING) -> None:
         ok, want = isinstance(value, bool), "true or false (a JSON boolean)"
     elif key in STRINGS:
         ok, want = isinstance(value, str), "a string"
+    elif key in RANGES:
+        low, strict = RANGES[key]
+        pair = range_pair(value)
+        ok = pair is not None and pair[0] >= low and (pair[0] < pair[1] if strict else pair[0] <= pair[1])
+        want = f"a pair [low, high] of numbers with {low:g} <= low <= high"
+    elif key == "value_dim":
+        ok = (_is_int(value) and value > 0) or (isinstance(value, list) and value
+                                                and all(_is_int(v) and v > 0 for v in value))
+        want = "a positive integer (or a list of them, one per layer)"
+    elif isinstance(default, bool):     # any other switch: "yes" or "no" would read as true
+        ok, want = isinstance(value, bool), "true or false (a JSON boolean)"
     else:
         return
     if not ok:

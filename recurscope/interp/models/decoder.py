@@ -103,6 +103,7 @@ class RecurrentLM(ProtocolMethods, HookedRootModule):
             return self._packed_forward(tokens, cu_seqlens, cache, use_cache, state_positions, logit_positions,
                                         return_type, loss_per_token)
         tokens = self._input_tokens(tokens, prepend_bos, padding_side)
+        self._check_state_positions(state_positions, tokens.shape[1])
         lo, hi = (int(v) for v in torch.stack(torch.aminmax(tokens)).tolist())   # the call's one host sync
         if hi >= self.cfg.vocab_size or lo < 0:
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size - 1}]; got ids in [{lo}, {hi}] "

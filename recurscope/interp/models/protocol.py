@@ -62,7 +62,11 @@ def check_packed(tokens: torch.Tensor, cu_seqlens, cache, return_type="logits") 
     if return_type in ("loss", "both"):
         raise ValueError("return_type='loss' with cu_seqlens would score across sequence boundaries; take the logits "
                          "and form the loss per sequence")
-    cu = [int(b) for b in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    raw = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
+    if not isinstance(raw, (list, tuple)) or not all(isinstance(b, int) and not isinstance(b, bool) for b in raw):
+        raise ValueError(f"cu_seqlens must be integer offsets (a long tensor or a list of ints), got {cu_seqlens!r}; "
+                         "build them with protocol.pack_rows")
+    cu = list(raw)
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[0] != 1:
         raise ValueError("packed sequences (cu_seqlens) take tokens of shape (1, T); pack rows with "
                          "protocol.pack_rows")

@@ -10,6 +10,8 @@ intervention patches), so `n_heads` is the number of state heads per recurrent l
 """
 from __future__ import annotations
 
+import math
+import operator
 from typing import Optional, Sequence, Union
 
 import torch
@@ -103,6 +105,13 @@ class TransformerLensMethods:
         texts = [input] if isinstance(input, str) else list(input)
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ValueError("to_tokens takes a string or a non-empty list of strings")
+        for t in texts:
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError as err:   # a lone surrogate such as '\ud800' (the tokenizer raised its own)
+                raise ValueError(f"to_tokens: the text holds {t[err.start]!r} at index {err.start}, a lone surrogate "
+                                 "that is not a character; pass valid Unicode text (decode bytes with "
+                                 "errors='replace')") from None
         bos = self._bos(prepend_bos)
         rows = [([] if bos is None else [bos]) + list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
         if truncate and self.cfg.n_ctx is not None:
@@ -124,10 +133,28 @@ class TransformerLensMethods:
     def to_string(self, tokens) -> Union[str, list[str]]:
         """Token ids (T,) -> text; (B, T) -> one text per row."""
         tok = self._require_tokenizer("to_string")
-        tokens = torch.as_tensor(tokens)
+        tokens = self._check_ids(tokens, "to_string")
         if tokens.dim() == 2:
             return [tok.decode(row.tolist()) for row in tokens]
         return tok.decode(tokens.reshape(-1).tolist())
+
+    def _check_ids(self, tokens, what: str) -> torch.Tensor:
+        """Token ids as a (T,) or (B, T) integer tensor, each in [0, d_vocab): else a ValueError naming the problem."""
+        try:
+            tokens = torch.as_tensor(tokens)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"{what} takes token ids (a (T,) or (B, T) integer tensor or list), got "
+                             f"{type(tokens).__name__}") from None
+        if tokens.dim() not in (1, 2) or tokens.is_floating_point() or tokens.is_complex() \
+                or tokens.dtype == torch.bool:
+            raise ValueError(f"{what} takes token ids of shape (T,) or (B, T) and an integer dtype, got shape "
+                             f"{tuple(tokens.shape)} and {tokens.dtype}; pass one row or a batch of rows")
+        vocab = self.cfg.d_vocab
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+            bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
+            raise ValueError(f"{what}: token id {bad} is outside the vocabulary [0, {vocab}); pass ids this model's "
+                             "tokenizer made")
+        return tokens
 
     def to_str_tokens(self, input, prepend_bos: Optional[bool] = None) -> Union[list[str], list[list[str]]]:
         """Each token as its own string: of a text (tokenised as `to_tokens` does), or of token ids (T,) / (1, T);
@@ -178,7 +205,29 @@ class TransformerLensMethods:
             tokens = tokens[None]
         if tokens.dtype not in (torch.long, torch.int32, torch.int64):
             raise ValueError(f"tokens must be an integer tensor of shape (B, T), got dtype {tokens.dtype}")
+        if tokens.dim() != 2 or 0 in tokens.shape:
+            raise ValueError(f"tokens must be an integer tensor of shape (B, T) with B, T >= 1, got shape "
+                             f"{tuple(tokens.shape)}; pass at least one row of at least one token")
         return tokens
+
+    @staticmethod
+    def _check_state_positions(state_positions, T: int) -> None:
+        """state_positions: integer positions in [0, T) (a float such as 2.5 was truncated or ignored before)."""
+        if state_positions is None:
+            return
+        items = list(state_positions) if hasattr(state_positions, "__iter__") else [state_positions]
+
+        def index(p):
+            if isinstance(p, bool) or (isinstance(p, torch.Tensor) and p.dtype == torch.bool):
+                return None
+            try:
+                return operator.index(p)     # ints, numpy and 0-d integer tensors; never 2.5
+            except TypeError:
+                return None
+        values = [index(p) for p in items]
+        if any(v is None or not 0 <= v < T for v in values):
+            raise ValueError(f"state_positions must be integer positions in [0, {T}) of this run's tokens, got "
+                             f"{state_positions!r}; e.g. state_positions=[{T - 1}]")
 
     @staticmethod
     def _check_return_type(return_type) -> None:
@@ -219,9 +268,21 @@ class TransformerLensMethods:
         when every row has, if `stop_at_eos`."""
         if return_type not in ("input", "str", "tokens"):
             raise ValueError(f"return_type must be 'input', 'str' or 'tokens', got {return_type!r}")
-        if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
-            raise ValueError(f"need temperature >= 0, 0 < top_p <= 1 and top_k >= 1; got temperature={temperature}, "
-                             f"top_p={top_p}, top_k={top_k}")
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+        if not is_int(max_new_tokens) or max_new_tokens < 0:
+            raise ValueError(f"generate: max_new_tokens must be an integer >= 0, got {max_new_tokens!r}; e.g. "
+                             "max_new_tokens=10")
+        if top_k is not None and (not is_int(top_k) or top_k < 1):
+            raise ValueError(f"generate: top_k must be an integer >= 1 (or None), got {top_k!r}; e.g. top_k=50")
+        if eos_token_id is not None and (not is_int(eos_token_id) or not 0 <= eos_token_id < self.cfg.d_vocab):
+            raise ValueError(f"generate: eos_token_id must be a token id in [0, {self.cfg.d_vocab}) (or None for "
+                             f"the tokenizer's), got {eos_token_id!r}")
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) \
+                or not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"generate: temperature must be a finite number >= 0 (0 is greedy), got {temperature!r}")
+        if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+            raise ValueError(f"generate: top_p must be in (0, 1] (or None), got {top_p!r}")
         text_input = isinstance(input, str) or (isinstance(input, (list, tuple)) and input
                                                 and isinstance(input[0], str))
         if text_input and not isinstance(input, str):

@@ -233,5 +233,7 @@ def finish(result: ProtocolResult, run_dir, section: Callable[[ProtocolResult], 
     run_dir.write_table(f"{result.name}_rows", result.rows)      # the row log's finished copy, CSV and parquet
     run_dir.write_table(f"{result.name}_sources", result.sources)
     run_dir.write_table(f"{result.name}_summary", result.summary)
-    (run_dir.path / "report.md").write_text(result.section + "\n")
+    from recurscope.interp.results import write_output
+
+    write_output(run_dir.path / "report.md", result.section + "\n")
     return result
