@@ -175,8 +175,9 @@ def _check_filler(pairs, args, tokenizer):
     print(("WARNING: " if warn else "") + line + (" (--allow-unk given)" if warn else ""), file=sys.stderr)
 
 
-def _filler_record(pairs, args) -> dict:
-    """What the filler was, for the manifest's `extra` and the report."""
+def _filler_record(pairs, args, model) -> dict:
+    """What the filler was (and how many query heads read each state of `model`), for the manifest's `extra` and the
+    report, which reads these recorded facts and never the checkpoint path a manifest names."""
     origin = (f"local corpus {args.corpus}" if args.corpus else
               f"generated filler (recurscope's grammar, seed {args.seed})")
     report = pairs.report
@@ -187,7 +188,8 @@ def _filler_record(pairs, args) -> dict:
             "filler_unknown_tokens": pairs.report.get("filler_unknown_tokens", 0),
             "filler_tokens": pairs.report.get("filler_tokens", 0), "allow_unk": bool(args.allow_unk),
             "filler_unknown_limit": MAX_FILLER_UNKNOWN_RATE,
-            "pairs_per_source": args.pairs_per_source, "device": args.device, "batch_size": args.batch_size}
+            "pairs_per_source": args.pairs_per_source, "device": args.device, "batch_size": args.batch_size,
+            "query_group": int(getattr(model, "query_group", 1))}
 
 
 # Intervals over fewer sources than this are flagged in the output and the report.
@@ -444,7 +446,7 @@ def cmd_scan(args):
     run = RunDir.create_or_open(args.out, kind="scan", model_name=args.model, checkpoint_path=model.checkpoint_dir,
                                 args={**_work_args(args, PAIR_KEYS), **how}, seeds=[args.seed],
                                 sources=sorted(set(pairs.source_id.tolist())), split=args.sources,
-                                extra=_filler_record(pairs, args))
+                                extra=_filler_record(pairs, args, model))
     if not _capability(model, pairs, args, run)["passed"]:
         return 0
     if spec is not None:
@@ -530,7 +532,7 @@ def cmd_confirm(args):
     heads = heads_from_scan(args.from_scan, model, top_k=args.top_k)
     scan_heads = pd.read_csv(Path(args.from_scan) / "scan_heads.csv")
     pairs = _pairs(model, args)
-    extra = {**_filler_record(pairs, args), "confirmation_on_selection_sources": on_selection}
+    extra = {**_filler_record(pairs, args, model), "confirmation_on_selection_sources": on_selection}
     run = RunDir.create_or_open(args.out, kind="confirm", model_name=args.model, checkpoint_path=model.checkpoint_dir,
                                 args={**_work_args(args, PAIR_KEYS), "heads": heads, "from_scan": str(args.from_scan)},
                                 seeds=[args.seed], sources=sorted(set(pairs.source_id.tolist())), split=args.sources,
@@ -615,7 +617,7 @@ def cmd_patch(args):
                                     checkpoint_path=model.checkpoint_dir,
                                     args={**_work_args(args, PAIR_KEYS), "layer": args.layer, "heads": args.head,
                                           "source": args.source}, seeds=[args.seed],
-                                    sources=[args.source], split=args.sources, extra=_filler_record(pairs, args))
+                                    sources=[args.source], split=args.sources, extra=_filler_record(pairs, args, model))
         written = run.write_table("patch_rows", pd.DataFrame(rows))
         print(f"table: {written['csv']}")
     return 0

@@ -90,7 +90,7 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
     elif gate is not None:
         lines.append(f"- clean recall on the {gate.get('split', '')} pairs (the gate): {_gate_line(gate)}, "
                      f"threshold {100 * gate['threshold']:.0f}%: {'passed' if not failed else 'NOT passed'}")
-    group = query_group_of(manifest.get("checkpoint_path"))
+    group = recorded_query_group(extra)
     if group > 1:
         lines.append(f"- a \"head\" here (L<layer>H<head>) is a state group read by {group} query heads "
                      "(num_kv_heads < num_heads, as GLA-7B): each intervention edits the group's one state, and the "
@@ -168,19 +168,12 @@ def write_report(out_dir, *, model_name: str, scan_dir, confirm_dir, heads, cont
     return path
 
 
-def query_group_of(checkpoint_path) -> int:
-    """How many query heads read each state of the checkpoint at `checkpoint_path` (its config.json, read by the
-    native families' spec): > 1 for GLA with num_kv_heads < num_heads; 1 for every other or unreadable config
-    (transformers-format checkpoints, which the bridge loads, have no query groups in this sense)."""
-    from recurscope.interp.models.config import ModelConfig
-
-    path = None if checkpoint_path is None else Path(checkpoint_path) / "config.json"
-    if path is None or not path.is_file():
-        return 1
-    try:
-        return int(ModelConfig.from_dict(json.loads(path.read_text())).query_group)
-    except ValueError:                       # not a native family's config (the bridge's): no query groups
-        return 1
+def recorded_query_group(extra: dict) -> int:
+    """How many query heads read each state (> 1 for GLA with num_kv_heads < num_heads), as the run recorded it from
+    the loaded model in the manifest's `extra`; 1 when absent or not a positive integer. The report never opens the
+    checkpoint path a manifest names: a crafted path could otherwise change its wording."""
+    group = extra.get("query_group", 1) if isinstance(extra, dict) else 1
+    return group if isinstance(group, int) and not isinstance(group, bool) and group >= 1 else 1
 
 
 def _gate_line(gate: dict) -> str:

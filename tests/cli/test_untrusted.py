@@ -207,10 +207,18 @@ def test_moved_run_resumes_and_report_escapes_the_manifest(tmp_path, tiny_checkp
     manifest = json.loads(crafted.read_text())
     manifest["argv"] = ["x`\n# Injected heading\n<script>alert(1)</script>", "``"]
     manifest["extra"]["pair_layout"]["name"] = "paper`\n## Owned"
+    # a checkpoint_path naming another checkpoint (here one whose config groups 4 query heads per state) does not
+    # change the report's wording: the report reads only what the run recorded of the loaded model
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text(json.dumps(dict(model_type="gla", vocab_size=61, hidden_size=32,
+                                                           num_hidden_layers=1, num_heads=8, num_kv_heads=2)))
+    manifest["checkpoint_path"] = str(elsewhere)
     crafted.write_text(json.dumps(manifest))
     assert main(["run", str(ckpt), "--out", str(tmp_path / "b"), *args]) == 0
     assert len(pd.read_json(tmp_path / "b" / "confirm" / "confirm_rows.jsonl", lines=True)) == rows
     report = (tmp_path / "b" / "report.md").read_text()
+    assert "state group read by" not in report
     headings = [line for line in report.splitlines() if line.startswith("#")]
     assert not any("Injected" in h or "Owned" in h for h in headings), headings
     line = next(line for line in report.splitlines() if "command:" in line)

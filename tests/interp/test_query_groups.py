@@ -130,17 +130,14 @@ def test_the_scan_ranks_state_groups_and_matches_the_naive_scan(model, pairs):
     assert fast["shift"].abs().max() > 1e-4
 
 
-def test_the_report_says_a_head_is_a_group_of_query_heads(tmp_path):
-    import json
+def test_the_report_says_a_head_is_a_group_of_query_heads(model):
+    """The run records the loaded model's query group in the manifest's extra; the report reads that record only."""
+    from recurscope.interp.report import recorded_query_group
 
-    from recurscope.interp.report import query_group_of
-
-    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gla", vocab_size=61, hidden_size=32,
-                                                          num_hidden_layers=1, num_heads=8, num_kv_heads=2)))
-    assert query_group_of(tmp_path) == 4
-    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gla", vocab_size=61, hidden_size=32,
-                                                          num_hidden_layers=1, num_heads=8)))
-    assert query_group_of(tmp_path) == 1 and query_group_of(None) == 1
+    assert model.query_group == 2 and recorded_query_group({"query_group": model.query_group}) == 2
+    assert recorded_query_group({}) == 1 and recorded_query_group({"query_group": 1}) == 1
+    for crafted in (0, -3, 2.5, "4", True, None):     # not a positive integer: no group is claimed
+        assert recorded_query_group({"query_group": crafted}) == 1, crafted
 
 
 def test_readout_labels_name_the_group_and_the_query(model, pairs):
