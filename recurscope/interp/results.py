@@ -723,6 +723,7 @@ class RunLock:
         self.nested = tuple(nested)
         self.fd: Optional[int] = None
         self.fds: list[int] = []
+        self.created: list[Path] = []    # nested directories this lock made (removed again if nothing else lands)
 
     @staticmethod
     def _holder(fd: int) -> str:
@@ -768,6 +769,8 @@ class RunLock:
         try:
             self.fds.append(self._lock(directory))
             for name in self.nested:
+                if not os.path.lexists(directory / name):
+                    self.created.append(directory / name)
                 self.fds.append(self._lock(directory / name))
         except BaseException:
             self.release()
@@ -776,7 +779,17 @@ class RunLock:
         return self
 
     def release(self) -> None:
-        for fd in self.fds:
+        # A nested directory the lock made and the run never wrote into (a `run` stopped at the gate writes no
+        # confirm/) goes again, so the directory holds only what the run wrote; removed while still locked.
+        for folder in self.created:
+            try:
+                if [entry.name for entry in folder.iterdir()] == [LOCK_NAME]:
+                    (folder / LOCK_NAME).unlink()
+                    folder.rmdir()
+            except OSError:
+                pass
+        self.created = []
+        for fd in reversed(self.fds):
             os.close(fd)    # closing releases the flock; the file stays (harmless: the lock is the flock)
         self.fds = []
         self.fd = None
