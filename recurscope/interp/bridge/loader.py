@@ -8,8 +8,9 @@ import torch
 
 from recurscope.interp.bridge.families import bridge_family, supported_model_types
 from recurscope.interp.bridge.model import BridgedLM
-from recurscope.interp.checkpoint_files import (CheckpointError, check_finite_weights, check_shards,
-                                                check_tokenizer_fits, read_json)
+from recurscope.interp.checkpoint_files import (VOCAB_ROWS_FILE, CheckpointError, check_finite_weights, check_shards,
+                                                check_tokenizer_fits, expand_vocab_rows, read_json,
+                                                read_weight_file)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -126,8 +127,16 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
 
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()   # its load report would repeat what the check below says in one line
+    source = {"pretrained_model_name_or_path": str(directory)}
+    if (directory / VOCAB_ROWS_FILE).is_file():   # token rows stored once per distinct row: expanded here
+        weights = {}
+        for path in sorted(directory.glob("*.safetensors")):
+            weights.update(read_weight_file(path))
+        text = getattr(config, "text_config", None) or config
+        source = {"pretrained_model_name_or_path": None,
+                  "state_dict": expand_vocab_rows(directory, weights, int(text.vocab_size))}
     try:
-        hf, info = model_cls.from_pretrained(str(directory), config=config, dtype=dtype or torch.float32,
+        hf, info = model_cls.from_pretrained(**source, config=config, dtype=dtype or torch.float32,
                                              output_loading_info=True, ignore_mismatched_sizes=True)
     finally:
         hf_logging.set_verbosity(previous)
