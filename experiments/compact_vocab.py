@@ -181,11 +181,9 @@ def bundle(run_dir: Path, out_dir: Path, vocabulary: str) -> dict:
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if isinstance(cfg.get(key), int):
             cfg[key] = vocab.full_ids[cfg[key]]
-    cfg.setdefault("recurscope", {})
-    cfg["recurscope"] = {**cfg.get("recurscope", {}), "vocab_rows": VOCAB_ROWS_FILE, "vocabulary": vocabulary}
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     (out_dir / VOCAB_ROWS_FILE).write_text(json.dumps({
-        "vocab_size": vocab.full_size, "tensors": token_rows, "token_ids": vocab.full_ids,
+        "vocab_size": vocab.full_size, "vocabulary": vocabulary, "tensors": token_rows, "token_ids": vocab.full_ids,
         "about": f"The tensors named here hold one row per token in token_ids, then one row shared by the other "
                  f"{vocab.n_other} tokens of the vocabulary (trained as one class carrying log({vocab.n_other}) on "
                  f"its logit: experiments/compact_vocab.py); recurscope's loaders expand them to vocab_size rows."}) + "\n")

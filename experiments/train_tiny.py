@@ -839,8 +839,9 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
                   "peak_lr": peak_lr, "recall_rows": recall_rows, "init_from": None if init_from is None
                   else str(init_from), "start_stage": start_stage, "focus_template": focus_template,
                   "early_templates": None if early_templates is None else list(early_templates),
-                  "advance_per_template": advance_per_template, "stop_recall": stop_recall,
-                  "max_minutes": max_minutes}
+                  "advance_per_template": advance_per_template, "stop_recall": stop_recall}
+    # max_minutes is not part of the run's identity: a run resumed with a larger limit continues (the limit counts
+    # training time over all resumed runs, as in train_tiny_hf)
     if tokenizer_dir is not None or layout != "where_is":
         resume_key.update(tokenizer_dir=None if tokenizer_dir is None else str(tokenizer_dir), layout=layout)
     from tqdm import tqdm

@@ -129,6 +129,8 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
     hf_logging.set_verbosity_error()   # its load report would repeat what the check below says in one line
     source = {"pretrained_model_name_or_path": str(directory)}
     if (directory / VOCAB_ROWS_FILE).is_file():   # token rows stored once per distinct row: expanded here
+        if hasattr(model_cls, "_model_mapping"):     # an Auto class needs a path; the concrete class takes weights
+            model_cls = model_cls._model_mapping[type(config)]
         weights = {}
         for path in sorted(directory.glob("*.safetensors")):
             weights.update(read_weight_file(path))
