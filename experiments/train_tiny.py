@@ -140,15 +140,21 @@ def staged_curriculum(early_templates: Optional[Sequence[str]] = None) -> tuple[
                  for i, st in enumerate(STAGES))
 
 
-def paper_curriculum() -> tuple[dict, ...]:
+def paper_curriculum(vocabs: Optional[Sequence[str]] = None) -> tuple[dict, ...]:
     """STAGES on the `paper` layout's format (template key_value, "KEY VALUE." with the one-token query "KEY"): the
     same widening of facts, presentations, gap and filler, without the template-mixing stage (there is one format);
-    values from cities in the binding stages, from every value vocabulary from R3-gap24 on."""
+    values from cities in the binding stages, from every value vocabulary from R3-gap24 on, or from `vocabs` in
+    every stage when given."""
+    if vocabs is not None and (not vocabs or any(v not in VALUE_VOCABS for v in vocabs)):
+        raise ValueError(f"vocabs must be a non-empty list of {sorted(VALUE_VOCABS)}; received {list(vocabs)!r}.")
     stages = []
     for st in STAGES:
         if st["name"] == "templates":
             continue
-        stages.append(dict(st, templates=(LAYOUTS["paper"].template,)))
+        stage = dict(st, templates=(LAYOUTS["paper"].template,))
+        if vocabs is not None:
+            stage["vocabs"] = tuple(vocabs)
+        stages.append(stage)
     return tuple(stages)
 
 
@@ -442,18 +448,19 @@ def _logits_at(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
 @torch.no_grad()
 def evaluate_layout(model, tokenizer, layout: str = "paper", n_sources: int = EVAL["n_sources"],
                     filler_tokens: Optional[int] = None, batch_size: int = 16, progress: bool = True,
-                    vocab_map=None) -> dict:
+                    vocab_map=None, vocabs: Optional[Sequence[str]] = None) -> dict:
     """Clean recall under a named layout (interp.data.layout.LAYOUTS) on held-out sources, one row per value
     vocabulary (the layout's template with each), pooled per source, 95% source-bootstrap CI. `vocab_map` (a
     compact_vocab.CompactVocabulary): the model reads and writes compact rows, so prompt and candidate ids are
-    mapped to them (the candidate logits are the full model's; see compact_vocab)."""
+    mapped to them (the candidate logits are the full model's; see compact_vocab). vocabs: only these value
+    vocabularies (default every one)."""
     from tqdm import tqdm
 
     spec = LAYOUTS[layout]
     filler = spec.filler_tokens if filler_tokens is None else filler_tokens
     model.eval()
     per_vocab, all_correct, all_sources = {}, [], []
-    for vocab in sorted(VALUE_VOCABS):
+    for vocab in sorted(VALUE_VOCABS) if vocabs is None else list(vocabs):
         pairs = build_pairs(tokenizer, split=EVAL["split"], n_sources=n_sources, layout=layout,
                             filler_tokens=filler, vocab=vocab, seed=EVAL["seed"])
         ids, cands = pairs.recipient_ids, pairs.candidate_ids
@@ -747,7 +754,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
           focus_template: Optional[str] = None,
           early_templates: Optional[Sequence[str]] = None,
           stop_recall: Optional[float] = None, tokenizer_dir: Optional[Path] = None,
-          layout: str = "where_is") -> tuple[RecurrentLM, dict]:
+          layout: str = "where_is", vocabs: Optional[Sequence[str]] = None) -> tuple[RecurrentLM, dict]:
     """Trains `name`, saves it with its tokenizer, log and evaluation into `out`; returns (model, summary).
 
     gated=True: the curriculum only advances while the training recall accuracy (mean of the last GATE_WINDOW steps)
@@ -767,8 +774,11 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     one; the model is then trained over the task's rows of that vocabulary (compact_vocab) and saved compact under
     out/compact/, to be bundled at full vocabulary by `--bundle` (bundle_real_vocab). layout: the format trained and
     evaluated ("where_is": the five templates and train_tiny's evaluation; "paper": paper_curriculum and
-    evaluate_layout), recorded in pair_layout.json.
+    evaluate_layout), recorded in pair_layout.json. vocabs (layout "paper" only): the value vocabularies of every
+    stage and of the evaluation (default: cities in the binding stages, then every one; evaluated on every one).
     """
+    if vocabs is not None and layout != "paper":
+        raise ValueError("vocabs applies to the paper layout's curriculum; pass layout='paper' or leave vocabs out.")
     if layout not in LAYOUT_CURRICULA:
         raise ValueError(f"layout must be one of {sorted(LAYOUT_CURRICULA)}; received {layout!r}.")
     if name not in ARCHITECTURES:
@@ -810,7 +820,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
             raise ValueError(f"init_from {init_from} holds a different architecture than {name}; pass a checkpoint "
                              f"of {name} (e.g. one of its stage snapshots).")
         model.load_state_dict(start.state_dict())
-    stages = staged_curriculum(early_templates) if layout == "where_is" else LAYOUT_CURRICULA[layout]()
+    stages = staged_curriculum(early_templates) if layout == "where_is" else paper_curriculum(vocabs)
     if not 0 <= start_stage < len(stages):
         raise ValueError(f"start_stage must be in [0, {len(stages) - 1}]; received {start_stage}.")
     model.set_backend("chunked")
@@ -844,6 +854,8 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     # training time over all resumed runs, as in train_tiny_hf)
     if tokenizer_dir is not None or layout != "where_is":
         resume_key.update(tokenizer_dir=None if tokenizer_dir is None else str(tokenizer_dir), layout=layout)
+    if vocabs is not None:
+        resume_key["vocabs"] = list(vocabs)
     from tqdm import tqdm
 
     bar = tqdm(total=steps, desc=f"train {name}", disable=not progress)
@@ -870,7 +882,8 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
                       filler_tokens=32 if smoke else EVAL["filler_tokens"], progress=progress)
     else:
         ev = evaluate_layout(trained, tokenizer, layout, n_sources=4 if smoke else EVAL["n_sources"],
-                             filler_tokens=32 if smoke else None, progress=progress, vocab_map=vocab_map)
+                             filler_tokens=32 if smoke else None, progress=progress, vocab_map=vocab_map,
+                             vocabs=vocabs)
     eval_seconds = time.time() - t1
     summary = {"model": name, "command": command or f"python -m experiments.train_tiny --model {name}",
                "seed": seed, "steps": steps_done, "max_steps": steps, "max_minutes": max_minutes,
@@ -883,6 +896,8 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     if vocab_map is not None:
         summary["vocabulary"] = real_vocab_summary(tokenizer_dir, vocab_map)
     summary["layout"] = layout
+    if vocabs is not None:
+        summary["vocabs"] = list(vocabs)
     meta = {k: summary[k] for k in ("model", "command", "seed", "steps", "train_seconds", "parameters", "smoke")}
     meta["clean_recall_k4_f512"] = ev["overall"]["accuracy"]
     meta["layout"] = layout
@@ -973,6 +988,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "over the task's rows of its vocabulary (experiments/compact_vocab.py)")
     parser.add_argument("--layout", choices=sorted(LAYOUT_CURRICULA), default="where_is",
                         help="the prompt format trained and evaluated (paper: key_value, one-token query)")
+    parser.add_argument("--vocabs", default=None,
+                        help="--layout paper: comma-separated value vocabularies of every stage and of the evaluation "
+                             "(default: cities in the binding stages, then every one)")
     args = parser.parse_args(argv)
     if args.rewrite_summary is not None:  # eval_summary.md again from a run's eval_summary.json and train_log.csv
         d = args.rewrite_summary
@@ -998,6 +1016,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                            advance_per_template=args.advance_per_template, init_from=args.init_from,
                            start_stage=args.start_stage, focus_template=args.focus_template,
                            stop_recall=args.stop_recall, tokenizer_dir=args.tokenizer, layout=args.layout,
+                           vocabs=None if args.vocabs is None else [v.strip() for v in args.vocabs.split(",")],
                            early_templates=None if args.early_templates is None
                            else [t.strip() for t in args.early_templates.split(",") if t.strip()])
         o = summary["eval"]["overall"]

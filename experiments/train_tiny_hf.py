@@ -118,13 +118,13 @@ class Logits(torch.nn.Module):
 
 def train(out: Path, steps: int = 100_000, seed: int = 0, max_minutes: Optional[float] = None,
           threads: int = 1, command: str = "", stop_recall: Optional[float] = None, name: str = "tiny-qwen35",
-          tokenizer_dir: Optional[Path] = None, layout: str = "where_is") -> dict:
+          tokenizer_dir: Optional[Path] = None, layout: str = "where_is", vocabs=None) -> dict:
     """train_tiny's staged curriculum (per-template advances, belongs early) on transformers' modules of
     architecture `name`, through the shared loop; resumable from out/resume.pt, the finished model in out/model.
 
     tokenizer_dir and layout as in train_tiny.train: with a real tokenizer the model is trained over the task's rows
     of its vocabulary and saved compact in out/compact (bundled at full vocabulary by `train_tiny --bundle`); with
-    layout "paper", train_tiny.paper_curriculum and evaluate_layout."""
+    layout "paper", train_tiny.paper_curriculum and evaluate_layout (vocabs: as train_tiny.train's)."""
     if layout not in tt.LAYOUT_CURRICULA:
         raise ValueError(f"layout must be one of {sorted(tt.LAYOUT_CURRICULA)}; received {layout!r}.")
     torch.set_num_threads(threads)
@@ -148,7 +148,7 @@ def train(out: Path, steps: int = 100_000, seed: int = 0, max_minutes: Optional[
 
         model = CompactLM(model, vocab_map)
     optimizer = torch.optim.AdamW(tt.param_groups(model, tt.STAGED_LR), lr=tt.STAGED_LR, betas=(0.9, 0.95), eps=1e-8)
-    stages = tt.staged_curriculum(EARLY_TEMPLATES) if layout == "where_is" else tt.LAYOUT_CURRICULA[layout]()
+    stages = tt.staged_curriculum(EARLY_TEMPLATES) if layout == "where_is" else tt.paper_curriculum(vocabs)
     data_rng = random.Random(f"train-tiny/{name}/{seed}")
     curriculum = tt.StagedCurriculum(model, tokenizer, data_rng, stages, 0, tt.STAGED_RECALL_ROWS, seed, tt.STAGED_LR,
                                      None, True, EARLY_TEMPLATES, None, stop_recall, tt.STAGED_RECALL_WEIGHT)
@@ -156,6 +156,8 @@ def train(out: Path, steps: int = 100_000, seed: int = 0, max_minutes: Optional[
     key = {"model": name, "seed": seed, "stop_recall": stop_recall}
     if tokenizer_dir is not None or layout != "where_is":
         key.update(tokenizer_dir=None if tokenizer_dir is None else str(tokenizer_dir), layout=layout)
+    if vocabs is not None:
+        key["vocabs"] = list(vocabs)
 
     def announce(row: dict) -> None:
         if curriculum.advances and curriculum.advances[-1]["step"] == row["step"]:
@@ -171,7 +173,7 @@ def train(out: Path, steps: int = 100_000, seed: int = 0, max_minutes: Optional[
     if layout == "where_is" and vocab_map is None:
         ev = tt.evaluate(model, tokenizer, progress=False)
     else:
-        ev = tt.evaluate_layout(model, tokenizer, layout, progress=False, vocab_map=vocab_map)
+        ev = tt.evaluate_layout(model, tokenizer, layout, progress=False, vocab_map=vocab_map, vocabs=vocabs)
     tail = history[-20:]
     final = {k: round(float(np.mean([r[k] for r in tail])), 4) for k in ("loss", "lm_loss", "recall_loss", "recall_acc")}
     summary = {"model": name, "command": command, "seed": seed, "steps": len(history), "max_steps": steps,
@@ -183,7 +185,7 @@ def train(out: Path, steps: int = 100_000, seed: int = 0, max_minutes: Optional[
                               "advances": curriculum.advances,
                               "stages": [{k: (v if v is not tt.ALL else "all") for k, v in st.items()} for st in stages],
                               "early_templates": list(EARLY_TEMPLATES) if layout == "where_is" else None},
-               "architecture": ARCHITECTURES[name][2], "layout": layout}
+               "architecture": ARCHITECTURES[name][2], "layout": layout, "vocabs": vocabs}
     if loop.skipped_steps:
         summary["skipped_steps"] = loop.skipped_steps
     if vocab_map is not None:   # compact weights and their rows; train_tiny --bundle writes the full checkpoint
@@ -218,13 +220,15 @@ def main(argv=None) -> int:
     p.add_argument("--stop-recall", type=float, default=None, metavar="R", help="as train_tiny.py --stop-recall")
     p.add_argument("--tokenizer", type=Path, default=None, metavar="DIR", help="as train_tiny.py --tokenizer")
     p.add_argument("--layout", choices=sorted(tt.LAYOUT_CURRICULA), default="where_is", help="as train_tiny.py --layout")
+    p.add_argument("--vocabs", default=None, help="as train_tiny.py --vocabs")
     p.add_argument("--bundle", action="store_true", help=f"copy out/model to {CHECKPOINT_DIR}/<model> when done")
     args = p.parse_args(argv)
     name = args.model
     out = Path("runs") / name if args.out is None else args.out
     summary = train(out, args.steps, args.seed, args.max_minutes, args.threads,
                     command="python -m experiments.train_tiny_hf " + " ".join(argv or sys.argv[1:]),
-                    stop_recall=args.stop_recall, name=name, tokenizer_dir=args.tokenizer, layout=args.layout)
+                    stop_recall=args.stop_recall, name=name, tokenizer_dir=args.tokenizer, layout=args.layout,
+                    vocabs=None if args.vocabs is None else [v.strip() for v in args.vocabs.split(",")])
     o = summary["eval"]["overall"]
     print(f"{name}: clean recall {100 * o['accuracy']:.1f}% [{100 * o['ci_low']:.1f}, {100 * o['ci_high']:.1f}] "
           f"on {o['n_sources']} held-out sources after {summary['steps']} steps", flush=True)

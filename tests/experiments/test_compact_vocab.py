@@ -102,3 +102,12 @@ def test_gpt2_smoke_run_bundles_into_a_checkpoint_that_loads_with_its_tokenizer(
     assert recorded_layout(out).name == "paper"
     rows = json.loads((out / "vocab_rows.json").read_text())
     assert (out / "model.safetensors").stat().st_size < 4 * 128 * 2 * (len(rows["token_ids"]) + 1) + 4_000_000
+
+
+def test_paper_curriculum_vocabs_fix_the_values_of_every_stage():
+    assert all(st["vocabs"] == ("cities",) for st in tt.paper_curriculum(["cities"]))
+    assert tt.paper_curriculum()[0]["vocabs"] == ("cities",) and tt.paper_curriculum()[-1]["vocabs"] is tt.ALL
+    with pytest.raises(ValueError, match="vocabs must be a non-empty list"):
+        tt.paper_curriculum(["planets"])
+    with pytest.raises(ValueError, match="vocabs applies to the paper layout"):
+        tt.train("tiny-gla", smoke=True, vocabs=["cities"])
