@@ -140,6 +140,27 @@ def staged_curriculum(early_templates: Optional[Sequence[str]] = None) -> tuple[
                  for i, st in enumerate(STAGES))
 
 
+def paper_curriculum(vocabs: Optional[Sequence[str]] = None) -> tuple[dict, ...]:
+    """STAGES on the `paper` layout's format (template key_value, "KEY VALUE." with the one-token query "KEY"): the
+    same widening of facts, presentations, gap and filler, without the template-mixing stage (there is one format);
+    values from cities in the binding stages, from every value vocabulary from R3-gap24 on, or from `vocabs` in
+    every stage when given."""
+    if vocabs is not None and (not vocabs or any(v not in VALUE_VOCABS for v in vocabs)):
+        raise ValueError(f"vocabs must be a non-empty list of {sorted(VALUE_VOCABS)}; received {list(vocabs)!r}.")
+    stages = []
+    for st in STAGES:
+        if st["name"] == "templates":
+            continue
+        stage = dict(st, templates=(LAYOUTS["paper"].template,))
+        if vocabs is not None:
+            stage["vocabs"] = tuple(vocabs)
+        stages.append(stage)
+    return tuple(stages)
+
+
+LAYOUT_CURRICULA = {"where_is": None, "paper": paper_curriculum}
+
+
 ADVANCE_WINDOW, ADVANCE_ACCURACY = 20, 0.85   # advance when the last 20 steps of a stage average >= 85% recall
 FOCUS_FRACTION = 0.5                           # --focus-template: share of batches of that template
 PER_TEMPLATE_WINDOW = 8                        # --advance-per-template: each template's last 8 steps, too
@@ -153,12 +174,17 @@ FINAL_MIN_STEPS, FINAL_WINDOW = 120, 80
 TRAIN_SOURCE_OFFSET = 10 ** 9            # train-split source ids used for the pure filler rows
 
 
-def model_config(name: str, tokenizer) -> ModelConfig:
-    """The ModelConfig of architecture `name`, with the vocabulary and special ids of `tokenizer`."""
+def model_config(name: str, tokenizer, vocab_map=None) -> ModelConfig:
+    """The ModelConfig of architecture `name`, with the vocabulary and special ids of `tokenizer` (in the compact
+    rows of `vocab_map` when given: see compact_vocab)."""
     if name not in ARCHITECTURES:
         raise ValueError(f"model must be one of {sorted(ARCHITECTURES)}; received {name!r}.")
-    raw = dict(ARCHITECTURES[name], vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    ids = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    size = len(tokenizer)
+    if vocab_map is not None:
+        ids = {k: vocab_map.compact_id(v) for k, v in ids.items()}
+        size = vocab_map.size
+    raw = dict(ARCHITECTURES[name], vocab_size=size, **ids, tie_word_embeddings=False)
     return ModelConfig.from_dict(raw)
 
 
@@ -409,6 +435,63 @@ def evaluate(model: RecurrentLM, tokenizer, n_sources: int = EVAL["n_sources"],
             "per_template": per_template, "overall": overall}
 
 
+def _logits_at(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(B, V) logits at one position per row: a model with `logit_positions` (the model protocol) computes only
+    those (a full-vocabulary head at every position of a Qwen-vocabulary batch would need gigabytes)."""
+    import inspect
+
+    if "logit_positions" in inspect.signature(model.forward).parameters:
+        return model(ids, logit_positions=positions)
+    return model(ids)[torch.arange(len(ids)), positions]
+
+
+@torch.no_grad()
+def evaluate_layout(model, tokenizer, layout: str = "paper", n_sources: int = EVAL["n_sources"],
+                    filler_tokens: Optional[int] = None, batch_size: int = 16, progress: bool = True,
+                    vocab_map=None, vocabs: Optional[Sequence[str]] = None) -> dict:
+    """Clean recall under a named layout (interp.data.layout.LAYOUTS) on held-out sources, one row per value
+    vocabulary (the layout's template with each), pooled per source, 95% source-bootstrap CI. `vocab_map` (a
+    compact_vocab.CompactVocabulary): the model reads and writes compact rows, so prompt and candidate ids are
+    mapped to them (the candidate logits are the full model's; see compact_vocab). vocabs: only these value
+    vocabularies (default every one)."""
+    from tqdm import tqdm
+
+    spec = LAYOUTS[layout]
+    filler = spec.filler_tokens if filler_tokens is None else filler_tokens
+    model.eval()
+    per_vocab, all_correct, all_sources = {}, [], []
+    for vocab in sorted(VALUE_VOCABS) if vocabs is None else list(vocabs):
+        pairs = build_pairs(tokenizer, split=EVAL["split"], n_sources=n_sources, layout=layout,
+                            filler_tokens=filler, vocab=vocab, seed=EVAL["seed"])
+        ids, cands = pairs.recipient_ids, pairs.candidate_ids
+        if vocab_map is not None:
+            ids, cands = vocab_map.to_compact(ids), vocab_map.to_compact(cands)
+        correct = []
+        for lo in tqdm(range(0, len(pairs), batch_size), desc=f"eval {vocab}", disable=not progress, leave=False):
+            hi = min(lo + batch_size, len(pairs))
+            at_query = _logits_at(model, ids[lo:hi], pairs.query_pos[lo:hi])
+            correct += (at_query.gather(1, cands[lo:hi]).argmax(1) == pairs.recipient_answer_index[lo:hi]).tolist()
+        correct = np.asarray(correct, dtype=float)
+        src = pairs.source_id.numpy()
+        ci = source_bootstrap_ci(correct, src)
+        per_vocab[vocab] = {"template": spec.template, "vocab": vocab, "accuracy": ci.estimate, "ci_low": ci.low,
+                            "ci_high": ci.high, "n_examples": ci.n_examples, "n_sources": ci.n_sources,
+                            "ci_method": ci.method, "seq_len": int(ids.shape[1]),
+                            "dropped_values": sorted(pairs.report.get("dropped_values", {})),
+                            "dropped_keys": sorted(pairs.report.get("dropped_keys", {}))}
+        all_correct.append(correct)
+        all_sources.append(src)
+    ci = source_bootstrap_ci(np.concatenate(all_correct), np.concatenate(all_sources))
+    overall = {"accuracy": ci.estimate, "ci_low": ci.low, "ci_high": ci.high, "n_examples": ci.n_examples,
+               "n_sources": ci.n_sources, "ci_method": ci.method}
+    return {"setting": {"layout": spec.to_dict(), "split": EVAL["split"], "n_sources": n_sources,
+                        "n_facts": spec.n_facts, "presentations": spec.presentations, "filler_tokens": filler,
+                        "seed": EVAL["seed"], "n_candidates": 4, "chance": 0.25,
+                        "metric": "argmax over the 4 candidate logits at query_pos, one row per value vocabulary",
+                        "ci": "95% source bootstrap (interp.stats.source_bootstrap_ci, BCa, seed 0)"},
+            "per_template": per_vocab, "overall": overall}
+
+
 def training_curve_markdown(log_path: Path, stage_names: Sequence[str]) -> str:
     """The training curve per curriculum stage from train_log.csv: steps, wall time, mean losses, training recall
     (whole stage / its last 20 steps) and, per template, the recall of the stage's last 40 steps of that template."""
@@ -435,7 +518,7 @@ def _summary_markdown(name: str, summary: dict, log_path: Optional[Path] = None)
              f"F={s['filler_tokens']} filler tokens, 4 candidates (chance 25%). 95% source-bootstrap CI.", "",
              "| template | vocab | seq len | accuracy | 95% CI |", "|---|---|---|---|---|"]
     for t, r in ev["per_template"].items():
-        lines.append(f"| {t} | {r['vocab']} | {r['seq_len']} | {100 * r['accuracy']:.1f}% | "
+        lines.append(f"| {r.get('template', t)} | {r['vocab']} | {r['seq_len']} | {100 * r['accuracy']:.1f}% | "
                      f"[{100 * r['ci_low']:.1f}, {100 * r['ci_high']:.1f}] |")
     o = ev["overall"]
     lines.append(f"| all (pooled per source) | | | {100 * o['accuracy']:.1f}% | "
@@ -514,6 +597,7 @@ class StagedCurriculum(RecallRecipe):
     weights that passed the stage under out/stages/)."""
 
     extra_columns = ["stage"]
+    vocab_map = None   # a compact_vocab.CompactVocabulary: batches are mapped to its compact rows
 
     def __init__(self, model, tokenizer, data_rng: random.Random, stages: tuple[dict, ...],
                  start_stage: int, recall_rows: int, seed: int, peak_lr: float, focus_template: Optional[str],
@@ -540,8 +624,9 @@ class StagedCurriculum(RecallRecipe):
             self.stage_index, self.stage_accs = self.stage_index + 1, []
             self.advances.append({"step": step, "stage": self.stage_index,
                                   "name": self.stages[self.stage_index]["name"], "seconds": round(elapsed(), 1)})
-        return make_stage_batch(self.tokenizer, self.data_rng, step, self.stages[self.stage_index],
-                                n_recall=self.recall_rows, seed=self.seed, focus_template=self.focus_template)
+        batch = make_stage_batch(self.tokenizer, self.data_rng, step, self.stages[self.stage_index],
+                                 n_recall=self.recall_rows, seed=self.seed, focus_template=self.focus_template)
+        return batch if self.vocab_map is None else self.vocab_map.remap_batch(batch)
 
     def finished(self) -> bool:
         return self.stage_index == len(self.stages) - 1 and final_recall_reached(self.stage_accs, self.stop_recall)
@@ -668,7 +753,8 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
           advance_per_template: bool = False, init_from: Optional[Path] = None, start_stage: int = 0,
           focus_template: Optional[str] = None,
           early_templates: Optional[Sequence[str]] = None,
-          stop_recall: Optional[float] = None) -> tuple[RecurrentLM, dict]:
+          stop_recall: Optional[float] = None, tokenizer_dir: Optional[Path] = None,
+          layout: str = "where_is", vocabs: Optional[Sequence[str]] = None) -> tuple[RecurrentLM, dict]:
     """Trains `name`, saves it with its tokenizer, log and evaluation into `out`; returns (model, summary).
 
     gated=True: the curriculum only advances while the training recall accuracy (mean of the last GATE_WINDOW steps)
@@ -684,7 +770,17 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     early_templates: the templates of the binding stages 0-2 (default is_in only; see staged_curriculum).
     max_minutes: training stops cleanly at the first step that would start after this wall-clock time; the model is
     then evaluated and saved as usual. A file named STOP in `out` stops it the same way.
+    tokenizer_dir: a real tokenizer (e.g. GPT-2's, converted by tests/real_tokenizers.py) instead of the word-level
+    one; the model is then trained over the task's rows of that vocabulary (compact_vocab) and saved compact under
+    out/compact/, to be bundled at full vocabulary by `--bundle` (bundle_real_vocab). layout: the format trained and
+    evaluated ("where_is": the five templates and train_tiny's evaluation; "paper": paper_curriculum and
+    evaluate_layout), recorded in pair_layout.json. vocabs (layout "paper" only): the value vocabularies of every
+    stage and of the evaluation (default: cities in the binding stages, then every one; evaluated on every one).
     """
+    if vocabs is not None and layout != "paper":
+        raise ValueError("vocabs applies to the paper layout's curriculum; pass layout='paper' or leave vocabs out.")
+    if layout not in LAYOUT_CURRICULA:
+        raise ValueError(f"layout must be one of {sorted(LAYOUT_CURRICULA)}; received {layout!r}.")
     if name not in ARCHITECTURES:
         raise ValueError(f"model must be one of {sorted(ARCHITECTURES)}; received {name!r}.")
     if gated and staged:
@@ -705,8 +801,17 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     torch.manual_seed(seed)
     data_rng = random.Random(f"train-tiny/{name}/{seed}")
 
-    tokenizer = build_word_tokenizer()
-    model = RecurrentLM(model_config(name, tokenizer))
+    vocab_map = None
+    if tokenizer_dir is None:
+        tokenizer = build_word_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        from experiments.compact_vocab import CompactVocabulary
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        vocab_map = CompactVocabulary.for_tokenizer(tokenizer)
+    model = RecurrentLM(model_config(name, tokenizer, vocab_map))
     init_weights(model)
     if init_from is not None:
         from recurscope.interp.loading import load_model
@@ -715,7 +820,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
             raise ValueError(f"init_from {init_from} holds a different architecture than {name}; pass a checkpoint "
                              f"of {name} (e.g. one of its stage snapshots).")
         model.load_state_dict(start.state_dict())
-    stages = staged_curriculum(early_templates)
+    stages = staged_curriculum(early_templates) if layout == "where_is" else paper_curriculum(vocabs)
     if not 0 <= start_stage < len(stages):
         raise ValueError(f"start_stage must be in [0, {len(stages) - 1}]; received {start_stage}.")
     model.set_backend("chunked")
@@ -723,12 +828,18 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(param_groups(model, peak_lr), lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
     filler_end = 64 if smoke else FILLER_END
+    trained = model
+    if vocab_map is not None:
+        from experiments.compact_vocab import CompactLM
+
+        trained = CompactLM(model, vocab_map)
     if staged:
-        curriculum = StagedCurriculum(model, tokenizer, data_rng, stages, start_stage, recall_rows, seed, peak_lr,
+        curriculum = StagedCurriculum(trained, tokenizer, data_rng, stages, start_stage, recall_rows, seed, peak_lr,
                                       focus_template, advance_per_template, early_templates, init_from,
                                       stop_recall, recall_weight,
-                                      on_advance=lambda stage, step: _save_stage_snapshot(model, tokenizer, out,
-                                                                                          stage, step))
+                                      on_advance=lambda stage, step: _save_stage_snapshot(
+                                          model, tokenizer, out, stage, step, stages, vocab_map))
+        curriculum.vocab_map = vocab_map
     else:
         curriculum = (GatedCurriculum if gated else RampCurriculum)(model, tokenizer, data_rng, steps, recall_rows,
                                                                     seed, peak_lr, filler_end, recall_weight)
@@ -738,8 +849,13 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
                   "peak_lr": peak_lr, "recall_rows": recall_rows, "init_from": None if init_from is None
                   else str(init_from), "start_stage": start_stage, "focus_template": focus_template,
                   "early_templates": None if early_templates is None else list(early_templates),
-                  "advance_per_template": advance_per_template, "stop_recall": stop_recall,
-                  "max_minutes": max_minutes}
+                  "advance_per_template": advance_per_template, "stop_recall": stop_recall}
+    # max_minutes is not part of the run's identity: a run resumed with a larger limit continues (the limit counts
+    # training time over all resumed runs, as in train_tiny_hf)
+    if tokenizer_dir is not None or layout != "where_is":
+        resume_key.update(tokenizer_dir=None if tokenizer_dir is None else str(tokenizer_dir), layout=layout)
+    if vocabs is not None:
+        resume_key["vocabs"] = list(vocabs)
     from tqdm import tqdm
 
     bar = tqdm(total=steps, desc=f"train {name}", disable=not progress)
@@ -755,13 +871,19 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     history, stopped, train_seconds = loop.history, loop.stopped_by, loop.seconds
     steps_done = len(history)
     model.eval()
-    model.tokenizer = tokenizer
+    if vocab_map is None:
+        model.tokenizer = tokenizer
 
     tail = history[-20:]
     final = {k: round(float(np.mean([r[k] for r in tail])), 4) for k in ("loss", "lm_loss", "recall_loss", "recall_acc")}
     t1 = time.time()
-    ev = evaluate(model, tokenizer, n_sources=4 if smoke else EVAL["n_sources"],
-                  filler_tokens=32 if smoke else EVAL["filler_tokens"], progress=progress)
+    if layout == "where_is" and vocab_map is None:
+        ev = evaluate(model, tokenizer, n_sources=4 if smoke else EVAL["n_sources"],
+                      filler_tokens=32 if smoke else EVAL["filler_tokens"], progress=progress)
+    else:
+        ev = evaluate_layout(trained, tokenizer, layout, n_sources=4 if smoke else EVAL["n_sources"],
+                             filler_tokens=32 if smoke else None, progress=progress, vocab_map=vocab_map,
+                             vocabs=vocabs)
     eval_seconds = time.time() - t1
     summary = {"model": name, "command": command or f"python -m experiments.train_tiny --model {name}",
                "seed": seed, "steps": steps_done, "max_steps": steps, "max_minutes": max_minutes,
@@ -771,27 +893,62 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     summary.update(curriculum.summary(recall_weight))
     if loop.skipped_steps:
         summary["skipped_steps"] = loop.skipped_steps
+    if vocab_map is not None:
+        summary["vocabulary"] = real_vocab_summary(tokenizer_dir, vocab_map)
+    summary["layout"] = layout
+    if vocabs is not None:
+        summary["vocabs"] = list(vocabs)
     meta = {k: summary[k] for k in ("model", "command", "seed", "steps", "train_seconds", "parameters", "smoke")}
     meta["clean_recall_k4_f512"] = ev["overall"]["accuracy"]
+    meta["layout"] = layout
     meta.update(curriculum.meta())
-    save_model(model, out, extra_config={"recurscope": meta})
-    save_word_tokenizer(tokenizer, out)
+    if vocab_map is None:
+        save_model(model, out, extra_config={"recurscope": meta})
+        save_word_tokenizer(tokenizer, out)
+    else:   # compact weights and their rows; --bundle writes the full-vocabulary checkpoint
+        save_compact(model, vocab_map, tokenizer_dir, out / "compact", meta)
     (out / "eval_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    # The layout the model is evaluated on (EVAL: where_is, is_in at 4 x 3, 512 filler), which the CLI then uses.
-    (out / LAYOUT_FILE).write_text(json.dumps(LAYOUTS["where_is"].to_dict(), indent=1) + "\n")
+    # The layout the model is evaluated on (where_is: is_in at 4 x 3, 512 filler; paper: key_value), which the CLI
+    # then uses.
+    (out / LAYOUT_FILE).write_text(json.dumps(LAYOUTS[layout].to_dict(), indent=1) + "\n")
     (out / "eval_summary.md").write_text(_summary_markdown(name, summary, log_path))
     finish_run(out)
     return model, summary
 
 
-def _save_stage_snapshot(model: RecurrentLM, tokenizer, out: Path, stage_index: int, step: int) -> Path:
-    """Saves the weights that passed stage `stage_index` (loadable like any checkpoint) under out/stages/."""
-    path = out / "stages" / f"{stage_index}-{STAGES[stage_index]['name']}"
-    meta = {"stage_passed": stage_index, "stage_name": STAGES[stage_index]["name"], "step": step}
+def _save_stage_snapshot(model: RecurrentLM, tokenizer, out: Path, stage_index: int, step: int,
+                         stages: Sequence[dict] = STAGES, vocab_map=None) -> Path:
+    """Saves the weights that passed stage `stage_index` (loadable like any checkpoint; compact ones with
+    `--bundle`) under out/stages/."""
+    path = out / "stages" / f"{stage_index}-{stages[stage_index]['name']}"
+    meta = {"stage_passed": stage_index, "stage_name": stages[stage_index]["name"], "step": step}
+    if vocab_map is not None:
+        save_compact(model, vocab_map, None, path, meta)
+        model.train()
+        return path
     save_model(model, path, extra_config={"recurscope": meta})
     save_word_tokenizer(tokenizer, path)
     model.train()  # in case saving switched modes
     return path
+
+
+COMPACT_ROWS_FILE = "compact_rows.json"
+
+
+def real_vocab_summary(tokenizer_dir, vocab_map) -> dict:
+    return {"tokenizer_dir": None if tokenizer_dir is None else str(tokenizer_dir),
+            "full_size": vocab_map.full_size, "task_rows": len(vocab_map.full_ids), "n_other": vocab_map.n_other,
+            "other_logit_offset": round(vocab_map.other_offset, 6), "tokens_mapped_to_other_in_training":
+            vocab_map.unmapped}
+
+
+def save_compact(model: RecurrentLM, vocab_map, tokenizer_dir, path: Path, meta: dict) -> Path:
+    """The compact model (config.json and model.safetensors over the compact rows) and compact_rows.json: which
+    token each row is, the vocabulary size and the tokenizer it was trained with."""
+    save_model(model, path, extra_config={"recurscope": meta})
+    (Path(path) / COMPACT_ROWS_FILE).write_text(json.dumps(
+        {**real_vocab_summary(tokenizer_dir, vocab_map), "full_ids": vocab_map.full_ids}) + "\n")
+    return Path(path)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -826,6 +983,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help=f"peak learning rate (default {STAGED_LR}; {PEAK_LR} with --ramp/--gated)")
     parser.add_argument("--recall-rows", type=int, default=None,
                         help=f"recall rows per step (default {STAGED_RECALL_ROWS}; {BATCH_RECALL} with --ramp/--gated)")
+    parser.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
+                        help="a real tokenizer (tokenizer.json) instead of the word-level one: the model is trained "
+                             "over the task's rows of its vocabulary (experiments/compact_vocab.py)")
+    parser.add_argument("--layout", choices=sorted(LAYOUT_CURRICULA), default="where_is",
+                        help="the prompt format trained and evaluated (paper: key_value, one-token query)")
+    parser.add_argument("--vocabs", default=None,
+                        help="--layout paper: comma-separated value vocabularies of every stage and of the evaluation "
+                             "(default: cities in the binding stages, then every one)")
     args = parser.parse_args(argv)
     if args.rewrite_summary is not None:  # eval_summary.md again from a run's eval_summary.json and train_log.csv
         d = args.rewrite_summary
@@ -850,7 +1015,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                            recall_rows=args.recall_rows, staged=staged, max_minutes=args.max_minutes,
                            advance_per_template=args.advance_per_template, init_from=args.init_from,
                            start_stage=args.start_stage, focus_template=args.focus_template,
-                           stop_recall=args.stop_recall,
+                           stop_recall=args.stop_recall, tokenizer_dir=args.tokenizer, layout=args.layout,
+                           vocabs=None if args.vocabs is None else [v.strip() for v in args.vocabs.split(",")],
                            early_templates=None if args.early_templates is None
                            else [t.strip() for t in args.early_templates.split(",") if t.strip()])
         o = summary["eval"]["overall"]

@@ -56,16 +56,20 @@ EARLY_TEMPLATES = ("belongs",)        # as tiny-gdn-hybrid: a value-before-key f
 RESUME_EVERY = 100                    # steps between resume points (out/resume.pt)
 
 
-def build_model(tokenizer, name: str = "tiny-qwen35"):
-    """A freshly initialised model of architecture `name` (see init_weights)."""
+def build_model(tokenizer, name: str = "tiny-qwen35", vocab_map=None):
+    """A freshly initialised model of architecture `name` (see init_weights), over the compact rows of `vocab_map`
+    when given (experiments/compact_vocab.py)."""
     import transformers
 
     if name not in ARCHITECTURES:
         raise ValueError(f"model must be one of {sorted(ARCHITECTURES)}; received {name!r}.")
     config_class, model_class, arch = ARCHITECTURES[name]
-    cfg = getattr(transformers, config_class)(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                              **arch)
+    ids = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    size = len(tokenizer)
+    if vocab_map is not None:
+        ids = {k: vocab_map.compact_id(v) for k, v in ids.items()}
+        size = vocab_map.size
+    cfg = getattr(transformers, config_class)(vocab_size=size, **ids, **arch)
     model = getattr(transformers, model_class)(cfg)
     init_weights(model)
     return model
@@ -113,21 +117,47 @@ class Logits(torch.nn.Module):
 
 
 def train(out: Path, steps: int = 100_000, seed: int = 0, max_minutes: Optional[float] = None,
-          threads: int = 1, command: str = "", stop_recall: Optional[float] = None, name: str = "tiny-qwen35") -> dict:
+          threads: int = 1, command: str = "", stop_recall: Optional[float] = None, name: str = "tiny-qwen35",
+          tokenizer_dir: Optional[Path] = None, layout: str = "where_is", vocabs=None) -> dict:
     """train_tiny's staged curriculum (per-template advances, belongs early) on transformers' modules of
-    architecture `name`, through the shared loop; resumable from out/resume.pt, the finished model in out/model."""
+    architecture `name`, through the shared loop; resumable from out/resume.pt, the finished model in out/model.
+
+    tokenizer_dir and layout as in train_tiny.train: with a real tokenizer the model is trained over the task's rows
+    of its vocabulary and saved compact in out/compact (bundled at full vocabulary by `train_tiny --bundle`); with
+    layout "paper", train_tiny.paper_curriculum and evaluate_layout (vocabs: as train_tiny.train's)."""
+    if layout not in tt.LAYOUT_CURRICULA:
+        raise ValueError(f"layout must be one of {sorted(tt.LAYOUT_CURRICULA)}; received {layout!r}.")
     torch.set_num_threads(threads)
     use_torch_path()
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_word_tokenizer()
+    vocab_map = None
+    if tokenizer_dir is None:
+        tokenizer = build_word_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        from experiments.compact_vocab import CompactVocabulary
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        vocab_map = CompactVocabulary.for_tokenizer(tokenizer)
     torch.manual_seed(seed)
-    hf = build_model(tokenizer, name)
+    hf = build_model(tokenizer, name, vocab_map)
     model = Logits(hf)
+    if vocab_map is not None:
+        from experiments.compact_vocab import CompactLM
+
+        model = CompactLM(model, vocab_map)
     optimizer = torch.optim.AdamW(tt.param_groups(model, tt.STAGED_LR), lr=tt.STAGED_LR, betas=(0.9, 0.95), eps=1e-8)
-    stages = tt.staged_curriculum(EARLY_TEMPLATES)
+    stages = tt.staged_curriculum(EARLY_TEMPLATES) if layout == "where_is" else tt.paper_curriculum(vocabs)
     data_rng = random.Random(f"train-tiny/{name}/{seed}")
     curriculum = tt.StagedCurriculum(model, tokenizer, data_rng, stages, 0, tt.STAGED_RECALL_ROWS, seed, tt.STAGED_LR,
                                      None, True, EARLY_TEMPLATES, None, stop_recall, tt.STAGED_RECALL_WEIGHT)
+    curriculum.vocab_map = vocab_map
+    key = {"model": name, "seed": seed, "stop_recall": stop_recall}
+    if tokenizer_dir is not None or layout != "where_is":
+        key.update(tokenizer_dir=None if tokenizer_dir is None else str(tokenizer_dir), layout=layout)
+    if vocabs is not None:
+        key["vocabs"] = list(vocabs)
 
     def announce(row: dict) -> None:
         if curriculum.advances and curriculum.advances[-1]["step"] == row["step"]:
@@ -135,12 +165,15 @@ def train(out: Path, steps: int = 100_000, seed: int = 0, max_minutes: Optional[
 
     model.train()
     loop = train_loop(model, optimizer, curriculum, steps=steps, run_dir=out, grad_clip=tt.GRAD_CLIP, name=name,
-                      max_minutes=max_minutes, resume_key={"model": name, "seed": seed, "stop_recall": stop_recall},
+                      max_minutes=max_minutes, resume_key=key,
                       resume_every=RESUME_EVERY, on_row=announce)
     history = loop.history
     model.eval()
     t1 = time.time()
-    ev = tt.evaluate(model, tokenizer, progress=False)
+    if layout == "where_is" and vocab_map is None:
+        ev = tt.evaluate(model, tokenizer, progress=False)
+    else:
+        ev = tt.evaluate_layout(model, tokenizer, layout, progress=False, vocab_map=vocab_map, vocabs=vocabs)
     tail = history[-20:]
     final = {k: round(float(np.mean([r[k] for r in tail])), 4) for k in ("loss", "lm_loss", "recall_loss", "recall_acc")}
     summary = {"model": name, "command": command, "seed": seed, "steps": len(history), "max_steps": steps,
@@ -151,10 +184,20 @@ def train(out: Path, steps: int = 100_000, seed: int = 0, max_minutes: Optional[
                               "stage_reached_name": stages[curriculum.stage_index]["name"],
                               "advances": curriculum.advances,
                               "stages": [{k: (v if v is not tt.ALL else "all") for k, v in st.items()} for st in stages],
-                              "early_templates": list(EARLY_TEMPLATES)},
-               "architecture": ARCHITECTURES[name][2]}
+                              "early_templates": list(EARLY_TEMPLATES) if layout == "where_is" else None},
+               "architecture": ARCHITECTURES[name][2], "layout": layout, "vocabs": vocabs}
     if loop.skipped_steps:
         summary["skipped_steps"] = loop.skipped_steps
+    if vocab_map is not None:   # compact weights and their rows; train_tiny --bundle writes the full checkpoint
+        summary["vocabulary"] = tt.real_vocab_summary(tokenizer_dir, vocab_map)
+        compact = out / "compact"
+        hf.save_pretrained(compact)
+        (compact / tt.COMPACT_ROWS_FILE).write_text(json.dumps(
+            {**summary["vocabulary"], "full_ids": vocab_map.full_ids}) + "\n")
+        (out / "eval_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out / LAYOUT_FILE).write_text(json.dumps(LAYOUTS[layout].to_dict(), indent=1) + "\n")
+        (out / "eval_summary.md").write_text(tt._summary_markdown(name, summary, out / "train_log.csv"))
+        return summary
     final_dir = out / "model"
     hf.save_pretrained(final_dir)
     save_word_tokenizer(tokenizer, final_dir)
@@ -175,17 +218,21 @@ def main(argv=None) -> int:
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--stop-recall", type=float, default=None, metavar="R", help="as train_tiny.py --stop-recall")
+    p.add_argument("--tokenizer", type=Path, default=None, metavar="DIR", help="as train_tiny.py --tokenizer")
+    p.add_argument("--layout", choices=sorted(tt.LAYOUT_CURRICULA), default="where_is", help="as train_tiny.py --layout")
+    p.add_argument("--vocabs", default=None, help="as train_tiny.py --vocabs")
     p.add_argument("--bundle", action="store_true", help=f"copy out/model to {CHECKPOINT_DIR}/<model> when done")
     args = p.parse_args(argv)
     name = args.model
     out = Path("runs") / name if args.out is None else args.out
     summary = train(out, args.steps, args.seed, args.max_minutes, args.threads,
                     command="python -m experiments.train_tiny_hf " + " ".join(argv or sys.argv[1:]),
-                    stop_recall=args.stop_recall, name=name)
+                    stop_recall=args.stop_recall, name=name, tokenizer_dir=args.tokenizer, layout=args.layout,
+                    vocabs=None if args.vocabs is None else [v.strip() for v in args.vocabs.split(",")])
     o = summary["eval"]["overall"]
     print(f"{name}: clean recall {100 * o['accuracy']:.1f}% [{100 * o['ci_low']:.1f}, {100 * o['ci_high']:.1f}] "
           f"on {o['n_sources']} held-out sources after {summary['steps']} steps", flush=True)
-    if args.bundle:
+    if args.bundle and args.tokenizer is None:
         shutil.copytree(out / "model", CHECKPOINT_DIR / name, dirs_exist_ok=True)
     return 0
 

@@ -376,3 +376,44 @@ def check_config_fits_weights(directory: Path, raw: dict) -> None:
                               f"{need:,} embedding weights (at least {need / (1 << 30):,.1f} GiB to build), more than "
                               f"the {held:,} bytes all the weight files hold; vocab_size does not match these "
                               "weights: restore config.json from the original checkpoint")
+
+
+#: A checkpoint trained on a few thousand tokens of a large vocabulary may store only those tokens' rows of its
+#: token-indexed matrices (embedding, output head) plus one row shared by every other token; this file says which.
+VOCAB_ROWS_FILE = "vocab_rows.json"
+
+
+def expand_vocab_rows(directory: Path, state_dict: dict, vocab_size: int) -> dict:
+    """`state_dict` with every tensor that VOCAB_ROWS_FILE names expanded from its stored rows to `vocab_size` rows
+    (unchanged when the directory has no such file).
+
+    The file holds {"vocab_size": V, "token_ids": [t_0, ..., t_{R-1}], "tensors": [names]}: each named tensor is
+    stored with R + 1 rows, row i being token t_i's and row R every other token's. After expansion the model is an
+    ordinary V-row model in which the tokens outside token_ids share one embedding and one output row (so they share
+    one logit)."""
+    path = directory / VOCAB_ROWS_FILE
+    if not path.is_file():
+        return state_dict
+    raw = read_json(path, "stored vocabulary rows")
+    fix = f"restore {VOCAB_ROWS_FILE} from the original checkpoint"
+    ids, names = (raw.get("token_ids"), raw.get("tensors")) if isinstance(raw, dict) else (None, None)
+    if (not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+            or not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names)):
+        raise CheckpointError(f"{path} must hold a non-empty list of integer `token_ids` and a list of tensor names "
+                              f"`tensors`; {fix}")
+    if raw.get("vocab_size") != vocab_size:
+        raise CheckpointError(f"{path} is for a vocabulary of {raw.get('vocab_size')!r} tokens but config.json's "
+                              f"vocab_size is {vocab_size}; {fix}")
+    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= vocab_size:
+        raise CheckpointError(f"{path}: `token_ids` must be distinct ids in [0, {vocab_size - 1}]; {fix}")
+    table = torch.full((vocab_size,), len(ids), dtype=torch.long)
+    table[torch.tensor(ids, dtype=torch.long)] = torch.arange(len(ids))
+    out = dict(state_dict)
+    for name in names:
+        tensor = state_dict.get(name)
+        if tensor is None or tensor.dim() < 1 or tensor.shape[0] != len(ids) + 1:
+            got = "absent" if tensor is None else f"of shape {tuple(tensor.shape)}"
+            raise CheckpointError(f"{path} names the weight {name!r}, which must have {len(ids) + 1} rows (one per "
+                                  f"listed token and one shared) but is {got}; {fix}")
+        out[name] = tensor[table]
+    return out

@@ -15,7 +15,7 @@ import torch
 from recurscope.interp.checkpoint_files import (CheckpointError, check_cast_fits, check_config_fits_weights,
                                                 check_finite_weights, check_no_remote_code, check_shards,
                                                 check_tokenizer_files, check_tokenizer_fits, read_index, read_json,
-                                                mismatch_error, read_weight_file)
+                                                expand_vocab_rows, mismatch_error, read_weight_file)
 from recurscope.interp.models import ModelConfig, RecurrentLM
 from recurscope.interp.models.families import fla_to_ours, ours_to_fla  # noqa: F401  (public names)
 from recurscope.interp.models.protocol import RecurrentModel
@@ -192,7 +192,7 @@ def load_model(path_or_name: Union[str, os.PathLike], device: Union[str, torch.d
     expected = {weights.to_checkpoint(k): v.shape for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    raw = _read_state_dict(directory)
+    raw = expand_vocab_rows(directory, _read_state_dict(directory), cfg.vocab_size)
     missing = sorted(set(expected) - set(raw))
     unexpected = sorted(k for k in set(raw) - set(expected) if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
     wrong = sorted(f"{k}: checkpoint {tuple(raw[k].shape)} vs config {tuple(expected[k])}"

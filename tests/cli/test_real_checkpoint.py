@@ -115,8 +115,9 @@ def test_a_top_head_whose_interval_includes_zero_is_no_head():
 
 
 def test_the_layout_a_run_uses(tmp_path):
-    """--layout, else the checkpoint's pair_layout.json (every bundled checkpoint records `where_is`), else the
-    paper's; single options override one field each."""
+    """--layout, else the checkpoint's pair_layout.json (the word-vocabulary bundled checkpoints record `where_is`,
+    the real-vocabulary ones, trained on the paper's layout, `paper`), else the paper's; single options override one
+    field each."""
     import argparse
 
     from recurscope.interp.cli import pair_layout
@@ -129,10 +130,14 @@ def test_the_layout_a_run_uses(tmp_path):
     class Model:
         checkpoint_dir = tmp_path
 
+    from recurscope.interp.checkpoint_files import VOCAB_ROWS_FILE
+
     for name in bundled_names():
         Model.checkpoint_dir = CHECKPOINT_DIR / name
-        assert pair_layout(Model, args()).name == "where_is"
+        trained_on = "paper" if (Model.checkpoint_dir / VOCAB_ROWS_FILE).is_file() else "where_is"
+        assert pair_layout(Model, args()).name == trained_on
         assert pair_layout(Model, args(layout="paper")).template == "key_value"
+        assert pair_layout(Model, args(layout="where_is")).template == "is_in"
     Model.checkpoint_dir = tmp_path
     assert pair_layout(Model, args()).name == "paper"
     custom = pair_layout(Model, args(filler=64, gap=4))

@@ -10,9 +10,10 @@ import torch
 
 from recurscope.interp.bridge.families import bridge_family, supported_model_types
 from recurscope.interp.bridge.model import BridgedLM
-from recurscope.interp.checkpoint_files import (CheckpointError, check_cast_fits_files, check_config_fits_weights,
-                                                check_finite_weights, check_no_remote_code, check_shards,
-                                                check_tokenizer_fits, mismatch_error, read_json, read_weight_file)
+from recurscope.interp.checkpoint_files import (VOCAB_ROWS_FILE, CheckpointError, check_cast_fits_files,
+                                                check_config_fits_weights, check_finite_weights,
+                                                check_no_remote_code, check_shards, check_tokenizer_fits,
+                                                expand_vocab_rows, mismatch_error, read_json, read_weight_file)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -216,6 +217,16 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
     from transformers.utils import logging as hf_logging
 
     check_cast_fits_files(directory, dtype)   # transformers casts as it loads: a weight beyond float16 becomes inf
+    source = {"pretrained_model_name_or_path": str(directory)}
+    if (directory / VOCAB_ROWS_FILE).is_file():   # token rows stored once per distinct row: expanded here
+        if hasattr(model_cls, "_model_mapping"):     # an Auto class needs a path; the concrete class takes weights
+            model_cls = model_cls._model_mapping[type(config)]
+        weights = {}
+        for path in sorted(directory.glob("*.safetensors")):
+            weights.update(read_weight_file(path))
+        text = getattr(config, "text_config", None) or config
+        source = {"pretrained_model_name_or_path": None,
+                  "state_dict": expand_vocab_rows(directory, weights, int(text.vocab_size))}
     previous, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()   # its load report would repeat what the check below says in one line
     hf_logging.disable_progress_bar()  # a bar per load would interleave with tables such as `recurscope models`
@@ -223,7 +234,7 @@ def load_transformers(directory: Union[str, Path], raw_config: dict, device="cpu
         with warnings.catch_warnings():
             # fla, imported by transformers for some families, warns on every CPU-only import; not the user's concern
             warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
-            hf, info = model_cls.from_pretrained(str(directory), config=config, dtype=dtype or torch.float32,
+            hf, info = model_cls.from_pretrained(**source, config=config, dtype=dtype or torch.float32,
                                                  output_loading_info=True, ignore_mismatched_sizes=True,
                                                  trust_remote_code=False)
     finally:
