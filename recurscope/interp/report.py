@@ -221,11 +221,19 @@ def _by_construction(heads, layout: Optional[dict]) -> list[str]:
     return out
 
 
+def _fraction(value) -> Optional[float]:
+    """`value` as a float in [0, 1], else None (manifests are read, not trusted)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        return None
+    return float(value)
+
+
 def _filler_line(extra: dict) -> str:
     if "filler_source" not in extra:
         return "not recorded (a run from before recurscope recorded it)"
-    rate = extra.get("filler_unknown_rate", 0.0)
-    limit = extra.get("filler_unknown_limit")
+    rate, limit = _fraction(extra.get("filler_unknown_rate", 0.0)), _fraction(extra.get("filler_unknown_limit"))
+    if rate is None:       # not a number between 0 and 1: a manifest the run did not write
+        return f"{plain(extra['filler_source'])}; its unknown-token rate is not recorded as a number"
     over = limit is not None and rate > limit
     return (f"{plain(extra['filler_source'])}; {100 * rate:.1f}% of its {plain(extra.get('filler_tokens'))} "
             "tokens are the "

@@ -223,3 +223,13 @@ def test_moved_run_resumes_and_report_escapes_the_manifest(tmp_path, tiny_checkp
     assert not any("Injected" in h or "Owned" in h for h in headings), headings
     line = next(line for line in report.splitlines() if "command:" in line)
     assert "```" in line and "<script>" in line.split("```")[1]     # inside a code span (fence longer than ``)
+
+
+@pytest.mark.parametrize("rate", ["x", None, [1], True, -0.5, 7.0])
+def test_a_crafted_filler_rate_in_a_manifest_is_no_traceback(rate):
+    """report._filler_line reads the manifest's unknown-token rate; a value the run never writes gives a plain line."""
+    from recurscope.interp.report import _filler_line
+
+    line = _filler_line({"filler_source": "generated filler", "filler_unknown_rate": rate, "filler_tokens": 5,
+                         "filler_unknown_limit": 0.1})
+    assert line == "generated filler; its unknown-token rate is not recorded as a number"
