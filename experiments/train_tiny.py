@@ -746,6 +746,19 @@ class GatedCurriculum(RampCurriculum):
         self.level, self.since_level = state["level"], state["since_level"]
 
 
+def training_tokenizer(tokenizer_dir):
+    """(tokenizer, vocab_map): the project's word tokenizer with no map, or a real tokenizer directory's tokenizer with
+    the compact map of the task's and filler's token rows (experiments.compact_vocab)."""
+    if tokenizer_dir is None:
+        return build_word_tokenizer(), None
+    from transformers import AutoTokenizer
+
+    from experiments.compact_vocab import CompactVocabulary
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    return tokenizer, CompactVocabulary.for_tokenizer(tokenizer)
+
+
 def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[Path] = None, smoke: bool = False,
           threads: Optional[int] = None, progress: bool = True, command: Optional[str] = None,
           gated: bool = False, peak_lr: Optional[float] = None, recall_rows: Optional[int] = None,
@@ -801,16 +814,7 @@ def train(name: str, steps: Optional[int] = None, seed: int = 0, out: Optional[P
     torch.manual_seed(seed)
     data_rng = random.Random(f"train-tiny/{name}/{seed}")
 
-    vocab_map = None
-    if tokenizer_dir is None:
-        tokenizer = build_word_tokenizer()
-    else:
-        from transformers import AutoTokenizer
-
-        from experiments.compact_vocab import CompactVocabulary
-
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        vocab_map = CompactVocabulary.for_tokenizer(tokenizer)
+    tokenizer, vocab_map = training_tokenizer(tokenizer_dir)
     model = RecurrentLM(model_config(name, tokenizer, vocab_map))
     init_weights(model)
     if init_from is not None:

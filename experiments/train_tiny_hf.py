@@ -130,16 +130,7 @@ def train(out: Path, steps: int = 100_000, seed: int = 0, max_minutes: Optional[
     torch.set_num_threads(threads)
     use_torch_path()
     out.mkdir(parents=True, exist_ok=True)
-    vocab_map = None
-    if tokenizer_dir is None:
-        tokenizer = build_word_tokenizer()
-    else:
-        from transformers import AutoTokenizer
-
-        from experiments.compact_vocab import CompactVocabulary
-
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        vocab_map = CompactVocabulary.for_tokenizer(tokenizer)
+    tokenizer, vocab_map = tt.training_tokenizer(tokenizer_dir)
     torch.manual_seed(seed)
     hf = build_model(tokenizer, name, vocab_map)
     model = Logits(hf)
